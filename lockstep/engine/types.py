@@ -1,0 +1,130 @@
+"""Internal types exchanged between the scheduler and the engines.
+
+These are deliberately separate from the wire types (what the SDK sends, in `lockstep.wire`) and
+from the storage types (Redis records, in `lockstep.scheduler.store`): the scheduler decodes a wire
+request into these, an engine never sees protobuf or JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+LossConfig = dict[str, float | str]
+StopReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Shape of one tenant's adapter. `alpha` scales the update by alpha / rank."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the scheduler needs to know about the served base model."""
+
+    name: str  # served name, e.g. "Lockstep/tiny-qwen3"
+    directory: str  # local HF model directory (weights + tokenizer)
+    arch: str  # e.g. "qwen3"
+    vocab_size: int  # size of the embedding table: valid token ids are [0, vocab_size)
+    max_context_length: int
+    eos_token_id: int | None
+
+
+@dataclass
+class Datum:
+    """One training example. Position i of `tokens` predicts `loss_inputs["target_tokens"][i]`."""
+
+    tokens: np.ndarray  # int64 [T]
+    loss_inputs: dict[str, np.ndarray]  # float32/int64, each [T] or [T, K]
+
+
+@dataclass
+class PassRequest:
+    """One forward or forward_backward request of one model (one SDK chunk)."""
+
+    request_id: str
+    model_id: str
+    loss_fn: str
+    loss_config: LossConfig
+    forward_only: bool
+    data: list[Datum]
+
+
+@dataclass
+class PassResult:
+    request_id: str
+    outputs: list[dict[str, np.ndarray]]  # per datum: "logprobs" (shape of target_tokens), ...
+    metrics: dict[str, float]  # keys "name:reduction"; always "loss:sum"
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """torch.optim.AdamW semantics; grad_clip_norm <= 0 disables clipping."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class OptimRequest:
+    model_id: str
+    adam: AdamConfig
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    max_tokens: int = 16
+    seed: int | None = None
+    temperature: float = 1.0
+    top_k: int = -1  # -1: no limit
+    top_p: float = 1.0
+    stop_strings: tuple[str, ...] = ()
+    stop_tokens: tuple[int, ...] = ()
+    stop_at_eos: bool = True  # False when the SDK sent stop=[] (never stop early)
+
+
+@dataclass
+class SampleRequest:
+    request_id: str
+    adapter_id: str | None  # None: the base model
+    prompt: list[int]
+    num_samples: int
+    params: SampleParams
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    topk_ids: list[list[int]] | None = None  # [n, k] when topk_sample_logprobs > 0
+    topk_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class SampleResult:
+    request_id: str
+    sequences: list[SampledSequence]
+    # One entry per prompt token; NaN where not computed (always position 0).
+    prompt_logprobs: list[float] | None = None
+    # [prompt_len, k]; rows not computed are None.
+    topk_prompt: list[list[tuple[int, float]] | None] | None = None
+    error: str | None = field(default=None)  # a per-request user error (bad adapter, ...)

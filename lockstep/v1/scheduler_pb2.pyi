@@ -1,0 +1,602 @@
+from lockstep.wire.v1 import tinker_pb2 as _tinker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_KIND_UNSPECIFIED: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_TRAINING: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_SAMPLER: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_EXTERNAL: _ClassVar[CheckpointKind]
+CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
+CHECKPOINT_KIND_TRAINING: CheckpointKind
+CHECKPOINT_KIND_SAMPLER: CheckpointKind
+CHECKPOINT_KIND_EXTERNAL: CheckpointKind
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("owner", "tags", "user_metadata", "sdk_version", "project_id", "display_name")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    SDK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    user_metadata: _containers.ScalarMap[str, str]
+    sdk_version: str
+    project_id: str
+    display_name: str
+    def __init__(self, owner: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., sdk_version: _Optional[str] = ..., project_id: _Optional[str] = ..., display_name: _Optional[str] = ...) -> None: ...
+
+class CreateSessionReply(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("owner", "session_id")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    session_id: str
+    def __init__(self, owner: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("finished",)
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    finished: bool
+    def __init__(self, finished: bool = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("training_run_ids", "sampler_ids", "user_metadata", "display_name")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TRAINING_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_IDS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    training_run_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampler_ids: _containers.RepeatedScalarFieldContainer[str]
+    user_metadata: _containers.ScalarMap[str, str]
+    display_name: str
+    def __init__(self, training_run_ids: _Optional[_Iterable[str]] = ..., sampler_ids: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., display_name: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("owner", "limit", "offset")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    limit: int
+    offset: int
+    def __init__(self, owner: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class SessionList(_message.Message):
+    __slots__ = ("session_ids", "total_count")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    total_count: int
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., total_count: _Optional[int] = ...) -> None: ...
+
+class LoraConfig(_message.Message):
+    __slots__ = ("rank", "seed", "train_unembed", "train_mlp", "train_attn")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    seed: int
+    train_unembed: bool
+    train_mlp: bool
+    train_attn: bool
+    def __init__(self, rank: _Optional[int] = ..., seed: _Optional[int] = ..., train_unembed: bool = ..., train_mlp: bool = ..., train_attn: bool = ...) -> None: ...
+
+class CreateModel(_message.Message):
+    __slots__ = ("session_id", "model_seq_id", "base_model", "lora_config", "user_metadata", "optimizer_type")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_TYPE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: LoraConfig
+    user_metadata: _containers.ScalarMap[str, str]
+    optimizer_type: str
+    def __init__(self, session_id: _Optional[str] = ..., model_seq_id: _Optional[int] = ..., base_model: _Optional[str] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., optimizer_type: _Optional[str] = ...) -> None: ...
+
+class AdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class OptimStep(_message.Message):
+    __slots__ = ("model_id", "seq_id", "adam")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAM_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    adam: AdamParams
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
+
+class SaveWeights(_message.Message):
+    __slots__ = ("model_id", "seq_id", "kind", "name", "ttl_seconds", "overwrite", "user_metadata", "sampling_session_seq_id")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SESSION_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    kind: CheckpointKind
+    name: str
+    ttl_seconds: int
+    overwrite: bool
+    user_metadata: _containers.ScalarMap[str, str]
+    sampling_session_seq_id: int
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., overwrite: bool = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., sampling_session_seq_id: _Optional[int] = ...) -> None: ...
+
+class LoadWeights(_message.Message):
+    __slots__ = ("model_id", "seq_id", "session_id", "model_seq_id", "path", "optimizer", "user_metadata", "base_model")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    session_id: str
+    model_seq_id: int
+    path: str
+    optimizer: bool
+    user_metadata: _containers.ScalarMap[str, str]
+    base_model: str
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., session_id: _Optional[str] = ..., model_seq_id: _Optional[int] = ..., path: _Optional[str] = ..., optimizer: bool = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "seed", "temperature", "top_k", "top_p", "has_stop", "stop_strings", "stop_tokens")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    HAS_STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    seed: int
+    temperature: float
+    top_k: int
+    top_p: float
+    has_stop: bool
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    stop_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., has_stop: bool = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("sampling_session_id", "seq_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_logprobs_last_n")
+    SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    sampling_session_id: str
+    seq_id: int
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    topk_sample_logprobs: int
+    prompt_logprobs_last_n: int
+    def __init__(self, sampling_session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: bool = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("owner", "create_model", "forward_backward", "optim_step", "save_weights", "load_weights", "sample")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    create_model: CreateModel
+    forward_backward: _tinker_pb2.ForwardBackwardRequest
+    optim_step: OptimStep
+    save_weights: SaveWeights
+    load_weights: LoadWeights
+    sample: Sample
+    def __init__(self, owner: _Optional[str] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("request_id", "model_id", "sample_sequence_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    sample_sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., sample_sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RetrieveFutureRequest(_message.Message):
+    __slots__ = ("owner", "request_id", "timeout_seconds")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    request_id: str
+    timeout_seconds: float
+    def __init__(self, owner: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CreateModelResult(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class OptimStepResult(_message.Message):
+    __slots__ = ("metrics",)
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class SaveResult(_message.Message):
+    __slots__ = ("path", "sampling_session_id", "size_bytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    sampling_session_id: str
+    size_bytes: int
+    def __init__(self, path: _Optional[str] = ..., sampling_session_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadResult(_message.Message):
+    __slots__ = ("model_id", "path")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    path: str
+    def __init__(self, model_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class JobResult(_message.Message):
+    __slots__ = ("create_model", "forward_backward", "optim_step", "save", "load", "sample")
+    CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    create_model: CreateModelResult
+    forward_backward: _tinker_pb2.ForwardBackwardOutput
+    optim_step: OptimStepResult
+    save: SaveResult
+    load: LoadResult
+    sample: _tinker_pb2.SampleResponse
+    def __init__(self, create_model: _Optional[_Union[CreateModelResult, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., save: _Optional[_Union[SaveResult, _Mapping]] = ..., load: _Optional[_Union[LoadResult, _Mapping]] = ..., sample: _Optional[_Union[_tinker_pb2.SampleResponse, _Mapping]] = ...) -> None: ...
+
+class JobError(_message.Message):
+    __slots__ = ("message", "category")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    category: str
+    def __init__(self, message: _Optional[str] = ..., category: _Optional[str] = ...) -> None: ...
+
+class TryAgain(_message.Message):
+    __slots__ = ("queue_state",)
+    QUEUE_STATE_FIELD_NUMBER: _ClassVar[int]
+    queue_state: str
+    def __init__(self, queue_state: _Optional[str] = ...) -> None: ...
+
+class FutureReply(_message.Message):
+    __slots__ = ("try_again", "result", "error")
+    TRY_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    try_again: TryAgain
+    result: JobResult
+    error: JobError
+    def __init__(self, try_again: _Optional[_Union[TryAgain, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ...) -> None: ...
+
+class ModelRef(_message.Message):
+    __slots__ = ("owner", "model_id")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    model_id: str
+    def __init__(self, owner: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "base_model", "arch", "tokenizer_id", "lora_rank", "lora_config")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    base_model: str
+    arch: str
+    tokenizer_id: str
+    lora_rank: int
+    lora_config: LoraConfig
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., arch: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ...) -> None: ...
+
+class CreateSamplingSessionRequest(_message.Message):
+    __slots__ = ("owner", "session_id", "sampling_session_seq_id", "model_path", "base_model")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SESSION_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    session_id: str
+    sampling_session_seq_id: int
+    model_path: str
+    base_model: str
+    def __init__(self, owner: _Optional[str] = ..., session_id: _Optional[str] = ..., sampling_session_seq_id: _Optional[int] = ..., model_path: _Optional[str] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class SamplerRef(_message.Message):
+    __slots__ = ("owner", "sampler_id")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    sampler_id: str
+    def __init__(self, owner: _Optional[str] = ..., sampler_id: _Optional[str] = ...) -> None: ...
+
+class SamplerInfo(_message.Message):
+    __slots__ = ("sampler_id", "base_model", "model_path")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    base_model: str
+    model_path: str
+    def __init__(self, sampler_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class CapabilitiesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SupportedModel(_message.Message):
+    __slots__ = ("model_name", "max_context_length")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    max_context_length: int
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ...) -> None: ...
+
+class ServerCapabilities(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[SupportedModel]
+    def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ...) -> None: ...
+
+class RunRef(_message.Message):
+    __slots__ = ("owner", "run_id")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    run_id: str
+    def __init__(self, owner: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("checkpoint_id", "checkpoint_type", "time", "tinker_path", "size_bytes", "public", "expires_at", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    checkpoint_type: str
+    time: float
+    tinker_path: str
+    size_bytes: int
+    public: bool
+    expires_at: float
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, checkpoint_id: _Optional[str] = ..., checkpoint_type: _Optional[str] = ..., time: _Optional[float] = ..., tinker_path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., public: bool = ..., expires_at: _Optional[float] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TrainingRun(_message.Message):
+    __slots__ = ("training_run_id", "base_model", "model_owner", "is_lora", "last_request_time", "lora_rank", "last_checkpoint", "last_sampler_checkpoint", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_OWNER_FIELD_NUMBER: _ClassVar[int]
+    IS_LORA_FIELD_NUMBER: _ClassVar[int]
+    LAST_REQUEST_TIME_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SAMPLER_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    last_request_time: float
+    lora_rank: int
+    last_checkpoint: Checkpoint
+    last_sampler_checkpoint: Checkpoint
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_owner: _Optional[str] = ..., is_lora: bool = ..., last_request_time: _Optional[float] = ..., lora_rank: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., last_sampler_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TrainingRunList(_message.Message):
+    __slots__ = ("runs", "total_count")
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[TrainingRun]
+    total_count: int
+    def __init__(self, runs: _Optional[_Iterable[_Union[TrainingRun, _Mapping]]] = ..., total_count: _Optional[int] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("owner", "run_id", "limit", "offset")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    run_id: str
+    limit: int
+    offset: int
+    def __init__(self, owner: _Optional[str] = ..., run_id: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CheckpointList(_message.Message):
+    __slots__ = ("checkpoints", "total_count")
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[Checkpoint]
+    total_count: int
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[Checkpoint, _Mapping]]] = ..., total_count: _Optional[int] = ...) -> None: ...
+
+class CheckpointRef(_message.Message):
+    __slots__ = ("owner", "tinker_path")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    tinker_path: str
+    def __init__(self, owner: _Optional[str] = ..., tinker_path: _Optional[str] = ...) -> None: ...
+
+class SetCheckpointPublicRequest(_message.Message):
+    __slots__ = ("ref", "public")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    public: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., public: bool = ...) -> None: ...
+
+class SetCheckpointTtlRequest(_message.Message):
+    __slots__ = ("ref", "ttl_seconds")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    ttl_seconds: int
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class CheckpointFiles(_message.Message):
+    __slots__ = ("directory", "relative_paths", "expires")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    relative_paths: _containers.RepeatedScalarFieldContainer[str]
+    expires: float
+    def __init__(self, directory: _Optional[str] = ..., relative_paths: _Optional[_Iterable[str]] = ..., expires: _Optional[float] = ...) -> None: ...
+
+class WeightsInfo(_message.Message):
+    __slots__ = ("base_model", "is_lora", "lora_config")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    IS_LORA_FIELD_NUMBER: _ClassVar[int]
+    LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    is_lora: bool
+    lora_config: LoraConfig
+    def __init__(self, base_model: _Optional[str] = ..., is_lora: bool = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ...) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("ready", "parts")
+    class PartsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    parts: _containers.ScalarMap[str, str]
+    def __init__(self, ready: bool = ..., parts: _Optional[_Mapping[str, str]] = ...) -> None: ...
