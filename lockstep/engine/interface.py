@@ -33,6 +33,11 @@ class UserInputError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message
+
+    def __reduce__(self) -> tuple[type[UserInputError], tuple[str, str]]:
+        # Engines run in child processes: the error must survive the trip back.
+        return (UserInputError, (self.field, self.detail))
 
 
 class TrainingEngine(ABC):

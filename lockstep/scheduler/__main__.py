@@ -1,0 +1,3 @@
+from lockstep.scheduler.server import main
+
+main()

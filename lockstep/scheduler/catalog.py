@@ -1,0 +1,185 @@
+"""The catalog: sessions, training runs, samplers and checkpoints, scoped to their owner.
+
+Another owner's object answers NotFound (never "forbidden"), so ids leak nothing. Published
+checkpoints are readable by every owner.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from lockstep.engine.interface import UserInputError
+from lockstep.engine.types import ModelCard
+from lockstep.scheduler.paths import TinkerPath, checkpoint_dir
+from lockstep.scheduler.records import (
+    CheckpointRecord,
+    ModelRecord,
+    SamplerRecord,
+    SessionRecord,
+)
+from lockstep.scheduler.store import Store
+
+
+class NotFound(LookupError):
+    """Reported as 404."""
+
+
+class Catalog:
+    def __init__(
+        self, store: Store, card: ModelCard, served_names: list[str], data_dir: Path
+    ) -> None:
+        self.store = store
+        self.card = card
+        self.served_names = served_names
+        self.data_dir = data_dir
+
+    # ------------------------------------------------------------------ base models
+    def resolve_base_model(self, name: str) -> ModelCard:
+        if name in self.served_names or name.rstrip("/") == self.card.directory.rstrip("/"):
+            return self.card
+        raise UserInputError(
+            "base_model", f"{name!r} is not served here; served models: {self.served_names}")
+
+    # ------------------------------------------------------------------ sessions
+    async def create_session(
+        self, owner: str, tags: list[str], user_metadata: dict[str, str],
+        display_name: str | None, project_id: str | None,
+    ) -> SessionRecord:
+        now = time.time()
+        rec = SessionRecord(
+            session_id=f"sess-{uuid.uuid4().hex[:12]}", owner=owner, created=now,
+            last_heartbeat=now, user_metadata=user_metadata, tags=tags,
+            display_name=display_name, project_id=project_id,
+        )
+        await self.store.new_session(rec)
+        return rec
+
+    async def owned_session(self, owner: str, session_id: str) -> SessionRecord:
+        rec = await self.store.session(session_id)
+        if rec is None or rec.owner != owner:
+            raise NotFound(f"session {session_id} does not exist")
+        return rec
+
+    async def heartbeat(self, owner: str, session_id: str) -> bool:
+        rec = await self.owned_session(owner, session_id)
+        rec.last_heartbeat = time.time()
+        await self.store.put_session(rec)
+        return rec.finished
+
+    async def finish_session(self, owner: str, session_id: str) -> None:
+        rec = await self.owned_session(owner, session_id)
+        rec.finished = True
+        await self.store.put_session(rec)
+
+    # ------------------------------------------------------------------ models and samplers
+    async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
+        rec = await self.store.model(model_id)
+        if rec is None or rec.owner != owner:
+            raise NotFound(f"model {model_id} does not exist")
+        return rec
+
+    async def owned_sampler(self, owner: str, sampler_id: str) -> SamplerRecord:
+        rec = await self.store.sampler(sampler_id)
+        if rec is None or rec.owner != owner:
+            raise NotFound(f"sampler {sampler_id} does not exist")
+        return rec
+
+    async def create_sampler(
+        self, owner: str, session_id: str, seq: int, model_path: str | None,
+        base_model: str | None,
+    ) -> SamplerRecord:
+        session = await self.owned_session(owner, session_id)
+        sampler_id = f"{session.session_id}:sample:{seq}"
+        existing = await self.store.sampler(sampler_id)
+        if existing is not None:  # a retried create: same answer
+            return existing
+        if model_path:
+            path = TinkerPath.parse(model_path, "model_path")
+            ckpt = await self.readable_checkpoint(owner, path, field="model_path")
+            source = await self.store.model(path.model_id)
+            rec = SamplerRecord(
+                sampler_id=sampler_id, owner=owner, session_id=session.session_id,
+                base_model=source.base_model if source else self.card.name,
+                model_path=model_path, adapter_dir=ckpt.directory,
+                adapter_id=f"{model_path}@{ckpt.time}", created=time.time(),
+            )
+        elif base_model:
+            self.resolve_base_model(base_model)
+            rec = SamplerRecord(sampler_id=sampler_id, owner=owner,
+                                session_id=session.session_id, base_model=base_model,
+                                created=time.time())
+        else:
+            raise UserInputError("model_path", "give model_path or base_model")
+        await self.store.put_sampler(rec)
+        return rec
+
+    # ------------------------------------------------------------------ checkpoints
+    async def readable_checkpoint(
+        self, owner: str, path: TinkerPath, field: str = "path"
+    ) -> CheckpointRecord:
+        """A live checkpoint the owner may read (their own, or a published one)."""
+        rec = await self.store.checkpoint(path.model_id, path.checkpoint_id)
+        model = await self.store.model(path.model_id)
+        if rec is None or model is None or self._expired(rec):
+            raise NotFound(f"checkpoint {path} does not exist")
+        if model.owner != owner and not rec.public:
+            raise NotFound(f"checkpoint {path} does not exist")
+        return rec
+
+    async def owned_checkpoint(self, owner: str, tinker_path: str) -> CheckpointRecord:
+        path = TinkerPath.parse(tinker_path)
+        await self.owned_model(owner, path.model_id)
+        rec = await self.store.checkpoint(path.model_id, path.checkpoint_id)
+        if rec is None or self._expired(rec):
+            raise NotFound(f"checkpoint {tinker_path} does not exist")
+        return rec
+
+    @staticmethod
+    def _expired(rec: CheckpointRecord) -> bool:
+        return rec.expires_at is not None and rec.expires_at <= time.time()
+
+    async def list_checkpoints(self, owner: str, run_id: str | None) -> list[CheckpointRecord]:
+        run_ids = [run_id] if run_id else await self.store.all_owner_runs(owner)
+        out: list[CheckpointRecord] = []
+        for rid in run_ids:
+            await self.owned_model(owner, rid)
+            for rec in await self.store.checkpoints(rid):
+                if self._expired(rec):
+                    await self._remove(rid, rec)
+                else:
+                    out.append(rec)
+        return sorted(out, key=lambda r: r.time, reverse=True)
+
+    async def delete_checkpoint(self, owner: str, tinker_path: str) -> None:
+        rec = await self.owned_checkpoint(owner, tinker_path)
+        await self._remove(TinkerPath.parse(tinker_path).model_id, rec)
+
+    async def _remove(self, model_id: str, rec: CheckpointRecord) -> None:
+        await self.store.delete_checkpoint(model_id, rec.checkpoint_id)
+        directory = Path(rec.directory)
+        if directory.is_dir() and self.data_dir in directory.parents:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    async def set_public(self, owner: str, tinker_path: str, public: bool) -> None:
+        rec = await self.owned_checkpoint(owner, tinker_path)
+        rec.public = public
+        await self.store.put_checkpoint(TinkerPath.parse(tinker_path).model_id, rec)
+
+    async def set_ttl(self, owner: str, tinker_path: str, ttl_seconds: int | None) -> None:
+        rec = await self.owned_checkpoint(owner, tinker_path)
+        if ttl_seconds is not None and ttl_seconds <= 0:
+            raise UserInputError("ttl_seconds", "must be positive (or null to keep forever)")
+        rec.expires_at = None if ttl_seconds is None else time.time() + ttl_seconds
+        await self.store.put_checkpoint(TinkerPath.parse(tinker_path).model_id, rec)
+
+    async def checkpoint_files(self, owner: str, tinker_path: str) -> tuple[Path, list[str]]:
+        path = TinkerPath.parse(tinker_path)
+        rec = await self.readable_checkpoint(owner, path)
+        directory = Path(rec.directory)
+        if directory != checkpoint_dir(self.data_dir, path) or not directory.is_dir():
+            raise NotFound(f"checkpoint {tinker_path} has no files on this server")
+        files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+        return directory, files

@@ -1,0 +1,131 @@
+"""The clock: lock-step cycles over the training work of every tenant.
+
+    plan     -> which queued requests of which models run in this cycle (pure, `planner`)
+    dispatch -> one fused pass + one batched optimizer step on the engine (`dispatch`)
+    collect  -> write each request's result to Redis and wake its future
+    publish  -> hand new sampler weights to the sampling lane (off the critical path)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from lockstep.scheduler.dispatch import Dispatcher, Outcome
+from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.planner import CyclePlan, plan_cycle
+from lockstep.scheduler.sampling_lane import SamplingLane
+from lockstep.scheduler.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClockConfig:
+    """How cycles are started.
+
+    policy "triggered": a cycle starts `gather_s` after work arrives and runs everything ready.
+    policy "periodic":  a cycle starts every `period_s` whether or not there is work (the
+                        counter advances on idle cycles too, as hosted Tinker's does).
+    """
+
+    policy: Literal["triggered", "periodic"] = "triggered"
+    period_s: float = 1.0
+    gather_s: float = 0.02
+    token_budget: int = 65536
+
+
+class Clock:
+    def __init__(
+        self,
+        store: Store,
+        dispatcher: Dispatcher,
+        board: FutureBoard,
+        lane: SamplingLane,
+        config: ClockConfig,
+    ) -> None:
+        self.store = store
+        self.dispatcher = dispatcher
+        self.board = board
+        self.lane = lane
+        self.config = config
+        self.wake = asyncio.Event()
+        self.cycles_run = 0
+        self._stopping = False
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.wake.set()
+
+    async def run(self) -> None:
+        log.info("clock started (%s)", self.config)
+        while not self._stopping:
+            await self._tick()
+            if self._stopping:
+                break
+            try:
+                await self.cycle()
+            except Exception:  # a broken cycle must not stop the clock
+                log.exception("clock cycle failed")
+                await asyncio.sleep(0.5)
+        log.info("clock stopped after %d cycles", self.cycles_run)
+
+    async def cycle(self) -> CyclePlan:
+        plan = plan_cycle(*await self.store.queued_ops(), token_budget=self.config.token_budget)
+        if plan.empty and self.config.policy == "triggered":
+            return plan
+        cycle = await self.store.next_cycle()
+        outcomes = await self.dispatcher.run(plan, cycle)
+        await self.collect(plan, outcomes)
+        self.publish(outcomes)
+        self.cycles_run += 1
+        if not plan.empty:
+            self.wake.set()  # more may be ready now that this cycle advanced the queues
+            log.debug("cycle %d: %d models, %d passes, %d steps, %d tokens", cycle,
+                      len(plan.models), len(plan.passes), len(plan.optims), plan.tokens)
+        return plan
+
+    async def _tick(self) -> None:
+        if self.config.policy == "periodic":
+            now = time.monotonic()
+            await asyncio.sleep(self.config.period_s - now % self.config.period_s)
+            return
+        await self.wake.wait()
+        self.wake.clear()
+        await asyncio.sleep(self.config.gather_s)  # let requests sent together land together
+
+    async def collect(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
+        for work in plan.models:
+            for op in work.ops():
+                outcome = outcomes.get(op.request_id) or Outcome(
+                    error="internal error: the request produced no outcome", category="server")
+                if outcome.checkpoint is not None:
+                    await self.store.put_checkpoint(op.model_id, outcome.checkpoint)
+                    await self._note_checkpoint(op.model_id, outcome)
+                if outcome.sampler is not None:
+                    await self.store.put_sampler(outcome.sampler)
+                await self.store.finish_job(
+                    op,
+                    result=outcome.result.SerializeToString() if outcome.result else None,
+                    error=outcome.error,
+                    category=outcome.category,
+                )
+                self.board.notify(op.request_id)
+
+    async def _note_checkpoint(self, model_id: str, outcome: Outcome) -> None:
+        model = await self.store.model(model_id)
+        if model is None or outcome.checkpoint is None:
+            return
+        if outcome.checkpoint.checkpoint_type == "training":
+            model.last_checkpoint = outcome.checkpoint.checkpoint_id
+        elif outcome.checkpoint.checkpoint_type == "sampler":
+            model.last_sampler_checkpoint = outcome.checkpoint.checkpoint_id
+        await self.store.put_model(model)
+
+    def publish(self, outcomes: dict[str, Outcome]) -> None:
+        for outcome in outcomes.values():
+            if outcome.sampler is not None and outcome.adapter_dir is not None:
+                self.lane.prefetch(outcome.sampler.adapter_id or "", outcome.adapter_dir)

@@ -1,0 +1,192 @@
+"""Dispatch: execute one CyclePlan on the training engine.
+
+Order inside a cycle: PRE ops (creations, loads, early saves) -> ONE fused pass over every
+tenant's forward/forward_backward -> ONE batched optimizer step -> POST ops (saves). Each op
+yields an Outcome; nothing is written to Redis here (that is `collect`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lockstep.engine.interface import TrainingEngine, UserInputError
+from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest
+from lockstep.scheduler import translate
+from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, ephemeral_dir
+from lockstep.scheduler.planner import CyclePlan
+from lockstep.scheduler.records import CheckpointRecord, QueuedOp, SamplerRecord
+from lockstep.scheduler.store import Store
+from lockstep.v1 import scheduler_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    result: pb.JobResult | None = None
+    error: str | None = None
+    category: str = "user"
+    checkpoint: CheckpointRecord | None = None  # a named checkpoint to register
+    sampler: SamplerRecord | None = None  # an ephemeral sampler to register
+    adapter_dir: Path | None = None  # new sampler weights to publish
+
+
+@dataclass
+class DispatchResult:
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
+
+def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
+    return LoraSpec(
+        rank=cfg.rank, alpha=32.0, seed=cfg.seed if cfg.HasField("seed") else None,
+        train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
+    )
+
+
+def failure(exc: BaseException) -> Outcome:
+    if isinstance(exc, UserInputError):
+        return Outcome(error=str(exc), category="user")
+    return Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
+
+
+class Dispatcher:
+    def __init__(self, store: Store, engine: TrainingEngine, data_dir: Path) -> None:
+        self.store = store
+        self.engine = engine
+        self.data_dir = data_dir
+
+    async def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.to_thread(fn, *args)
+
+    async def run(self, plan: CyclePlan, cycle: int) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        for op in plan.pre:
+            outcomes[op.request_id] = await self._single(op)
+        outcomes.update(await self._passes(plan.passes, cycle))
+        outcomes.update(await self._optims(plan.optims))
+        for op in plan.post:
+            outcomes[op.request_id] = await self._single(op)
+        return outcomes
+
+    async def _request(self, op: QueuedOp) -> pb.SubmitRequest:
+        job = await self.store.job(op.request_id)
+        if job is None:
+            raise RuntimeError(f"job {op.request_id} vanished from the store")
+        return pb.SubmitRequest.FromString(job.payload)
+
+    async def _single(self, op: QueuedOp) -> Outcome:
+        try:
+            req = await self._request(op)
+            if op.kind == "create_model":
+                c = req.create_model
+                await self._call(self.engine.create_model, op.model_id, lora_spec(c.lora_config))
+                return Outcome(pb.JobResult(create_model=pb.CreateModelResult(
+                    model_id=op.model_id)))
+            if op.kind == "load":
+                return await self._load(op, req.load_weights)
+            if op.kind == "save":
+                return await self._save(op, req.owner, req.save_weights)
+            raise RuntimeError(f"unexpected op kind {op.kind}")
+        except Exception as exc:
+            log.warning("request %s (%s) failed: %s", op.request_id, op.kind, exc)
+            return failure(exc)
+
+    async def _load(self, op: QueuedOp, load: pb.LoadWeights) -> Outcome:
+        path = TinkerPath.parse(load.path)
+        directory = checkpoint_dir(self.data_dir, path)
+        if not directory.is_dir():
+            raise UserInputError("path", f"checkpoint {load.path} has no files on this server")
+        await self._call(self.engine.load_state, op.model_id, directory, load.optimizer)
+        return Outcome(pb.JobResult(load=pb.LoadResult(model_id=op.model_id, path=load.path)))
+
+    async def _save(self, op: QueuedOp, owner: str, save: pb.SaveWeights) -> Outcome:
+        model = await self.store.model(op.model_id)
+        if model is None:
+            raise RuntimeError(f"model {op.model_id} has no record")
+        now = time.time()
+        if not save.HasField("name"):  # ephemeral sampler weights -> a new sampling session
+            sampler_id = f"{model.session_id}:sample:{save.sampling_session_seq_id}"
+            directory = ephemeral_dir(self.data_dir, op.model_id, sampler_id)
+            size = await self._call(self.engine.export_adapter, op.model_id, directory)
+            sampler = SamplerRecord(sampler_id=sampler_id, owner=owner,
+                                    session_id=model.session_id, base_model=model.base_model,
+                                    adapter_dir=str(directory), adapter_id=sampler_id,
+                                    created=now)
+            result = pb.SaveResult(sampling_session_id=sampler_id, size_bytes=size)
+            return Outcome(pb.JobResult(save=result), sampler=sampler, adapter_dir=directory)
+        segment = {pb.CHECKPOINT_KIND_TRAINING: "weights",
+                   pb.CHECKPOINT_KIND_SAMPLER: "sampler_weights",
+                   pb.CHECKPOINT_KIND_EXTERNAL: "external_weights"}[save.kind]
+        path = TinkerPath(op.model_id, segment, save.name)
+        existing = await self.store.checkpoint(op.model_id, path.checkpoint_id)
+        if existing is not None and not save.overwrite:
+            raise UserInputError("path", f"checkpoint {path} already exists (pass overwrite)")
+        directory = checkpoint_dir(self.data_dir, path)
+        if save.kind == pb.CHECKPOINT_KIND_TRAINING:
+            size = await self._call(self.engine.save_state, op.model_id, directory, True)
+        else:
+            size = await self._call(self.engine.export_adapter, op.model_id, directory)
+        record = CheckpointRecord(
+            checkpoint_id=path.checkpoint_id, checkpoint_type=path.checkpoint_type,
+            tinker_path=str(path), directory=str(directory), time=now, size_bytes=size,
+            expires_at=now + save.ttl_seconds if save.HasField("ttl_seconds") else None,
+            user_metadata=dict(save.user_metadata),
+        )
+        result = pb.SaveResult(path=str(path), size_bytes=size)
+        publish = directory if save.kind == pb.CHECKPOINT_KIND_SAMPLER else None
+        return Outcome(pb.JobResult(save=result), checkpoint=record, adapter_dir=publish)
+
+    async def _passes(self, ops: list[QueuedOp], cycle: int) -> dict[str, Outcome]:
+        outcomes: dict[str, Outcome] = {}
+        requests: list[PassRequest] = []
+        for op in ops:
+            try:
+                req = await self._request(op)
+                requests.append(translate.pass_request(op.request_id, req.forward_backward))
+            except Exception as exc:
+                outcomes[op.request_id] = failure(exc)
+        if not requests:
+            return outcomes
+        try:
+            results = await self._call(self.engine.run_passes, requests)
+        except Exception as exc:
+            if len(requests) == 1:
+                outcomes[requests[0].request_id] = failure(exc)
+                return outcomes
+            # One bad request must not fail its neighbours: isolate it by running them alone.
+            log.warning("fused pass failed (%s); retrying requests one by one", exc)
+            results = []
+            for r in requests:
+                try:
+                    results.extend(await self._call(self.engine.run_passes, [r]))
+                except Exception as single:
+                    outcomes[r.request_id] = failure(single)
+        for res in results:
+            output = translate.pass_output(res, cycle)
+            outcomes[res.request_id] = Outcome(pb.JobResult(forward_backward=output))
+        return outcomes
+
+    async def _optims(self, ops: list[QueuedOp]) -> dict[str, Outcome]:
+        if not ops:
+            return {}
+        outcomes: dict[str, Outcome] = {}
+        requests: dict[str, OptimRequest] = {}
+        for op in ops:
+            try:
+                req = await self._request(op)
+                requests[op.request_id] = OptimRequest(
+                    op.model_id, translate.adam_config(req.optim_step.adam))
+            except Exception as exc:
+                outcomes[op.request_id] = failure(exc)
+        try:
+            metrics = await self._call(self.engine.optim_step, list(requests.values()))
+        except Exception as exc:
+            return outcomes | {rid: failure(exc) for rid in requests}
+        for rid, r in requests.items():
+            result = pb.OptimStepResult(metrics=metrics.get(r.model_id, {}))
+            outcomes[rid] = Outcome(pb.JobResult(optim_step=result))
+        return outcomes

@@ -1,0 +1,76 @@
+"""Every Redis key the scheduler uses, in one place (like arq's constants module).
+
+All keys share the `ls:` prefix so one Redis can be shared with other services and the whole
+Lockstep state can be listed with `SCAN MATCH ls:*`.
+"""
+
+PREFIX = "ls:"
+
+# Pool-wide clock counter: INCR once per cycle that ran work. Only ever increases.
+CLOCK = PREFIX + "clock"
+# Monotonic id source for request ids and sessions.
+COUNTER = PREFIX + "counter"
+# Models that have queued training work (the clock scans only these).
+ACTIVE_MODELS = PREFIX + "active_models"
+# Sample jobs waiting for the sampling lane (a list of request ids, FIFO).
+SAMPLE_QUEUE = PREFIX + "sample_queue"
+
+
+def job(request_id: str) -> str:
+    """Hash: kind, owner, model_id, seq_id, digest, payload, status, result, error, created."""
+    return f"{PREFIX}job:{request_id}"
+
+
+def seq_claim(model_id: str, seq_id: int) -> str:
+    """String: request id that owns (model, seq_id). Makes a retried request exactly-once."""
+    return f"{PREFIX}seq:{model_id}:{seq_id}"
+
+
+def sample_claim(sampling_session_id: str, seq_id: int) -> str:
+    """String: request id that owns (sampling session, seq_id)."""
+    return f"{PREFIX}sseq:{sampling_session_id}:{seq_id}"
+
+
+def pending(model_id: str) -> str:
+    """Sorted set: seq_id -> request id of the model's queued training requests."""
+    return f"{PREFIX}pending:{model_id}"
+
+
+def model(model_id: str) -> str:
+    """String (JSON ModelRecord)."""
+    return f"{PREFIX}model:{model_id}"
+
+
+def session(session_id: str) -> str:
+    """String (JSON SessionRecord)."""
+    return f"{PREFIX}session:{session_id}"
+
+
+def session_models(session_id: str) -> str:
+    """Set of model ids created in a session."""
+    return f"{PREFIX}session:{session_id}:models"
+
+
+def session_samplers(session_id: str) -> str:
+    """Set of sampling session ids created in a session."""
+    return f"{PREFIX}session:{session_id}:samplers"
+
+
+def sampler(sampler_id: str) -> str:
+    """String (JSON SamplerRecord)."""
+    return f"{PREFIX}sampler:{sampler_id}"
+
+
+def checkpoints(model_id: str) -> str:
+    """Hash: checkpoint_id ("weights/name") -> JSON CheckpointRecord."""
+    return f"{PREFIX}checkpoints:{model_id}"
+
+
+def owner_sessions(owner: str) -> str:
+    """Sorted set: session id scored by creation time."""
+    return f"{PREFIX}owner:{owner}:sessions"
+
+
+def owner_runs(owner: str) -> str:
+    """Sorted set: model (training run) id scored by creation time."""
+    return f"{PREFIX}owner:{owner}:runs"

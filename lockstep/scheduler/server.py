@@ -1,0 +1,135 @@
+"""The scheduler process: Redis state, the engines (child processes), the clock, the gRPC server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from lockstep.engine.interface import SamplingEngine, TrainingEngine
+from lockstep.scheduler.catalog import Catalog
+from lockstep.scheduler.clock import Clock, ClockConfig
+from lockstep.scheduler.dispatch import Dispatcher
+from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.sampling_lane import SamplingLane
+from lockstep.scheduler.service import SchedulerService
+from lockstep.scheduler.store import Store
+from lockstep.scheduler.submissions import Submissions
+from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = logging.getLogger("lockstep.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    listen: str  # gRPC address, e.g. "127.0.0.1:50051" or "unix:/path/sock"
+    redis_url: str
+    data_dir: Path
+    model_dir: Path
+    served_names: tuple[str, ...]
+    clock: ClockConfig = field(default_factory=ClockConfig)
+    max_sample_batch: int = 64
+
+
+def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]:
+    """The local engines, each in its own child process."""
+    from lockstep.rollout.local import LocalSamplingEngine
+    from lockstep.workers.local.engine import LocalTrainingEngine
+    from lockstep.workers.process import ProcessSamplingEngine, ProcessTrainingEngine
+
+    name = cfg.served_names[0]
+    trainer = ProcessTrainingEngine(
+        functools.partial(LocalTrainingEngine, cfg.model_dir, name), "trainer")
+    sampler = ProcessSamplingEngine(
+        functools.partial(LocalSamplingEngine, cfg.model_dir, name), "sampler")
+    return trainer, sampler
+
+
+async def serve(cfg: SchedulerConfig) -> None:
+    store = Store.from_url(cfg.redis_url)
+    await store.ping()
+    trainer, sampler = await asyncio.to_thread(start_engines, cfg)
+    card = trainer.card()
+    log.info("engines ready: %s (vocab %d, context %d) from %s", card.name, card.vocab_size,
+             card.max_context_length, card.directory)
+    board = FutureBoard(store)
+    lane = SamplingLane(store, sampler, board, cfg.max_sample_batch)
+    clock = Clock(store, Dispatcher(store, trainer, cfg.data_dir), board, lane, cfg.clock)
+    catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
+    submissions = Submissions(store, catalog, card, cfg.data_dir,
+                              on_training=clock.wake.set, on_sample=lane.wake.set)
+
+    async def health() -> dict[str, str]:
+        parts = {}
+        try:
+            parts["redis"] = "ready" if await store.ping() else "no answer"
+        except Exception as exc:
+            parts["redis"] = f"unreachable: {exc}"
+        for name, engine in (("trainer", trainer), ("sampler", sampler)):
+            alive = getattr(engine, "process", None)
+            parts[name] = "ready" if alive is None or alive.alive() else "process exited"
+        return parts
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
+                                      ("grpc.max_send_message_length", 512 << 20)])
+    pb_grpc.add_SchedulerServicer_to_server(
+        SchedulerService(store, catalog, submissions, board, health), server)
+    server.add_insecure_port(cfg.listen)
+    await server.start()
+    log.info("scheduler listening on %s (redis %s)", cfg.listen, cfg.redis_url)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(clock.run()), asyncio.create_task(lane.run())]
+    clock.wake.set()  # pick up work queued before a restart
+    await stop.wait()
+    log.info("scheduler draining")
+    clock.stop()
+    lane.stop()
+    await server.stop(grace=5)
+    for task in tasks:
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=30)
+    trainer.close()
+    sampler.close()
+    await store.close()
+    log.info("scheduler stopped")
+
+
+def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
+    p = argparse.ArgumentParser(prog="python -m lockstep.scheduler")
+    p.add_argument("--listen", required=True)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--data-dir", type=Path, required=True)
+    p.add_argument("--model-dir", type=Path, required=True)
+    p.add_argument("--served-name", action="append", required=True)
+    p.add_argument("--clock-policy", choices=["triggered", "periodic"], default="triggered")
+    p.add_argument("--clock-period", type=float, default=1.0)
+    p.add_argument("--clock-gather", type=float, default=0.02)
+    p.add_argument("--token-budget", type=int, default=65536)
+    a = p.parse_args(argv)
+    return SchedulerConfig(
+        listen=a.listen, redis_url=a.redis_url, data_dir=a.data_dir.resolve(),
+        model_dir=a.model_dir.resolve(), served_names=tuple(a.served_name),
+        clock=ClockConfig(policy=a.clock_policy, period_s=a.clock_period,
+                          gather_s=a.clock_gather, token_budget=a.token_budget),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

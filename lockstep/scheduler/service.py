@@ -1,0 +1,236 @@
+"""The scheduler's gRPC service: thin methods over Submissions, Catalog and the futures board."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from lockstep.engine.interface import UserInputError
+from lockstep.scheduler.catalog import Catalog, NotFound
+from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.paths import TinkerPath
+from lockstep.scheduler.records import CheckpointRecord, ModelRecord
+from lockstep.scheduler.store import Store
+from lockstep.scheduler.submissions import Submissions
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+# The gateway's long-poll must answer before the SDK's 45 s read timeout.
+MAX_POLL_SECONDS = 30.0
+
+
+def grpc_errors(fn: F) -> F:
+    """Map domain errors to gRPC status codes (the gateway maps those to HTTP)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except UserInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def checkpoint_pb(rec: CheckpointRecord) -> pb.Checkpoint:
+    msg = pb.Checkpoint(
+        checkpoint_id=rec.checkpoint_id, checkpoint_type=rec.checkpoint_type, time=rec.time,
+        tinker_path=rec.tinker_path, size_bytes=rec.size_bytes, public=rec.public,
+        user_metadata=rec.user_metadata,
+    )
+    if rec.expires_at is not None:
+        msg.expires_at = rec.expires_at
+    return msg
+
+
+def lora_pb(model: ModelRecord) -> pb.LoraConfig:
+    lc = pb.LoraConfig(rank=model.lora.rank, train_attn=model.lora.train_attn,
+                       train_mlp=model.lora.train_mlp, train_unembed=model.lora.train_unembed)
+    if model.lora.seed is not None:
+        lc.seed = model.lora.seed
+    return lc
+
+
+class SchedulerService(pb_grpc.SchedulerServicer):
+    def __init__(
+        self, store: Store, catalog: Catalog, submissions: Submissions, board: FutureBoard,
+        health: Callable[[], Awaitable[dict[str, str]]],
+    ) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.submissions = submissions
+        self.board = board
+        self.health = health
+
+    # ---------------------------------------------------------------- sessions
+    @grpc_errors
+    async def CreateSession(self, request, context):  # type: ignore[no-untyped-def]
+        rec = await self.catalog.create_session(
+            request.owner, list(request.tags), dict(request.user_metadata),
+            request.display_name if request.HasField("display_name") else None,
+            request.project_id if request.HasField("project_id") else None,
+        )
+        log.info("session %s created", rec.session_id)
+        return pb.CreateSessionReply(session_id=rec.session_id)
+
+    @grpc_errors
+    async def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.HeartbeatReply(
+            finished=await self.catalog.heartbeat(request.owner, request.session_id))
+
+    @grpc_errors
+    async def FinishSession(self, request, context):  # type: ignore[no-untyped-def]
+        await self.catalog.finish_session(request.owner, request.session_id)
+        return pb.Empty()
+
+    @grpc_errors
+    async def GetSession(self, request, context):  # type: ignore[no-untyped-def]
+        rec = await self.catalog.owned_session(request.owner, request.session_id)
+        models, samplers = await self.store.session_members(rec.session_id)
+        info = pb.SessionInfo(training_run_ids=models, sampler_ids=samplers,
+                              user_metadata=rec.user_metadata)
+        if rec.display_name is not None:
+            info.display_name = rec.display_name
+        return info
+
+    @grpc_errors
+    async def ListSessions(self, request, context):  # type: ignore[no-untyped-def]
+        ids, total = await self.store.owner_sessions(request.owner, request.offset,
+                                                     request.limit or 20)
+        return pb.SessionList(session_ids=ids, total_count=total)
+
+    # ---------------------------------------------------------------- futures
+    @grpc_errors
+    async def Submit(self, request, context):  # type: ignore[no-untyped-def]
+        return await self.submissions.submit(request)
+
+    @grpc_errors
+    async def RetrieveFuture(self, request, context):  # type: ignore[no-untyped-def]
+        timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
+        job = await self.board.wait(request.request_id, timeout)
+        if job is None or job.owner != request.owner:
+            raise NotFound(f"request {request.request_id} does not exist")
+        if job.status == "pending":
+            return pb.FutureReply(try_again=pb.TryAgain(queue_state="active"))
+        if job.status == "failed":
+            return pb.FutureReply(error=pb.JobError(message=job.error or "failed",
+                                                    category=job.category or "unknown"))
+        return pb.FutureReply(result=pb.JobResult.FromString(job.result or b""))
+
+    # ---------------------------------------------------------------- models and samplers
+    @grpc_errors
+    async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
+        model = await self.catalog.owned_model(request.owner, request.model_id)
+        card = self.catalog.card
+        return pb.ModelInfo(model_id=model.model_id, base_model=model.base_model,
+                            arch=card.arch, tokenizer_id=card.directory,
+                            lora_rank=model.lora.rank, lora_config=lora_pb(model))
+
+    @grpc_errors
+    async def CreateSamplingSession(self, request, context):  # type: ignore[no-untyped-def]
+        rec = await self.catalog.create_sampler(
+            request.owner, request.session_id, request.sampling_session_seq_id,
+            request.model_path if request.HasField("model_path") else None,
+            request.base_model if request.HasField("base_model") else None,
+        )
+        return self._sampler_info(rec)
+
+    @grpc_errors
+    async def GetSampler(self, request, context):  # type: ignore[no-untyped-def]
+        return self._sampler_info(
+            await self.catalog.owned_sampler(request.owner, request.sampler_id))
+
+    @staticmethod
+    def _sampler_info(rec: Any) -> pb.SamplerInfo:
+        info = pb.SamplerInfo(sampler_id=rec.sampler_id, base_model=rec.base_model)
+        if rec.model_path:
+            info.model_path = rec.model_path
+        return info
+
+    @grpc_errors
+    async def GetServerCapabilities(self, request, context):  # type: ignore[no-untyped-def]
+        ctx = self.catalog.card.max_context_length
+        return pb.ServerCapabilities(models=[
+            pb.SupportedModel(model_name=n, max_context_length=ctx)
+            for n in self.catalog.served_names])
+
+    # ---------------------------------------------------------------- runs and checkpoints
+    async def _run(self, model: ModelRecord) -> pb.TrainingRun:
+        run = pb.TrainingRun(
+            training_run_id=model.model_id, base_model=model.base_model,
+            model_owner=model.owner, is_lora=True, last_request_time=model.last_request_time,
+            lora_rank=model.lora.rank, user_metadata=model.user_metadata,
+        )
+        for cid, slot in ((model.last_checkpoint, run.last_checkpoint),
+                          (model.last_sampler_checkpoint, run.last_sampler_checkpoint)):
+            rec = await self.store.checkpoint(model.model_id, cid) if cid else None
+            if rec is not None:
+                slot.CopyFrom(checkpoint_pb(rec))
+        return run
+
+    @grpc_errors
+    async def ListTrainingRuns(self, request, context):  # type: ignore[no-untyped-def]
+        ids, total = await self.store.owner_runs(request.owner, request.offset,
+                                                 request.limit or 20)
+        runs = [await self._run(await self.catalog.owned_model(request.owner, i)) for i in ids]
+        return pb.TrainingRunList(runs=runs, total_count=total)
+
+    @grpc_errors
+    async def GetTrainingRun(self, request, context):  # type: ignore[no-untyped-def]
+        return await self._run(await self.catalog.owned_model(request.owner, request.run_id))
+
+    @grpc_errors
+    async def ListCheckpoints(self, request, context):  # type: ignore[no-untyped-def]
+        run_id = request.run_id if request.HasField("run_id") else None
+        recs = await self.catalog.list_checkpoints(request.owner, run_id)
+        limit = request.limit or len(recs)
+        page = recs[request.offset:request.offset + limit]
+        return pb.CheckpointList(checkpoints=[checkpoint_pb(r) for r in page],
+                                 total_count=len(recs))
+
+    @grpc_errors
+    async def DeleteCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
+        await self.catalog.delete_checkpoint(request.owner, request.tinker_path)
+        return pb.Empty()
+
+    @grpc_errors
+    async def SetCheckpointPublic(self, request, context):  # type: ignore[no-untyped-def]
+        await self.catalog.set_public(request.ref.owner, request.ref.tinker_path, request.public)
+        return pb.Empty()
+
+    @grpc_errors
+    async def SetCheckpointTtl(self, request, context):  # type: ignore[no-untyped-def]
+        ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
+        await self.catalog.set_ttl(request.ref.owner, request.ref.tinker_path, ttl)
+        return pb.Empty()
+
+    @grpc_errors
+    async def GetCheckpointFiles(self, request, context):  # type: ignore[no-untyped-def]
+        directory, files = await self.catalog.checkpoint_files(request.owner,
+                                                               request.tinker_path)
+        return pb.CheckpointFiles(directory=str(directory), relative_paths=files,
+                                  expires=time.time() + 3600)
+
+    @grpc_errors
+    async def GetWeightsInfo(self, request, context):  # type: ignore[no-untyped-def]
+        path = TinkerPath.parse(request.tinker_path, "tinker_path")
+        await self.catalog.readable_checkpoint(request.owner, path, field="tinker_path")
+        model = await self.store.model(path.model_id)
+        if model is None:
+            raise NotFound(f"training run {path.model_id} does not exist")
+        return pb.WeightsInfo(base_model=model.base_model, is_lora=True,
+                              lora_config=lora_pb(model))
+
+    async def Health(self, request, context):  # type: ignore[no-untyped-def]
+        parts = await self.health()
+        return pb.HealthReply(ready=all(v == "ready" for v in parts.values()), parts=parts)

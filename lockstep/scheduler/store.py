@@ -1,0 +1,332 @@
+"""Durable scheduler state in Redis: jobs, futures, sessions, models, samplers, checkpoints.
+
+Only the scheduler process writes here. Every key comes from `keys`; every record type from
+`records`. Submissions are exactly-once: a (model, seq_id) claim is taken under WATCH/MULTI, so a
+retried request finds the first request id instead of enqueueing twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from lockstep.scheduler import keys
+from lockstep.scheduler.records import (
+    CheckpointRecord,
+    ModelRecord,
+    QueuedOp,
+    SamplerRecord,
+    SessionRecord,
+    decode,
+    encoder,
+)
+
+R = TypeVar("R")
+
+# Completed futures stay retrievable this long (the SDK may re-poll after a transport error).
+RESULT_TTL_SECONDS = 7 * 24 * 3600
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+def digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+@dataclass
+class Job:
+    request_id: str
+    kind: str
+    owner: str
+    model_id: str
+    seq_id: int
+    digest: str
+    payload: bytes
+    status: str  # "pending" | "done" | "failed"
+    result: bytes | None
+    error: str | None
+    category: str | None
+    tokens: int
+
+
+class ClaimConflict(Exception):
+    """A different payload was submitted under an already used (model, seq_id)."""
+
+
+class Store:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+
+    @classmethod
+    def from_url(cls, url: str) -> Store:
+        return cls(aioredis.Redis.from_url(url, decode_responses=False))
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # ------------------------------------------------------------------ records
+    async def _get(self, key: str, kind: type[R]) -> R | None:
+        raw = await self.redis.get(key)
+        return None if raw is None else decode(raw, kind)
+
+    async def put_session(self, rec: SessionRecord) -> None:
+        await self.redis.set(keys.session(rec.session_id), encoder.encode(rec))
+
+    async def new_session(self, rec: SessionRecord) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.session(rec.session_id), encoder.encode(rec))
+            pipe.zadd(keys.owner_sessions(rec.owner), {rec.session_id: rec.created})
+            await pipe.execute()
+
+    async def session(self, session_id: str) -> SessionRecord | None:
+        return await self._get(keys.session(session_id), SessionRecord)
+
+    async def owner_sessions(self, owner: str, offset: int, limit: int) -> tuple[list[str], int]:
+        key = keys.owner_sessions(owner)
+        ids = await self.redis.zrevrange(key, offset, offset + max(limit, 1) - 1)
+        return [i.decode() for i in ids], int(await self.redis.zcard(key))
+
+    async def session_members(self, session_id: str) -> tuple[list[str], list[str]]:
+        models = await self.redis.smembers(keys.session_models(session_id))
+        samplers = await self.redis.smembers(keys.session_samplers(session_id))
+        return sorted(m.decode() for m in models), sorted(s.decode() for s in samplers)
+
+    async def put_model(self, rec: ModelRecord) -> None:
+        await self.redis.set(keys.model(rec.model_id), encoder.encode(rec))
+
+    async def model(self, model_id: str) -> ModelRecord | None:
+        return await self._get(keys.model(model_id), ModelRecord)
+
+    async def owner_runs(self, owner: str, offset: int, limit: int) -> tuple[list[str], int]:
+        key = keys.owner_runs(owner)
+        ids = await self.redis.zrevrange(key, offset, offset + max(limit, 1) - 1)
+        return [i.decode() for i in ids], int(await self.redis.zcard(key))
+
+    async def all_owner_runs(self, owner: str) -> list[str]:
+        return [i.decode() for i in await self.redis.zrevrange(keys.owner_runs(owner), 0, -1)]
+
+    async def put_sampler(self, rec: SamplerRecord) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.sampler(rec.sampler_id), encoder.encode(rec))
+            pipe.sadd(keys.session_samplers(rec.session_id), rec.sampler_id)
+            await pipe.execute()
+
+    async def sampler(self, sampler_id: str) -> SamplerRecord | None:
+        return await self._get(keys.sampler(sampler_id), SamplerRecord)
+
+    # ------------------------------------------------------------------ checkpoints
+    async def put_checkpoint(self, model_id: str, rec: CheckpointRecord) -> None:
+        await self.redis.hset(keys.checkpoints(model_id), rec.checkpoint_id, encoder.encode(rec))
+
+    async def checkpoint(self, model_id: str, checkpoint_id: str) -> CheckpointRecord | None:
+        raw = await self.redis.hget(keys.checkpoints(model_id), checkpoint_id)
+        return None if raw is None else decode(raw, CheckpointRecord)
+
+    async def checkpoints(self, model_id: str) -> list[CheckpointRecord]:
+        raw = await self.redis.hgetall(keys.checkpoints(model_id))
+        recs = [decode(v, CheckpointRecord) for v in raw.values()]
+        return sorted(recs, key=lambda r: r.time)
+
+    async def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> bool:
+        return bool(await self.redis.hdel(keys.checkpoints(model_id), checkpoint_id))
+
+    # ------------------------------------------------------------------ submissions
+    async def claim_training(
+        self,
+        *,
+        owner: str,
+        model_id: str,
+        seq_id: int,
+        kind: str,
+        payload: bytes,
+        tokens: int,
+        new_model: ModelRecord | None = None,
+    ) -> tuple[str, bool]:
+        """Enqueue a training request exactly once.
+
+        Returns (request_id, created). A retry with the same payload returns the first request id
+        with created=False; a different payload under the same key raises ClaimConflict.
+        `new_model` is written in the same transaction (create_model / create-via-load).
+        """
+        claim = keys.seq_claim(model_id, seq_id)
+        want = digest(payload)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(claim)
+                    existing = await pipe.get(claim)
+                    if existing is not None:
+                        rid = existing.decode()
+                        old = await self.redis.hget(keys.job(rid), "digest")
+                        if old is not None and old.decode() != want:
+                            raise ClaimConflict(rid)
+                        return rid, False
+                    rid = new_request_id()
+                    pipe.multi()
+                    pipe.set(claim, rid)
+                    pipe.hset(
+                        keys.job(rid),
+                        mapping=self._job_fields(rid, kind, owner, model_id, seq_id, want,
+                                                 payload, tokens),
+                    )
+                    pipe.zadd(keys.pending(model_id), {rid: seq_id})
+                    pipe.sadd(keys.ACTIVE_MODELS, model_id)
+                    if new_model is not None:
+                        pipe.set(keys.model(model_id), encoder.encode(new_model))
+                        pipe.sadd(keys.session_models(new_model.session_id), model_id)
+                        pipe.zadd(keys.owner_runs(owner), {model_id: new_model.created})
+                    await pipe.execute()
+                    return rid, True
+                except WatchError:
+                    continue
+
+    async def claim_sample(
+        self, *, owner: str, sampler_id: str, seq_id: int, payload: bytes
+    ) -> tuple[str, bool]:
+        claim = keys.sample_claim(sampler_id, seq_id)
+        want = digest(payload)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(claim)
+                    existing = await pipe.get(claim)
+                    if existing is not None:
+                        rid = existing.decode()
+                        old = await self.redis.hget(keys.job(rid), "digest")
+                        if old is not None and old.decode() != want:
+                            raise ClaimConflict(rid)
+                        return rid, False
+                    rid = new_request_id()
+                    pipe.multi()
+                    pipe.set(claim, rid, ex=RESULT_TTL_SECONDS)
+                    pipe.hset(
+                        keys.job(rid),
+                        mapping=self._job_fields(rid, "sample", owner, sampler_id, seq_id, want,
+                                                 payload, 0),
+                    )
+                    pipe.rpush(keys.SAMPLE_QUEUE, rid)
+                    await pipe.execute()
+                    return rid, True
+                except WatchError:
+                    continue
+
+    @staticmethod
+    def _job_fields(
+        rid: str, kind: str, owner: str, model_id: str, seq_id: int, want: str,
+        payload: bytes, tokens: int,
+    ) -> dict[str, bytes | str | int | float]:
+        return {
+            "request_id": rid, "kind": kind, "owner": owner, "model_id": model_id,
+            "seq_id": seq_id, "digest": want, "payload": payload, "status": "pending",
+            "tokens": tokens, "created": time.time(),
+        }
+
+    async def job(self, request_id: str) -> Job | None:
+        raw = await self.redis.hgetall(keys.job(request_id))
+        if not raw:
+            return None
+        f = {k.decode(): v for k, v in raw.items()}
+        text = lambda name: f[name].decode() if name in f else None  # noqa: E731
+        return Job(
+            request_id=request_id,
+            kind=text("kind") or "",
+            owner=text("owner") or "",
+            model_id=text("model_id") or "",
+            seq_id=int(f.get("seq_id", b"0")),
+            digest=text("digest") or "",
+            payload=f.get("payload", b""),
+            status=text("status") or "pending",
+            result=f.get("result"),
+            error=text("error"),
+            category=text("category"),
+            tokens=int(f.get("tokens", b"0")),
+        )
+
+    async def jobs(self, request_ids: list[str]) -> list[Job]:
+        out = []
+        for rid in request_ids:
+            job = await self.job(rid)
+            if job is not None:
+                out.append(job)
+        return out
+
+    # ------------------------------------------------------------------ the clock's view
+    async def queued_ops(self) -> tuple[dict[str, list[QueuedOp]], dict[str, int]]:
+        """Every active model's queued requests in seq order, and each model's next seq_id."""
+        model_ids = sorted(m.decode() for m in await self.redis.smembers(keys.ACTIVE_MODELS))
+        queues: dict[str, list[QueuedOp]] = {}
+        next_seq: dict[str, int] = {}
+        for model_id in model_ids:
+            entries = await self.redis.zrange(keys.pending(model_id), 0, -1, withscores=True)
+            rec = await self.model(model_id)
+            if rec is None or not entries:
+                await self.redis.srem(keys.ACTIVE_MODELS, model_id)
+                continue
+            ops = []
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid, _ in entries:
+                    pipe.hmget(keys.job(rid.decode()), ["kind", "tokens"])
+                fields = await pipe.execute()
+            for (rid, seq), (kind, tokens) in zip(entries, fields, strict=True):
+                ops.append(QueuedOp(rid.decode(), model_id, int(seq), (kind or b"").decode(),
+                                    int(tokens or 0)))
+            queues[model_id] = ops
+            next_seq[model_id] = rec.next_seq
+        return queues, next_seq
+
+    async def next_cycle(self) -> int:
+        return int(await self.redis.incr(keys.CLOCK))
+
+    async def finish_job(
+        self,
+        job: QueuedOp | Job,
+        *,
+        result: bytes | None = None,
+        error: str | None = None,
+        category: str = "user",
+        advance_model: bool = True,
+    ) -> None:
+        """Write a job's outcome, take it off its queue and (training) advance the model's seq."""
+        fields: dict[str, bytes | str] = {"status": "done" if error is None else "failed"}
+        if result is not None:
+            fields["result"] = result
+        if error is not None:
+            fields["error"] = error
+            fields["category"] = category
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.job(job.request_id), mapping=fields)
+            pipe.hdel(keys.job(job.request_id), "payload")
+            pipe.expire(keys.job(job.request_id), RESULT_TTL_SECONDS)
+            if job.kind == "sample":
+                pipe.lrem(keys.SAMPLE_QUEUE, 1, job.request_id)
+            else:
+                pipe.zrem(keys.pending(job.model_id), job.request_id)
+            await pipe.execute()
+        if advance_model and job.kind != "sample":
+            await self.advance_model(job.model_id, job.seq_id + 1)
+
+    async def advance_model(self, model_id: str, next_seq: int) -> None:
+        rec = await self.model(model_id)
+        if rec is not None and next_seq > rec.next_seq:
+            rec.next_seq = next_seq
+            rec.last_request_time = time.time()
+            await self.put_model(rec)
+
+    async def queued_samples(self, limit: int) -> list[str]:
+        return [r.decode() for r in await self.redis.lrange(keys.SAMPLE_QUEUE, 0, limit - 1)]
+
+
+def encode_record(rec: msgspec.Struct) -> bytes:
+    return encoder.encode(rec)

@@ -1,0 +1,200 @@
+"""Submit: validate a request against the scheduler's state and enqueue it exactly once.
+
+Everything that can be rejected is rejected here, before it is queued, so a bad request gets a
+400 naming its field and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lockstep.engine import losses
+from lockstep.engine.interface import UserInputError
+from lockstep.engine.types import ModelCard
+from lockstep.scheduler import translate
+from lockstep.scheduler.catalog import Catalog, NotFound
+from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, validate_name
+from lockstep.scheduler.records import LoraRecord, ModelRecord
+from lockstep.scheduler.store import ClaimConflict, Store
+from lockstep.v1 import scheduler_pb2 as pb
+
+MAX_LORA_RANK = 512
+MAX_SAMPLES_PER_REQUEST = 256
+
+
+def _finite(value: float, field: str, minimum: float | None = None) -> None:
+    if not math.isfinite(value):
+        raise UserInputError(field, f"must be a finite number, got {value}")
+    if minimum is not None and value < minimum:
+        raise UserInputError(field, f"must be >= {minimum}, got {value}")
+
+
+class Submissions:
+    def __init__(
+        self, store: Store, catalog: Catalog, card: ModelCard, data_dir: Path,
+        on_training: Callable[[], None], on_sample: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.card = card
+        self.data_dir = data_dir
+        self.on_training = on_training
+        self.on_sample = on_sample
+
+    async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
+        payload = req.SerializeToString(deterministic=True)
+        op = req.WhichOneof("op")
+        try:
+            if op == "sample":
+                return await self._sample(req, payload)
+            model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
+            rid, _ = await self.store.claim_training(
+                owner=req.owner, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
+                tokens=tokens, new_model=new_model,
+            )
+        except ClaimConflict as exc:
+            raise UserInputError(
+                "seq_id", f"this seq_id was already used by request {exc} with a different "
+                "payload; seq_ids must not be reused") from exc
+        self.on_training()
+        return pb.SubmitReply(request_id=rid, model_id=model_id)
+
+    async def _training(
+        self, req: pb.SubmitRequest, op: str | None
+    ) -> tuple[str, int, str, int, ModelRecord | None]:
+        owner = req.owner
+        if op == "create_model":
+            c = req.create_model
+            session = await self.catalog.owned_session(owner, c.session_id)
+            self.catalog.resolve_base_model(c.base_model)
+            rank = c.lora_config.rank
+            if not 1 <= rank <= MAX_LORA_RANK:
+                raise UserInputError("lora_config.rank", f"must be in [1, {MAX_LORA_RANK}]")
+            if not (c.lora_config.train_attn or c.lora_config.train_mlp
+                    or c.lora_config.train_unembed):
+                raise UserInputError("lora_config", "at least one of train_* must be true")
+            if c.optimizer_type not in ("", "adamw"):
+                raise UserInputError("optimizer_config.type",
+                                     f"{c.optimizer_type!r} is not supported; use adamw")
+            model_id = f"{session.session_id}:train:{c.model_seq_id}"
+            lc = c.lora_config
+            now = time.time()
+            record = ModelRecord(
+                model_id=model_id, owner=owner, session_id=session.session_id,
+                base_model=c.base_model,
+                lora=LoraRecord(rank=rank, seed=lc.seed if lc.HasField("seed") else None,
+                                train_attn=lc.train_attn, train_mlp=lc.train_mlp,
+                                train_unembed=lc.train_unembed),
+                created=now, last_request_time=now, user_metadata=dict(c.user_metadata),
+            )
+            return model_id, 0, "create_model", 0, record
+        if op == "forward_backward":
+            fb = req.forward_backward
+            await self._owned_model(owner, fb.model_id)
+            self._check_seq(fb.seq_id)
+            if not fb.data:
+                raise UserInputError("data", "no datums given")
+            pass_req = translate.pass_request("validation", fb)
+            losses.validate_pass_request(pass_req, self.card.vocab_size,
+                                         self.card.max_context_length)
+            kind = "forward" if fb.forward_only else "forward_backward"
+            return fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), None
+        if op == "optim_step":
+            o = req.optim_step
+            await self._owned_model(owner, o.model_id)
+            self._check_seq(o.seq_id)
+            a = o.adam
+            _finite(a.learning_rate, "adam_params.learning_rate", 0.0)
+            _finite(a.weight_decay, "adam_params.weight_decay", 0.0)
+            _finite(a.grad_clip_norm, "adam_params.grad_clip_norm")
+            _finite(a.eps, "adam_params.eps", 0.0)
+            for name, beta in (("beta1", a.beta1), ("beta2", a.beta2)):
+                _finite(beta, f"adam_params.{name}", 0.0)
+                if beta >= 1.0:
+                    raise UserInputError(f"adam_params.{name}", f"must be < 1, got {beta}")
+            return o.model_id, o.seq_id, "optim_step", 0, None
+        if op == "save_weights":
+            s = req.save_weights
+            await self._owned_model(owner, s.model_id)
+            self._check_seq(s.seq_id)
+            if s.HasField("name"):
+                validate_name(s.name)
+                if s.HasField("ttl_seconds") and s.ttl_seconds <= 0:
+                    raise UserInputError("ttl_seconds", "must be positive")
+            return s.model_id, s.seq_id, "save", 0, None
+        if op == "load_weights":
+            return await self._load(owner, req.load_weights)
+        raise UserInputError("type", f"unknown operation {op!r}")
+
+    async def _load(
+        self, owner: str, load: pb.LoadWeights
+    ) -> tuple[str, int, str, int, ModelRecord | None]:
+        path = TinkerPath.parse(load.path)
+        if path.segment != "weights":
+            raise UserInputError("path", "load_state needs a training checkpoint "
+                                 "(tinker://<run>/weights/<name>)")
+        await self.catalog.readable_checkpoint(owner, path)
+        if not checkpoint_dir(self.data_dir, path).is_dir():
+            raise NotFound(f"checkpoint {path} has no files on this server")
+        if load.HasField("model_id"):  # load_state on an existing model, in its seq order
+            await self._owned_model(owner, load.model_id)
+            self._check_seq(load.seq_id)
+            return load.model_id, load.seq_id, "load", 0, None
+        # create-via-load: a new model whose id the SDK computes itself
+        session = await self.catalog.owned_session(owner, load.session_id)
+        source = await self.store.model(path.model_id)
+        if source is None:
+            raise NotFound(f"training run {path.model_id} does not exist")
+        model_id = f"{session.session_id}:train:{load.model_seq_id}"
+        now = time.time()
+        record = ModelRecord(
+            model_id=model_id, owner=owner, session_id=session.session_id,
+            base_model=load.base_model if load.HasField("base_model") else source.base_model,
+            lora=source.lora, created=now, last_request_time=now,
+            user_metadata=dict(load.user_metadata),
+        )
+        return model_id, 0, "load", 0, record
+
+    async def _sample(self, req: pb.SubmitRequest, payload: bytes) -> pb.SubmitReply:
+        s = req.sample
+        await self.catalog.owned_sampler(req.owner, s.sampling_session_id)
+        if not s.prompt_tokens:
+            raise UserInputError("prompt", "is empty")
+        if not 1 <= s.num_samples <= MAX_SAMPLES_PER_REQUEST:
+            raise UserInputError("num_samples", f"must be in [1, {MAX_SAMPLES_PER_REQUEST}]")
+        vocab = self.card.vocab_size
+        for i, tok in enumerate(s.prompt_tokens):
+            if not 0 <= tok < vocab:
+                raise UserInputError(f"prompt.tokens[{i}]",
+                                     f"token id {tok} is outside [0, {vocab})")
+        max_tokens = s.params.max_tokens if s.params.HasField("max_tokens") else 16
+        if max_tokens < 1:
+            raise UserInputError("sampling_params.max_tokens", "must be >= 1")
+        if len(s.prompt_tokens) + max_tokens > self.card.max_context_length:
+            raise UserInputError(
+                "sampling_params.max_tokens",
+                f"prompt ({len(s.prompt_tokens)}) + max_tokens ({max_tokens}) exceeds the "
+                f"context length {self.card.max_context_length}")
+        for name, value in (("temperature", s.params.temperature), ("top_p", s.params.top_p)):
+            _finite(value, f"sampling_params.{name}", 0.0)
+        try:
+            rid, _ = await self.store.claim_sample(
+                owner=req.owner, sampler_id=s.sampling_session_id, seq_id=s.seq_id,
+                payload=payload)
+        except ClaimConflict as exc:
+            raise UserInputError("seq_id", f"already used by request {exc} with a different "
+                                 "payload") from exc
+        self.on_sample()
+        return pb.SubmitReply(
+            request_id=rid, sample_sequence_ids=[f"{rid}:seq:{i}" for i in range(s.num_samples)])
+
+    async def _owned_model(self, owner: str, model_id: str) -> ModelRecord:
+        return await self.catalog.owned_model(owner, model_id)
+
+    @staticmethod
+    def _check_seq(seq_id: int) -> None:
+        if seq_id < 1:
+            raise UserInputError("seq_id", f"must be >= 1, got {seq_id}")

@@ -1,0 +1,214 @@
+"""Translate between the gRPC/wire messages the scheduler stores and the engines' internal types."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lockstep.engine.interface import UserInputError
+from lockstep.engine.types import (
+    AdamConfig,
+    Datum,
+    PassRequest,
+    PassResult,
+    SampleParams,
+    SampleRequest,
+    SampleResult,
+)
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.wire.v1 import tinker_pb2 as wire
+
+_DTYPES = {
+    wire.DTYPE_FLOAT32: np.dtype("<f4"),
+    wire.DTYPE_INT64: np.dtype("<i8"),
+    wire.DTYPE_INT32: np.dtype("<i4"),
+}
+
+
+def decode_tensor(t: wire.Tensor, field: str) -> np.ndarray:
+    """A wire Tensor (dense or CSR) as a numpy array (int64 or float32)."""
+    if t.dtype == wire.DTYPE_BFLOAT16:
+        raise UserInputError(field, "bfloat16 tensors are not accepted; send float32")
+    dtype = _DTYPES.get(t.dtype)
+    if dtype is None:
+        raise UserInputError(field, f"unknown dtype {t.dtype}")
+    shape = [int(s) for s in t.shape]
+    if any(s < 0 for s in shape):
+        raise UserInputError(field, f"negative dimension in shape {shape}")
+    which = t.WhichOneof("encoding")
+    if which == "sparse_csr":
+        if len(shape) != 2:
+            raise UserInputError(field, "sparse tensors need a 2-D shape")
+        csr = t.sparse_csr
+        values = np.frombuffer(csr.values, dtype=dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype="<i8")
+        col = np.frombuffer(csr.col_indices, dtype="<i8")
+        rows, cols = shape
+        if len(crow) != rows + 1 or len(col) != len(values) or (
+            len(col) and (col.min() < 0 or col.max() >= cols)
+        ) or crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0):
+            raise UserInputError(field, "inconsistent sparse_csr indices")
+        dense = np.zeros((rows, cols), dtype=dtype)
+        row_of = np.repeat(np.arange(rows), np.diff(crow))
+        dense[row_of, col] = values
+        arr = dense
+    else:
+        raw = t.dense
+        if len(raw) % dtype.itemsize:
+            raise UserInputError(field, f"{len(raw)} bytes is not a whole number of {dtype}")
+        arr = np.frombuffer(raw, dtype=dtype)
+        if shape:
+            if math.prod(shape) != arr.size:
+                raise UserInputError(field, f"shape {shape} does not match {arr.size} elements")
+            arr = arr.reshape(shape)
+    if arr.dtype.kind == "f":
+        return arr.astype(np.float32)
+    return arr.astype(np.int64)
+
+
+def decode_tokens(datum: wire.Datum, index: int) -> np.ndarray:
+    parts = []
+    for j, chunk in enumerate(datum.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise UserInputError(
+                f"data[{index}].model_input.chunks[{j}]",
+                f"{kind} chunks are not supported: this server serves a text-only model",
+            )
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise UserInputError(f"data[{index}].model_input.chunks[{j}].tokens",
+                                 "not a whole number of int32 values")
+        parts.append(np.frombuffer(raw, dtype="<i4"))
+    if not parts:
+        raise UserInputError(f"data[{index}].model_input", "is empty")
+    return np.concatenate(parts).astype(np.int64)
+
+
+def loss_config(req: wire.ForwardBackwardRequest) -> dict[str, float | str]:
+    config: dict[str, float | str] = {k: float(v) for k, v in req.loss_fn_config.items()}
+    for key, value in req.loss_fn_config_v2.items():
+        which = value.WhichOneof("value")
+        if which == "number":
+            config[key] = float(value.number)
+        elif which == "text":
+            config[key] = value.text
+    return config
+
+
+def pass_request(request_id: str, req: wire.ForwardBackwardRequest) -> PassRequest:
+    data = []
+    for i, d in enumerate(req.data):
+        inputs = {k: decode_tensor(v, f"data[{i}].loss_fn_inputs.{k}")
+                  for k, v in d.loss_fn_inputs.items()}
+        data.append(Datum(tokens=decode_tokens(d, i), loss_inputs=inputs))
+    return PassRequest(
+        request_id=request_id,
+        model_id=req.model_id,
+        loss_fn=req.loss_fn,
+        loss_config=loss_config(req),
+        forward_only=req.forward_only,
+        data=data,
+    )
+
+
+def pass_tokens(req: wire.ForwardBackwardRequest) -> int:
+    return sum(len(c.encoded_text.tokens) // 4 for d in req.data for c in d.model_input)
+
+
+def _batched(arrays: list[np.ndarray]) -> wire.BatchedTensor:
+    first = arrays[0]
+    trailing = list(first.shape[1:])
+    offsets = [0]
+    chunks = []
+    for a in arrays:
+        b = np.ascontiguousarray(a, dtype="<f4").tobytes()
+        chunks.append(b)
+        offsets.append(offsets[-1] + len(b))
+    return wire.BatchedTensor(
+        data=b"".join(chunks),
+        offsets=np.asarray(offsets, dtype="<i8").tobytes(),
+        dtype=wire.DTYPE_FLOAT32,
+        trailing_shape=trailing,
+    )
+
+
+def pass_output(result: PassResult, cycle: int) -> wire.ForwardBackwardOutput:
+    """Per-datum outputs as one ArrayRecord; every result of a cycle carries its cycle number."""
+    record = wire.ArrayRecord(type_tag="ArrayRecord", num_datums=len(result.outputs))
+    names = sorted(result.outputs[0]) if result.outputs else []
+    for name in names:
+        record.fields[name].CopyFrom(_batched([o[name] for o in result.outputs]))
+    metrics = dict(result.metrics)
+    metrics["clock_cycle:unique"] = float(cycle)
+    return wire.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record], metrics=metrics
+    )
+
+
+def adam_config(p: pb.AdamParams) -> AdamConfig:
+    return AdamConfig(
+        learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+        weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm,
+    )
+
+
+def sample_request(request_id: str, s: pb.Sample, adapter_id: str | None) -> SampleRequest:
+    p = s.params
+    stop_at_eos = not p.has_stop
+    params = SampleParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        seed=p.seed if p.HasField("seed") else None,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        stop_strings=tuple(p.stop_strings),
+        stop_tokens=tuple(p.stop_tokens),
+        stop_at_eos=stop_at_eos,
+    )
+    return SampleRequest(
+        request_id=request_id,
+        adapter_id=adapter_id,
+        prompt=list(s.prompt_tokens),
+        num_samples=s.num_samples,
+        params=params,
+        prompt_logprobs=s.prompt_logprobs,
+        topk_prompt_logprobs=s.topk_prompt_logprobs,
+        topk_sample_logprobs=s.topk_sample_logprobs,
+        prompt_logprobs_last_n=(
+            s.prompt_logprobs_last_n if s.HasField("prompt_logprobs_last_n") else None
+        ),
+    )
+
+
+def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> wire.TopkLogprobs:
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), -99999.0, dtype="<f4")  # the SDK's "not computed" sentinel
+    for i, row in enumerate(rows):
+        for j, (tok, lp) in enumerate((row or [])[:k]):
+            ids[i, j] = tok
+            lps[i, j] = lp
+    return wire.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k,
+                             length=len(rows))
+
+
+def sample_response(result: SampleResult, topk_prompt: int) -> wire.SampleResponse:
+    out = wire.SampleResponse(prompt_cache_hit_tokens=0)
+    for seq in result.sequences:
+        s = out.sequences.add(
+            stop_reason=wire.STOP_REASON_STOP if seq.stop_reason == "stop"
+            else wire.STOP_REASON_LENGTH,
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
+        )
+        if seq.topk_ids is not None and seq.topk_logprobs is not None and seq.topk_ids:
+            k = len(seq.topk_ids[0])
+            rows = [list(zip(i, lp, strict=True))
+                    for i, lp in zip(seq.topk_ids, seq.topk_logprobs, strict=True)]
+            s.topk_sampled_logprobs.CopyFrom(_topk(list(rows), k))
+    if result.prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype="<f4").tobytes()
+    if result.topk_prompt is not None and topk_prompt > 0:
+        out.topk_prompt_logprobs.CopyFrom(_topk(result.topk_prompt, topk_prompt))
+    return out

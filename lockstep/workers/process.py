@@ -1,0 +1,170 @@
+"""Run an engine in its own child process, behind the same engine interface.
+
+The scheduler keeps its event loop free and a crashed engine does not take the scheduler down.
+Calls travel over a local `multiprocessing` pipe between two processes of the same deployment
+(the same trust domain, never a network socket), one call at a time, like Ray actor calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from lockstep.engine.interface import SamplingEngine, TrainingEngine
+from lockstep.engine.types import (
+    LoraSpec,
+    ModelCard,
+    OptimRequest,
+    PassRequest,
+    PassResult,
+    SampleRequest,
+    SampleResult,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineDied(RuntimeError):
+    """The engine's process exited; its in-memory state (adapters, optimizer) is gone."""
+
+
+def _serve(factory: Callable[[], Any], conn: Connection) -> None:
+    try:
+        engine = factory()
+    except BaseException as exc:  # report start-up failures instead of dying silently
+        conn.send((False, RuntimeError(f"engine failed to start: {exc!r}")))
+        return
+    conn.send((True, "ready"))
+    while True:
+        try:
+            verb, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        if verb == "__stop__":
+            getattr(engine, "close", lambda: None)()
+            conn.send((True, None))
+            return
+        try:
+            conn.send((True, getattr(engine, verb)(*args, **kwargs)))
+        except Exception as exc:  # sent back and re-raised in the caller
+            log.exception("engine call %s failed", verb)
+            conn.send((False, exc))
+
+
+class EngineProcess:
+    """A child process hosting one engine object built by `factory` (which must pickle)."""
+
+    def __init__(self, factory: Callable[[], Any], name: str, start_timeout: float = 600) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.name = name
+        self._proc = ctx.Process(target=_serve, args=(factory, child), name=name, daemon=True)
+        self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        if not self._conn.poll(start_timeout):
+            self.close()
+            raise EngineDied(f"{name} did not start within {start_timeout}s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise value
+        log.info("%s ready in process %s", name, self._proc.pid)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send((verb, args, kwargs))
+                ok, value = self._conn.recv()
+            except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+                raise EngineDied(f"{self.name} (pid {self.pid}) exited") from exc
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                with self._lock:
+                    self._conn.send(("__stop__", (), {}))
+                    if self._conn.poll(10):
+                        self._conn.recv()
+            except (OSError, EOFError):
+                pass
+            self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+class ProcessTrainingEngine(TrainingEngine):
+    """A TrainingEngine whose implementation lives in a child process."""
+
+    def __init__(self, factory: Callable[[], TrainingEngine], name: str = "trainer") -> None:
+        self.process = EngineProcess(factory, name)
+        self._card: ModelCard = self.process.call("card")
+
+    def card(self) -> ModelCard:
+        return self._card
+
+    def create_model(self, model_id: str, spec: LoraSpec) -> None:
+        self.process.call("create_model", model_id, spec)
+
+    def delete_model(self, model_id: str) -> None:
+        self.process.call("delete_model", model_id)
+
+    def has_model(self, model_id: str) -> bool:
+        return bool(self.process.call("has_model", model_id))
+
+    def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
+        return list(self.process.call("run_passes", requests))
+
+    def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
+        return dict(self.process.call("optim_step", requests))
+
+    def save_state(self, model_id: str, directory: Path, include_optimizer: bool) -> int:
+        return int(self.process.call("save_state", model_id, directory, include_optimizer))
+
+    def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
+        spec: LoraSpec = self.process.call("load_state", model_id, directory, include_optimizer)
+        return spec
+
+    def export_adapter(self, model_id: str, directory: Path) -> int:
+        return int(self.process.call("export_adapter", model_id, directory))
+
+    def close(self) -> None:
+        self.process.close()
+
+
+class ProcessSamplingEngine(SamplingEngine):
+    """A SamplingEngine whose implementation lives in a child process."""
+
+    def __init__(self, factory: Callable[[], SamplingEngine], name: str = "sampler") -> None:
+        self.process = EngineProcess(factory, name)
+        self._card: ModelCard = self.process.call("card")
+
+    def card(self) -> ModelCard:
+        return self._card
+
+    def load_adapter(self, adapter_id: str, directory: Path) -> None:
+        self.process.call("load_adapter", adapter_id, directory)
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        self.process.call("unload_adapter", adapter_id)
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        return list(self.process.call("sample", requests))
+
+    def close(self) -> None:
+        self.process.close()
