@@ -100,6 +100,9 @@ class Clock:
     async def collect(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
         for work in plan.models:
             for op in work.ops():
+                if op.kind == "rejected":  # its error was written at submission
+                    await self.store.finish_job(op, error=None, keep_status=True)
+                    continue
                 outcome = outcomes.get(op.request_id) or Outcome(
                     error="internal error: the request produced no outcome", category="server")
                 if outcome.checkpoint is not None:

@@ -10,7 +10,8 @@ phases, never backwards:
 
 So `optim_step` and `load_*` are barriers for their own model only (SkyRL calls these destructive
 barriers): a pass queued after a model's optim_step waits for the next cycle, because it must see
-the updated weights, while other tenants flow on. A gap in a model's seq_ids (a request not yet
+the updated weights, while other tenants flow on. A request refused at submission (bad input)
+still holds its seq_id, as "rejected", so the model's later requests are not stuck. A gap in a model's seq_ids (a request not yet
 arrived) stops that model until the missing request is submitted.
 """
 
@@ -41,10 +42,11 @@ class ModelWork:
     passes: list[QueuedOp] = field(default_factory=list)
     optim: QueuedOp | None = None
     post: list[QueuedOp] = field(default_factory=list)
+    rejected: list[QueuedOp] = field(default_factory=list)  # refused at submission: no effect
 
     def ops(self) -> list[QueuedOp]:
         tail = [self.optim] if self.optim is not None else []
-        return [*self.pre, *self.passes, *tail, *self.post]
+        return [*self.pre, *self.passes, *tail, *self.post, *self.rejected]
 
     @property
     def tokens(self) -> int:
@@ -117,6 +119,10 @@ def take_model_work(
             continue  # already executed (a stale queue entry)
         if op.seq_id != expected:
             break  # a gap: wait for the missing request
+        if op.kind == "rejected":  # holds its seq_id so the model's later requests can run
+            work.rejected.append(op)
+            expected += 1
+            continue
         target = _phase_for(op.kind, phase)
         if target is None:
             break

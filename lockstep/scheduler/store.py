@@ -153,8 +153,12 @@ class Store:
         payload: bytes,
         tokens: int,
         new_model: ModelRecord | None = None,
+        rejection: str | None = None,
     ) -> tuple[str, bool]:
         """Enqueue a training request exactly once.
+
+        With `rejection`, the request is recorded as failed (kind "rejected") but still takes its
+        place in the model's queue, so the seq_ids after it are not held back.
 
         Returns (request_id, created). A retry with the same payload returns the first request id
         with created=False; a different payload under the same key raises ClaimConflict.
@@ -176,11 +180,12 @@ class Store:
                     rid = new_request_id()
                     pipe.multi()
                     pipe.set(claim, rid)
-                    pipe.hset(
-                        keys.job(rid),
-                        mapping=self._job_fields(rid, kind, owner, model_id, seq_id, want,
-                                                 payload, tokens),
-                    )
+                    fields = self._job_fields(rid, kind, owner, model_id, seq_id, want,
+                                              payload, tokens)
+                    if rejection is not None:
+                        fields.update(kind="rejected", status="failed", error=rejection,
+                                      category="user", payload=b"")
+                    pipe.hset(keys.job(rid), mapping=fields)
                     pipe.zadd(keys.pending(model_id), {rid: seq_id})
                     pipe.sadd(keys.ACTIVE_MODELS, model_id)
                     if new_model is not None:
@@ -297,16 +302,20 @@ class Store:
         error: str | None = None,
         category: str = "user",
         advance_model: bool = True,
+        keep_status: bool = False,
     ) -> None:
         """Write a job's outcome, take it off its queue and (training) advance the model's seq."""
-        fields: dict[str, bytes | str] = {"status": "done" if error is None else "failed"}
+        fields: dict[str, bytes | str] = {}
+        if not keep_status:
+            fields["status"] = "done" if error is None else "failed"
         if result is not None:
             fields["result"] = result
         if error is not None:
             fields["error"] = error
             fields["category"] = category
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.job(job.request_id), mapping=fields)
+            if fields:
+                pipe.hset(keys.job(job.request_id), mapping=fields)
             pipe.hdel(keys.job(job.request_id), "payload")
             pipe.expire(keys.job(job.request_id), RESULT_TTL_SECONDS)
             if job.kind == "sample":

@@ -50,7 +50,11 @@ class Submissions:
         try:
             if op == "sample":
                 return await self._sample(req, payload)
-            model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
+            try:
+                model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
+            except UserInputError as exc:
+                await self._hold_seq(req, op, payload, exc)
+                raise
             rid, _ = await self.store.claim_training(
                 owner=req.owner, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
                 tokens=tokens, new_model=new_model,
@@ -61,6 +65,29 @@ class Submissions:
                 "payload; seq_ids must not be reused") from exc
         self.on_training()
         return pb.SubmitReply(request_id=rid, model_id=model_id)
+
+    async def _hold_seq(
+        self, req: pb.SubmitRequest, op: str | None, payload: bytes, exc: UserInputError
+    ) -> None:
+        """A refused request still uses its seq_id: the SDK has moved on to the next one."""
+        addressed = {
+            "forward_backward": (req.forward_backward.model_id, req.forward_backward.seq_id),
+            "optim_step": (req.optim_step.model_id, req.optim_step.seq_id),
+            "save_weights": (req.save_weights.model_id, req.save_weights.seq_id),
+            "load_weights": (req.load_weights.model_id, req.load_weights.seq_id),
+        }.get(op or "")
+        if addressed is None or not addressed[0] or addressed[1] < 1:
+            return
+        model = await self.store.model(addressed[0])
+        if model is None or model.owner != req.owner:
+            return
+        try:
+            await self.store.claim_training(
+                owner=req.owner, model_id=addressed[0], seq_id=addressed[1], kind="rejected",
+                payload=payload, tokens=0, rejection=str(exc))
+        except ClaimConflict:
+            return  # the seq_id already belongs to an accepted request
+        self.on_training()
 
     async def _training(
         self, req: pb.SubmitRequest, op: str | None

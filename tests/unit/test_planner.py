@@ -86,3 +86,12 @@ def test_plan_totals() -> None:
               "b": [op("b", 1, "forward", 5)]}
     plan = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
     assert plan.tokens == 12 and len(plan.models) == 2 and not plan.empty
+
+
+def test_a_rejected_request_holds_its_seq_without_changing_the_phase() -> None:
+    queues = {"m": [op("m", 1, "forward_backward", 3), op("m", 2, "rejected"),
+                    op("m", 3, "forward_backward", 3), op("m", 4, "optim_step")]}
+    plan = plan_cycle(queues, {"m": 1}, token_budget=100)
+    assert kinds(plan.passes) == [("m", 1), ("m", 3)]
+    assert kinds(plan.optims) == [("m", 4)]
+    assert kinds(plan.models[0].rejected) == [("m", 2)]
