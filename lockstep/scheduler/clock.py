@@ -54,6 +54,7 @@ class Clock:
         self.config = config
         self.wake = asyncio.Event()
         self.cycles_run = 0
+        self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
         self._stopping = False
 
     def stop(self) -> None:
@@ -74,7 +75,9 @@ class Clock:
         log.info("clock stopped after %d cycles", self.cycles_run)
 
     async def cycle(self) -> CyclePlan:
-        plan = plan_cycle(*await self.store.queued_ops(), token_budget=self.config.token_budget)
+        queues, next_seq = await self.store.queued_ops()
+        plan = plan_cycle(queues, next_seq, self.config.token_budget, self.deficits)
+        self.deficits = plan.deficits
         if plan.empty and self.config.policy == "triggered":
             return plan
         cycle = await self.store.next_cycle()

@@ -57,12 +57,14 @@ class ModelWork:
 class CyclePlan:
     """Everything one clock cycle does. Engines consume this; nothing else decides the order.
 
-    models:  each model's work, in the order the fairness rule admitted them.
-    budget:  the token budget the passes were packed under.
+    models:   each model's work, in the order the fairness rule admitted them.
+    budget:   the token budget the passes were packed under.
+    deficits: pass tokens each model that had to wait is owed in the next cycle.
     """
 
     models: tuple[ModelWork, ...]
     budget: int
+    deficits: dict[str, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -106,14 +108,11 @@ def _phase_for(kind: str, current: Phase) -> Phase | None:
     return None
 
 
-def take_model_work(
-    model_id: str, ops: list[QueuedOp], next_seq: int, token_room: int, cycle_has_passes: bool
-) -> ModelWork:
-    """Take the longest run of `model_id`'s ops, from `next_seq` on, that fits one cycle."""
+def take_model_work(model_id: str, ops: list[QueuedOp], next_seq: int) -> ModelWork:
+    """Take the longest run of `model_id`'s ops, from `next_seq` on, that fits one cycle's phases."""
     work = ModelWork(model_id)
     phase = Phase.PRE
     expected = next_seq
-    room = token_room
     for op in sorted(ops, key=lambda o: o.seq_id):
         if op.seq_id < expected:
             continue  # already executed (a stale queue entry)
@@ -127,10 +126,6 @@ def take_model_work(
         if target is None:
             break
         if target == Phase.PASS:
-            first_pass_of_cycle = not cycle_has_passes and not work.passes
-            if op.tokens > room and not first_pass_of_cycle:
-                break  # over budget: the rest waits (an oversized lone request still runs)
-            room -= op.tokens
             work.passes.append(op)
         elif target == Phase.OPTIM:
             work.optim = op
@@ -143,25 +138,96 @@ def take_model_work(
     return work
 
 
+def pass_units(passes: list[QueuedOp]) -> list[list[QueuedOp]]:
+    """Split a model's passes into units admitted whole: runs of one kind (forward or
+    forward_backward). The chunks of one SDK call are such a run, so they share a cycle."""
+    units: list[list[QueuedOp]] = []
+    for op in passes:
+        if units and units[-1][-1].kind == op.kind:
+            units[-1].append(op)
+        else:
+            units.append([op])
+    return units
+
+
+def _cut(work: ModelWork, before_seq: int) -> ModelWork:
+    """Keep only the ops before `before_seq`: the first pass that did not fit and all after it
+    wait for a later cycle (in seq order, so nothing after them may run either)."""
+    keep = lambda ops: [o for o in ops if o.seq_id < before_seq]  # noqa: E731
+    optim = work.optim if work.optim is not None and work.optim.seq_id < before_seq else None
+    return ModelWork(work.model_id, keep(work.pre), keep(work.passes), optim, keep(work.post),
+                     keep(work.rejected))
+
+
 def plan_cycle(
     queues: dict[str, list[QueuedOp]],
     next_seq: dict[str, int],
     token_budget: int,
-    order: list[str] | None = None,
+    deficits: dict[str, int] | None = None,
 ) -> CyclePlan:
     """Pack every model's ready work into one cycle under `token_budget` pass tokens.
 
-    `order` is the admission order of models (fairness is decided by the caller; default: by id).
+    Fairness is deficit round robin over pass tokens: each model with passes waiting earns
+    `budget / n` tokens per cycle on top of what it was owed (`deficits`) and is admitted whole
+    units while it can pay for them, most-owed first. Leftover room then goes to whoever still
+    has work (work-conserving). A unit bigger than the whole budget is split across cycles, and
+    if nothing at all fits, the most-owed model's next unit runs alone: a huge batch is delayed,
+    never starved, and cannot starve others.
+    The plan's `deficits` are what each model is owed next cycle.
     """
-    models: list[ModelWork] = []
+    owed = dict(deficits or {})
+    works = {m: take_model_work(m, ops, next_seq.get(m, 0)) for m, ops in queues.items() if ops}
+    works = {m: w for m, w in works.items() if w.ops()}
+    units = {m: pass_units(w.passes) for m, w in works.items()}
+    active = sorted((m for m in works if units[m]), key=lambda m: (-owed.get(m, 0), m))
+    quantum = token_budget // max(len(active), 1)
+    taken: dict[str, int] = {m: 0 for m in works}  # pass ops admitted per model
+    allowance = {m: owed.get(m, 0) + quantum for m in active}
     room = token_budget
-    for model_id in order if order is not None else sorted(queues):
-        ops = queues.get(model_id)
-        if not ops:
+
+    def admit(m: str, limit: int) -> int:
+        """Admit m's next units while they cost at most `limit`; returns tokens spent. A unit
+        larger than the whole budget can never fit, so it is admitted op by op instead."""
+        spent = 0
+        done = taken[m]
+        for unit in units[m]:
+            if done >= len(unit):
+                done -= len(unit)
+                continue
+            rest = unit[done:]
+            done = 0
+            size = sum(o.tokens for o in rest)
+            if sum(o.tokens for o in unit) <= token_budget:
+                if spent + size > limit:
+                    break
+                spent += size
+                taken[m] += len(rest)
+                continue
+            for o in rest:  # an oversized call: split it across cycles
+                if spent + o.tokens > limit:
+                    return spent
+                spent += o.tokens
+                taken[m] += 1
             continue
-        work = take_model_work(model_id, ops, next_seq.get(model_id, 0), max(room, 0),
-                               cycle_has_passes=any(w.passes for w in models))
+        return spent
+
+    for m in active:  # round one: each model spends what it is owed
+        used = admit(m, min(allowance[m], room))
+        allowance[m] -= used
+        room -= used
+    for m in active:  # round two: leftover room, same order
+        room -= admit(m, room)
+    if active and not any(taken[m] for m in active):
+        taken[active[0]] = len(units[active[0]][0])  # nothing fits: the most-owed runs alone
+        allowance[active[0]] = 0
+    plan: list[ModelWork] = []
+    new_owed: dict[str, int] = {}
+    for m in sorted(works, key=lambda m: (m not in active, active.index(m) if m in active
+                                          else 0, m)):
+        work = works[m]
+        if taken[m] < len(work.passes):
+            work = _cut(work, work.passes[taken[m]].seq_id)
+            new_owed[m] = max(allowance.get(m, 0), 0)  # still waiting: keep what it is owed
         if work.ops():
-            models.append(work)
-            room -= work.tokens
-    return CyclePlan(models=tuple(models), budget=token_budget)
+            plan.append(work)
+    return CyclePlan(models=tuple(plan), budget=token_budget, deficits=new_owed)

@@ -73,12 +73,56 @@ def test_pass_after_a_post_save_waits() -> None:
     assert kinds(plan.passes) == [("m", 1)] and kinds(plan.post) == [("m", 2)]
 
 
-def test_token_budget_defers_work_but_an_oversized_lone_request_still_runs() -> None:
+def test_token_budget_defers_work_and_the_deferred_model_is_owed_the_next_cycle() -> None:
     queues = {"a": [op("a", 1, "forward_backward", 80)], "b": [op("b", 1, "forward_backward", 30)]}
-    plan = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
-    assert kinds(plan.passes) == [("a", 1)]
+    first = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
+    assert kinds(first.passes) == [("b", 1)]  # a's 80 exceeds its fair share (50) this cycle
+    assert first.deficits == {"a": 50}
+    queues["b"] = [op("b", 2, "forward_backward", 30)]
+    second = plan_cycle(queues, {"a": 1, "b": 2}, token_budget=100, deficits=first.deficits)
+    assert kinds(second.passes) == [("a", 1)]  # a is owed the most, pays 80 of its 100
+    assert second.deficits == {"b": 50}
+
+
+def test_an_oversized_lone_request_still_runs() -> None:
     huge = {"a": [op("a", 1, "forward_backward", 500)]}
     assert kinds(plan_cycle(huge, {"a": 1}, token_budget=100).passes) == [("a", 1)]
+
+
+def test_a_huge_backlog_cannot_starve_a_small_tenant() -> None:
+    big = [op("big", s, "forward_backward", 60) for s in range(1, 41)]
+    owed: dict[str, int] = {}
+    next_seq = {"big": 1, "small": 1}
+    for cycle in range(10):
+        queues = {"big": big, "small": [op("small", cycle + 1, "forward_backward", 10)]}
+        plan = plan_cycle(queues, next_seq, token_budget=100, deficits=owed)
+        assert ("small", cycle + 1) in kinds(plan.passes)
+        assert plan.tokens <= 100
+        ran_big = [o for o in plan.passes if o.model_id == "big"]
+        assert ran_big, "the big tenant also progresses"
+        next_seq = {"big": ran_big[-1].seq_id + 1, "small": cycle + 2}
+        owed = plan.deficits
+
+
+def test_chunks_of_one_call_are_admitted_together() -> None:
+    queues = {"a": [op("a", s, "forward_backward", 30) for s in (1, 2, 3)],
+              "b": [op("b", 1, "forward_backward", 40)]}
+    first = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
+    # a's three chunks (90 tokens) form one unit: never split across cycles
+    assert [o.seq_id for o in first.passes if o.model_id == "a"] == []
+    queues["b"] = []
+    second = plan_cycle(queues, {"a": 1, "b": 2}, token_budget=100, deficits=first.deficits)
+    assert [o.seq_id for o in second.passes if o.model_id == "a"] == [1, 2, 3]
+
+
+def test_a_deferred_pass_holds_back_everything_after_it() -> None:
+    queues = {"a": [op("a", 1, "forward", 10), op("a", 2, "rejected"),
+                    op("a", 3, "forward_backward", 500), op("a", 4, "optim_step"),
+                    op("a", 5, "save")],
+              "b": [op("b", 1, "forward_backward", 10)]}
+    plan = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
+    work_a = next(w for w in plan.models if w.model_id == "a")
+    assert [o.seq_id for o in work_a.ops()] == [1, 2]  # 3 did not fit: 4 and 5 wait with it
 
 
 def test_plan_totals() -> None:
