@@ -1,0 +1,274 @@
+"""`LocalSamplingEngine`: the in-process torch sampler (base model + many LoRA adapters).
+
+Adapters come from PEFT directories written by the trainer. At most `max_adapters` are resident
+in the LoRA model (least recently used evicted first); an evicted adapter is reloaded from its
+directory, transparently, the next time a request uses it. A `sample` batch that needs more
+distinct adapters than fit is served in several consecutive sub-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from lockstep.engine.interface import SamplingEngine, UserInputError
+from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
+from lockstep.modeling.loader import load_base_model
+from lockstep.modeling.lora import LoraModel
+from lockstep.modeling.peft_io import load_peft_adapter
+from lockstep.rollout.local.generate import GenerateConfig, Generator
+from lockstep.rollout.local.kvcache import check_supported
+
+
+def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> frozenset[int]:
+    ids: set[int] = set()
+    if card.eos_token_id is not None:
+        ids.add(card.eos_token_id)
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos is not None:
+        ids.update(int(i) for i in generation_eos)
+    return frozenset(ids)
+
+
+class LocalSamplingEngine(SamplingEngine):
+    """Samples from the base model in `model_dir` with any loaded adapter, fp32, in-process."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        max_adapters: int = 64,
+        *,
+        device: torch.device | str | None = None,
+        max_batch_rows: int = 256,
+        prefill_token_budget: int = 8192,
+    ) -> None:
+        if max_adapters < 1:
+            raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
+        base, self._card = load_base_model(model_dir, served_name, device)
+        check_supported(base.config)
+        self._lora = LoraModel(base)
+        self._tokenizer = AutoTokenizer.from_pretrained(self._card.directory)
+        self._tokenizer_size = len(self._tokenizer)
+        generation = getattr(base, "generation_config", None)
+        eos_ids = _eos_ids(self._card, getattr(generation, "eos_token_id", None))
+        pad = getattr(base.config, "pad_token_id", None)
+        pad_id = pad if isinstance(pad, int) else (self._card.eos_token_id or 0)
+        self._generator = Generator(
+            self._lora,
+            GenerateConfig(
+                eos_ids=eos_ids,
+                pad_id=pad_id,
+                decode=self.decode,
+                prefill_token_budget=prefill_token_budget,
+            ),
+        )
+        self._max_adapters = max_adapters
+        self._max_batch_rows = max_batch_rows
+        self._directories: dict[str, Path] = {}  # every known adapter -> its PEFT directory
+        self._resident: OrderedDict[str, None] = OrderedDict()  # LRU order, oldest first
+        self._lock = threading.RLock()
+
+    # -- SamplingEngine -------------------------------------------------------------------
+
+    def card(self) -> ModelCard:
+        return self._card
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer of the model directory (used for stop strings)."""
+        return self._tokenizer
+
+    def load_adapter(self, adapter_id: str, directory: Path) -> None:
+        """Load (or replace) `adapter_id` from a PEFT directory; a no-op when already loaded
+        from the same directory.
+
+        Raises:
+            UserInputError: the directory is not a LoRA adapter of this base model.
+        """
+        directory = Path(directory)
+        with self._lock:
+            if self._directories.get(adapter_id) == directory and adapter_id in self._resident:
+                self._resident.move_to_end(adapter_id)
+                return
+            try:
+                self._install(adapter_id, directory, keep=())
+            except (OSError, ValueError) as exc:
+                message = f"cannot load adapter from {directory}: {exc}"
+                raise UserInputError("path", message) from exc
+            self._directories[adapter_id] = directory
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        with self._lock:
+            self._directories.pop(adapter_id, None)
+            self._evict(adapter_id)
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        with self._lock:
+            results: list[SampleResult | None] = [None] * len(requests)
+            valid: list[int] = []
+            for i, req in enumerate(requests):
+                try:
+                    self._validate(req)
+                    valid.append(i)
+                except UserInputError as exc:
+                    results[i] = SampleResult(req.request_id, [], error=str(exc))
+            for chunk in self._chunks(requests, valid):
+                failed = self._make_resident({requests[i].adapter_id for i in chunk} - {None})
+                runnable = []
+                for i in chunk:
+                    message = failed.get(requests[i].adapter_id)
+                    if message is None:
+                        runnable.append(i)
+                    else:
+                        results[i] = SampleResult(requests[i].request_id, [], error=message)
+                if not runnable:
+                    continue
+                with torch.inference_mode():
+                    outputs = self._generator.run([requests[i] for i in runnable])
+                for i, out in zip(runnable, outputs, strict=True):
+                    results[i] = out
+            assert all(r is not None for r in results)
+            return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        with self._lock:
+            for adapter_id in list(self._resident):
+                self._evict(adapter_id)
+            self._directories.clear()
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def resident_adapters(self) -> list[str]:
+        """Adapters currently in memory, least recently used first."""
+        with self._lock:
+            return list(self._resident)
+
+    def _evict(self, adapter_id: str) -> None:
+        self._resident.pop(adapter_id, None)
+        self._lora.remove_adapter(adapter_id)
+
+    def _install(self, adapter_id: str, directory: Path, keep: Iterable[str]) -> None:
+        """Read `directory` into the LoRA model, evicting LRU adapters (never those in `keep`)."""
+        state, spec = load_peft_adapter(directory)
+        protected = set(keep) | {adapter_id}
+        while adapter_id not in self._resident and len(self._resident) >= self._max_adapters:
+            victim = next((a for a in self._resident if a not in protected), None)
+            if victim is None:
+                break
+            self._evict(victim)
+        self._load_state(adapter_id, state, spec)
+        self._resident[adapter_id] = None
+        self._resident.move_to_end(adapter_id)
+
+    def _load_state(self, adapter_id: str, state: dict[str, torch.Tensor], spec: LoraSpec) -> None:
+        with torch.no_grad():
+            self._lora.load_adapter_state(adapter_id, state, spec)
+            for param in self._lora.adapter_parameters(adapter_id):
+                param.requires_grad_(False)
+
+    def _make_resident(self, adapter_ids: set[str | None]) -> dict[str | None, str]:
+        """Ensure every adapter of a chunk is in memory; returns adapter_id -> error message."""
+        failed: dict[str | None, str] = {}
+        wanted = {a for a in adapter_ids if a is not None}
+        for adapter_id in sorted(wanted):
+            if adapter_id in self._resident:
+                self._resident.move_to_end(adapter_id)
+                continue
+            directory = self._directories[adapter_id]
+            try:
+                self._install(adapter_id, directory, keep=wanted)
+            except (OSError, ValueError) as exc:
+                failed[adapter_id] = (
+                    f"adapter_id: cannot reload {adapter_id!r} from {directory}: {exc}"
+                )
+        return failed
+
+    # -- batching -------------------------------------------------------------------------
+
+    def _chunks(self, requests: Sequence[SampleRequest], indices: list[int]) -> list[list[int]]:
+        """Split into sub-batches with <= max_adapters distinct adapters and <= max_batch_rows
+        rows (a single oversized request still runs, alone)."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        adapters: set[str] = set()
+        rows = 0
+        for i in indices:
+            req = requests[i]
+            new_adapters = adapters | ({req.adapter_id} if req.adapter_id is not None else set())
+            if current and (
+                len(new_adapters) > self._max_adapters
+                or rows + req.num_samples > self._max_batch_rows
+            ):
+                chunks.append(current)
+                current, rows = [], 0
+                new_adapters = {req.adapter_id} if req.adapter_id is not None else set()
+            current.append(i)
+            adapters = new_adapters
+            rows += req.num_samples
+        if current:
+            chunks.append(current)
+        return chunks
+
+    # -- validation -----------------------------------------------------------------------
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Text of `tokens` as stop strings see it (special tokens kept; ids the tokenizer does
+        not know, possible when the embedding table is larger, are skipped)."""
+        known = [t for t in tokens if 0 <= t < self._tokenizer_size]
+        return str(
+            self._tokenizer.decode(
+                known, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        )
+
+    def _validate(self, req: SampleRequest) -> None:
+        """Raise UserInputError naming the first bad field of `req`."""
+        vocab, context = self._card.vocab_size, self._card.max_context_length
+        if not req.prompt:
+            raise UserInputError("prompt", "must contain at least one token")
+        for i, token in enumerate(req.prompt):
+            if token < 0:
+                raise UserInputError(f"prompt.tokens[{i}]", f"token id {token} is negative")
+            if token >= vocab:
+                raise UserInputError(
+                    f"prompt.tokens[{i}]", f"token id {token} >= vocab size {vocab}"
+                )
+        if req.num_samples < 1:
+            raise UserInputError("num_samples", f"must be >= 1, got {req.num_samples}")
+        p = req.params
+        if p.max_tokens < 0:
+            raise UserInputError("sampling_params.max_tokens", f"must be >= 0, got {p.max_tokens}")
+        if len(req.prompt) + p.max_tokens > context:
+            raise UserInputError(
+                "sampling_params.max_tokens",
+                f"prompt length {len(req.prompt)} + max_tokens {p.max_tokens} exceeds the "
+                f"model's context length {context}",
+            )
+        if not math.isfinite(p.temperature) or p.temperature < 0:
+            raise UserInputError(
+                "sampling_params.temperature", f"must be >= 0, got {p.temperature}"
+            )
+        if p.top_k < -1:
+            raise UserInputError("sampling_params.top_k", f"must be -1 or >= 0, got {p.top_k}")
+        if not math.isfinite(p.top_p) or not 0.0 < p.top_p <= 1.0:
+            raise UserInputError("sampling_params.top_p", f"must be in (0, 1], got {p.top_p}")
+        for name, k in (
+            ("topk_prompt_logprobs", req.topk_prompt_logprobs),
+            ("topk_sample_logprobs", req.topk_sample_logprobs),
+        ):
+            if not 0 <= k <= vocab:
+                raise UserInputError(name, f"must be in [0, {vocab}], got {k}")
+        if req.prompt_logprobs_last_n is not None and req.prompt_logprobs_last_n < 0:
+            raise UserInputError(
+                "prompt_logprobs_last_n", f"must be >= 0, got {req.prompt_logprobs_last_n}"
+            )
+        if req.adapter_id is not None and req.adapter_id not in self._directories:
+            raise UserInputError("adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)")
