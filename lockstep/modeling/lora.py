@@ -1,0 +1,312 @@
+"""Multi-tenant LoRA: many adapters live in one base model; each batch ROW picks its own adapter.
+
+`LoraModel` swaps every targeted `nn.Linear` of a HF model for a `MultiLoRALinear`, which computes
+`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row. Rows are grouped per
+adapter and each group is computed on its own, so a row's output (and each adapter's gradient) is
+the same whichever other rows or adapters share the batch.
+
+Adapter parameters are NOT registered as submodule parameters: the base model's `state_dict()`
+keeps its HF key names, and the engines reach adapters through `adapter_parameters(...)`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from lockstep.engine.types import LoraSpec
+
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_TARGETS = ("lm_head",)
+DEFAULT_TARGETS = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
+PEFT_PREFIX = "base_model.model."
+
+
+def spec_targets(spec: LoraSpec) -> tuple[str, ...]:
+    """Leaf module names an adapter with this spec trains."""
+    return (
+        (ATTN_TARGETS if spec.train_attn else ())
+        + (MLP_TARGETS if spec.train_mlp else ())
+        + (UNEMBED_TARGETS if spec.train_unembed else ())
+    )
+
+
+def validate_spec(spec: LoraSpec) -> None:
+    if spec.rank < 1:
+        raise ValueError(f"rank must be >= 1, got {spec.rank}")
+    if not spec_targets(spec):
+        raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
+
+
+class _Routing:
+    """Which adapter each batch row uses; token-index groups are cached per input shape."""
+
+    def __init__(self, adapter_ids: Sequence[str | None], valid: torch.Tensor | None) -> None:
+        self.adapter_ids = list(adapter_ids)
+        self.valid = None if valid is None else valid.detach().to("cpu", torch.bool)  # one sync
+        self._cache: dict[tuple[int, torch.device], list[tuple[str, torch.Tensor]]] = {}
+
+    def groups(self, x: torch.Tensor, in_features: int) -> list[tuple[str, torch.Tensor]]:
+        """(adapter_id, flat token indices in row order) for x viewed as [rows, n, in]."""
+        rows = len(self.adapter_ids)
+        if x.shape[0] != rows:
+            raise ValueError(f"batch has {x.shape[0]} rows but {rows} adapter ids were routed")
+        per_row = x.numel() // (rows * in_features) if rows else 0
+        key = (per_row, x.device)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        # Only real (non-padding) tokens when the mask matches: padding then never enters a
+        # group's matmul, so the group's inputs are identical alone or packed.
+        use_valid = self.valid is not None and self.valid.shape == (rows, per_row)
+        positions: dict[str, list[torch.Tensor]] = {}
+        for row, adapter_id in enumerate(self.adapter_ids):
+            if adapter_id is None:
+                continue
+            if use_valid:
+                assert self.valid is not None
+                offs = torch.nonzero(self.valid[row], as_tuple=True)[0]
+            else:
+                offs = torch.arange(per_row)
+            positions.setdefault(adapter_id, []).append(offs + row * per_row)
+        out = [
+            (aid, torch.cat(parts).to(device=x.device, dtype=torch.long))
+            for aid, parts in positions.items()
+        ]
+        out = [(aid, idx) for aid, idx in out if idx.numel() > 0]
+        self._cache[key] = out
+        return out
+
+
+class _RoutingSlot:
+    """Shared by every MultiLoRALinear of a LoraModel: the routing of the current forward."""
+
+    def __init__(self) -> None:
+        self.current: _Routing | None = None
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen linear layer plus any number of LoRA adapters, applied per batch row.
+
+    Keeps the wrapped layer's `weight` / `bias` as its own parameters so base state-dict keys do
+    not change. Different adapters may have different ranks; an adapter may skip this layer.
+    """
+
+    def __init__(self, base: nn.Linear, slot: _RoutingSlot) -> None:
+        super().__init__()
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self._slot = slot
+        self.lora_A: dict[str, nn.Parameter] = {}
+        self.lora_B: dict[str, nn.Parameter] = {}
+        self.scale: dict[str, float] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        routing = self._slot.current
+        if routing is None or not self.lora_A:
+            return y
+        active = [(a, idx) for a, idx in routing.groups(x, self.in_features) if a in self.lora_A]
+        if not active:
+            return y
+        flat_x = x.reshape(-1, self.in_features)
+        deltas, indices = [], []
+        for adapter_id, idx in active:
+            # Per-group matmuls: a group's result depends only on its own rows (batch invariance).
+            h = F.linear(flat_x.index_select(0, idx), self.lora_A[adapter_id])
+            deltas.append(F.linear(h, self.lora_B[adapter_id]) * self.scale[adapter_id])
+            indices.append(idx)
+        # Groups are disjoint, so one index_add adds exactly one delta to each routed token.
+        flat_y = y.reshape(-1, self.out_features).index_add(
+            0, torch.cat(indices), torch.cat(deltas).to(y.dtype)
+        )
+        return flat_y.reshape(y.shape)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
+
+
+class LoraModel:
+    """A HF causal LM whose targeted linear layers carry many tenants' LoRA adapters."""
+
+    def __init__(self, base: PreTrainedModel) -> None:
+        self.base = base
+        self._slot = _RoutingSlot()
+        self._layers: dict[str, MultiLoRALinear] = {}  # module path -> layer, model order
+        self._specs: dict[str, LoraSpec] = {}
+        for path, module in list(base.named_modules()):
+            leaf = path.rsplit(".", 1)[-1]
+            if leaf in DEFAULT_TARGETS and isinstance(module, nn.Linear):
+                parent = base.get_submodule(path.rsplit(".", 1)[0]) if "." in path else base
+                layer = MultiLoRALinear(module, self._slot)
+                setattr(parent, leaf, layer)
+                self._layers[path] = layer
+        if not self._layers:
+            raise ValueError(f"{type(base).__name__} has no LoRA-targetable linear layers")
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def adapter_ids(self) -> list[str]:
+        return list(self._specs)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self._specs
+
+    def spec(self, adapter_id: str) -> LoraSpec:
+        return self._specs[adapter_id]
+
+    def target_paths(self, spec: LoraSpec) -> list[str]:
+        targets = spec_targets(spec)
+        return [p for p in self._layers if p.rsplit(".", 1)[-1] in targets]
+
+    def add_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        """Create an adapter: A ~ kaiming-uniform (PEFT's init) seeded by spec.seed, B = 0.
+
+        Each layer draws A from its own generator seeded by (seed, layer path), so a layer's init
+        does not depend on which other layers the spec targets. `seed=None` means seed 0.
+        """
+        validate_spec(spec)
+        if adapter_id in self._specs:
+            raise ValueError(f"adapter {adapter_id!r} already exists")
+        seed = spec.seed if spec.seed is not None else 0
+        state: dict[str, torch.Tensor] = {}
+        for path in self.target_paths(spec):
+            layer = self._layers[path]
+            gen = torch.Generator().manual_seed(
+                (seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
+            )
+            bound = 1.0 / math.sqrt(layer.in_features)  # kaiming_uniform_(a=sqrt(5))
+            a = (torch.rand(spec.rank, layer.in_features, generator=gen) * 2 - 1) * bound
+            state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a
+            state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.zeros(layer.out_features, spec.rank)
+        self.load_adapter_state(adapter_id, state, spec)
+
+    def remove_adapter(self, adapter_id: str) -> None:
+        self._specs.pop(adapter_id, None)
+        for layer in self._layers.values():
+            layer.lora_A.pop(adapter_id, None)
+            layer.lora_B.pop(adapter_id, None)
+            layer.scale.pop(adapter_id, None)
+
+    def adapter_parameters(self, adapter_id: str) -> list[nn.Parameter]:
+        """[A, B] of every layer the adapter targets, in model order (stable across calls)."""
+        if adapter_id not in self._specs:
+            raise KeyError(adapter_id)
+        out: list[nn.Parameter] = []
+        for layer in self._layers.values():
+            if adapter_id in layer.lora_A:
+                out += [layer.lora_A[adapter_id], layer.lora_B[adapter_id]]
+        return out
+
+    def adapter_param_names(self, adapter_id: str) -> list[str]:
+        """PEFT key of each tensor of `adapter_parameters(adapter_id)`, in the same order."""
+        if adapter_id not in self._specs:
+            raise KeyError(adapter_id)
+        return [
+            f"{PEFT_PREFIX}{path}.lora_{ab}.weight"
+            for path, layer in self._layers.items()
+            if adapter_id in layer.lora_A
+            for ab in ("A", "B")
+        ]
+
+    def adapter_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        """Detached CPU copies under PEFT key names."""
+        if adapter_id not in self._specs:
+            raise KeyError(adapter_id)
+        state: dict[str, torch.Tensor] = {}
+        for path, layer in self._layers.items():
+            if adapter_id in layer.lora_A:
+                a, b = layer.lora_A[adapter_id], layer.lora_B[adapter_id]
+                state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a.detach().to("cpu", copy=True)
+                state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = b.detach().to("cpu", copy=True)
+        return state
+
+    def load_adapter_state(
+        self,
+        adapter_id: str,
+        state: dict[str, torch.Tensor],
+        spec: LoraSpec,
+        strict: bool = True,
+    ) -> None:
+        """Create or replace `adapter_id` from PEFT-named tensors.
+
+        strict: the keys must be exactly the layers `spec` targets (our own checkpoints). With
+        strict=False a subset is accepted (external PEFT adapters that skip some layers), but
+        every layer still needs both A and B.
+        Raises:
+            ValueError: a key is missing or unexpected, or a tensor has the wrong shape.
+        """
+        validate_spec(spec)
+        expected = {
+            f"{PEFT_PREFIX}{p}.lora_{ab}.weight": p
+            for p in self.target_paths(spec)
+            for ab in ("A", "B")
+        }
+        unexpected = sorted(set(state) - set(expected))
+        if not strict:
+            expected = {k: p for k, p in expected.items() if p in {expected.get(s) for s in state}}
+        missing = sorted(set(expected) - set(state))
+        paths = list(dict.fromkeys(expected.values()))
+        if missing or unexpected:
+            raise ValueError(
+                f"adapter keys do not match the spec: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}"
+            )
+        new: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
+        for path in paths:
+            layer = self._layers[path]
+            a = state[f"{PEFT_PREFIX}{path}.lora_A.weight"]
+            b = state[f"{PEFT_PREFIX}{path}.lora_B.weight"]
+            if tuple(a.shape) != (spec.rank, layer.in_features) or tuple(b.shape) != (
+                layer.out_features,
+                spec.rank,
+            ):
+                raise ValueError(
+                    f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank "
+                    f"{spec.rank} and layer {layer.in_features}->{layer.out_features}"
+                )
+            dev = layer.weight.device
+            new[path] = (
+                nn.Parameter(a.detach().to(dev, torch.float32, copy=True)),
+                nn.Parameter(b.detach().to(dev, torch.float32, copy=True)),
+            )
+        self.remove_adapter(adapter_id)  # replace: also clears layers the old spec targeted
+        for path, (a_param, b_param) in new.items():
+            layer = self._layers[path]
+            layer.lora_A[adapter_id] = a_param
+            layer.lora_B[adapter_id] = b_param
+            layer.scale[adapter_id] = spec.alpha / spec.rank
+        self._specs[adapter_id] = spec
+
+    # -- routing --------------------------------------------------------------------------
+
+    @contextmanager
+    def row_adapters(
+        self, adapter_ids: Sequence[str | None], valid: torch.Tensor | None = None
+    ) -> Iterator[None]:
+        """Route batch row i through adapter `adapter_ids[i]` (None = base only) in every forward
+        (and its backward) run inside the context.
+
+        `valid` ([rows, seq] bool, optional): real tokens; padding is then skipped by the LoRA
+        path, which keeps each adapter's matmuls identical whatever the batch's padded length.
+        It applies only to forwards whose sequence length equals `valid.shape[1]`.
+        """
+        unknown = sorted({a for a in adapter_ids if a is not None and a not in self._specs})
+        if unknown:
+            raise KeyError(f"unknown adapter(s): {unknown}")
+        previous = self._slot.current
+        self._slot.current = _Routing(adapter_ids, valid)
+        try:
+            yield
+        finally:
+            self._slot.current = previous

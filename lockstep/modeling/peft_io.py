@@ -1,0 +1,101 @@
+"""Read and write adapters in the PEFT layout (what `peft.PeftModel.from_pretrained`, vLLM and
+SGLang load): `adapter_model.safetensors` with `base_model.model.<path>.lora_{A,B}.weight` keys
+plus `adapter_config.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lockstep.engine.types import LoraSpec
+from lockstep.modeling.lora import (
+    ATTN_TARGETS,
+    DEFAULT_TARGETS,
+    MLP_TARGETS,
+    PEFT_PREFIX,
+    UNEMBED_TARGETS,
+)
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _leaf_of(key: str) -> str:
+    # "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" -> "q_proj"
+    return key.rsplit(".", 3)[-3]
+
+
+def save_peft_adapter(
+    directory: Path, state: dict[str, torch.Tensor], spec: LoraSpec, base_model_name: str
+) -> int:
+    """Write the adapter; returns the bytes written (both files)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    present = {_leaf_of(k) for k in state}
+    target_modules = [t for t in DEFAULT_TARGETS if t in present]  # stable order
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": target_modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    weights_path = directory / ADAPTER_WEIGHTS
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
+    config_path = directory / ADAPTER_CONFIG
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return weights_path.stat().st_size + config_path.stat().st_size
+
+
+def load_peft_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], LoraSpec]:
+    """Read a PEFT LoRA directory; the spec's train_* flags come from `target_modules`.
+
+    Raises:
+        ValueError: not a LoRA adapter directory we can serve (missing files, other PEFT type,
+            per-module rank/alpha patterns, unsupported target modules).
+    """
+    directory = Path(directory)
+    config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise ValueError(f"{directory}: no {ADAPTER_CONFIG} / {ADAPTER_WEIGHTS}")
+    config = json.loads(config_path.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{directory}: peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_rslora"):
+        raise ValueError(f"{directory}: rank/alpha patterns and rsLoRA are not supported")
+    state = load_file(str(weights_path))
+    # PEFT may store keys with the adapter name ("lora_A.default.weight"); normalise.
+    state = {
+        k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+        for k, v in state.items()
+    }
+    bad = [k for k in state if not k.startswith(PEFT_PREFIX) or _leaf_of(k) not in DEFAULT_TARGETS]
+    if bad:
+        raise ValueError(f"{directory}: unsupported adapter tensors, e.g. {bad[0]!r}")
+    present = {_leaf_of(k) for k in state}
+    rank = int(config["r"])
+    spec = LoraSpec(
+        rank=rank,
+        alpha=float(config.get("lora_alpha", rank)),
+        seed=None,
+        train_attn=bool(present & set(ATTN_TARGETS)),
+        train_mlp=bool(present & set(MLP_TARGETS)),
+        train_unembed=bool(present & set(UNEMBED_TARGETS)),
+    )
+    return state, spec

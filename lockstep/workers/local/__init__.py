@@ -1,0 +1,1 @@
+"""The local training engine: one process, torch, CPU or one GPU."""
