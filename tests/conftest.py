@@ -1,4 +1,4 @@
-"""Shared fixtures: a real Redis-compatible server process (the valkey binary `lockstep serve` uses)."""
+"""Shared fixtures: a real Redis-compatible server process (the binary `lockstep serve` uses)."""
 
 from __future__ import annotations
 

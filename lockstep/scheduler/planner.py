@@ -11,8 +11,8 @@ phases, never backwards:
 So `optim_step` and `load_*` are barriers for their own model only (SkyRL calls these destructive
 barriers): a pass queued after a model's optim_step waits for the next cycle, because it must see
 the updated weights, while other tenants flow on. A request refused at submission (bad input)
-still holds its seq_id, as "rejected", so the model's later requests are not stuck. A gap in a model's seq_ids (a request not yet
-arrived) stops that model until the missing request is submitted.
+still holds its seq_id, as "rejected", so the model's later requests are not stuck. A gap in a
+model's seq_ids (a request not yet arrived) stops that model until the missing request comes.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _phase_for(kind: str, current: Phase) -> Phase | None:
 
 
 def take_model_work(model_id: str, ops: list[QueuedOp], next_seq: int) -> ModelWork:
-    """Take the longest run of `model_id`'s ops, from `next_seq` on, that fits one cycle's phases."""
+    """The longest run of `model_id`'s ops, from `next_seq` on, that fits one cycle's phases."""
     work = ModelWork(model_id)
     phase = Phase.PRE
     expected = next_seq

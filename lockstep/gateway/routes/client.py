@@ -1,0 +1,71 @@
+"""Client bootstrap (config, dynamic config, telemetry), health, and the API-key endpoint."""
+
+from __future__ import annotations
+
+import grpc
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from lockstep.gateway.deps import Owner, Scheduler
+from lockstep.gateway.errors import ApiError
+from lockstep.gateway.translate.futures import json_response
+from lockstep.gateway.wire import responses as rs
+from lockstep.v1 import scheduler_pb2 as pb
+
+HEALTH_TIMEOUT_S = 3.0
+
+router = APIRouter(prefix="/api/v1", tags=["client"])
+health_router = APIRouter(tags=["health"])
+
+
+@router.post("/client/config")
+async def client_config(owner: Owner) -> rs.ClientConfigResponse:
+    # Plain X-API-Key auth, plain httpx transport, uncompressed fwd/bwd bodies (zstd bodies
+    # are accepted anyway: see lockstep.gateway.body).
+    return rs.ClientConfigResponse()
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(owner: Owner) -> rs.ClientDynamicConfigResponse:
+    return rs.ClientDynamicConfigResponse()
+
+
+@router.post("/telemetry")
+async def telemetry(owner: Owner) -> rs.TelemetryResponse:
+    return rs.TelemetryResponse()
+
+
+@router.get("/auth/apikey/me")
+async def api_key_me(owner: Owner) -> rs.ApiKeyMeResponse:
+    """What `tinker auth login` checks a pasted key against."""
+    return rs.ApiKeyMeResponse(
+        key_id=0,
+        name=f"lockstep key {owner}",
+        note="API keys are configured by the operator of this Lockstep server",
+        details=rs.ApiKeyDetails(
+            org_details=rs.OrgDetails(name="lockstep"),
+            user_details=rs.UserDetails(email=""),
+        ),
+    )
+
+
+@router.delete("/auth/apikey/me")
+async def revoke_api_key(owner: Owner) -> None:
+    raise ApiError(
+        400, "API keys are configured by the operator of this server and cannot be revoked here"
+    )
+
+
+@health_router.get("/healthz")
+@health_router.get("/api/v1/healthz")
+async def healthz(stub: Scheduler) -> JSONResponse:
+    """200 {"status": "ok"} only when the scheduler says it (and what is behind it) is ready."""
+    try:
+        reply = await stub.Health(pb.Empty(), timeout=HEALTH_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        parts = {"scheduler": f"unreachable ({e.code().name}): {e.details()}"}
+        return json_response(rs.HealthResponse(status="unavailable", parts=parts), 503)
+    parts = dict(reply.parts)
+    if reply.ready:
+        return json_response(rs.HealthResponse(status="ok", parts=parts))
+    return json_response(rs.HealthResponse(status="unavailable", parts=parts), 503)

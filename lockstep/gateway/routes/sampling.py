@@ -1,0 +1,38 @@
+"""Sampling: create_sampling_session, GET samplers/{id}, asample."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
+from lockstep.gateway.translate import sampling as tr
+from lockstep.gateway.validate import check_id
+from lockstep.gateway.wire import requests as rq
+from lockstep.gateway.wire import responses as rs
+from lockstep.v1 import scheduler_pb2 as pb
+
+router = APIRouter(prefix="/api/v1", tags=["sampling"])
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(
+    body: rq.CreateSamplingSessionRequest, owner: Owner, stub: Scheduler
+) -> rs.CreateSamplingSessionResponse:
+    info = await stub.CreateSamplingSession(
+        tr.create_sampling_session(owner, body), timeout=CALL_TIMEOUT_S
+    )
+    return rs.CreateSamplingSessionResponse(sampling_session_id=info.sampler_id)
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, owner: Owner, stub: Scheduler) -> rs.GetSamplerResponse:
+    ref = pb.SamplerRef(owner=owner, sampler_id=check_id("sampler_id", sampler_id))
+    return tr.sampler_info(await stub.GetSampler(ref, timeout=CALL_TIMEOUT_S))
+
+
+@router.post("/asample")
+async def asample(body: rq.SampleRequest, owner: Owner, stub: Scheduler) -> rs.SampleFuture:
+    """RESOURCE_EXHAUSTED from the scheduler becomes 429, which the SDK treats as sampling
+    backpressure (back off, resubmit the same seq_id)."""
+    reply = await stub.Submit(tr.sample(owner, body), timeout=CALL_TIMEOUT_S)
+    return tr.sample_future(reply, body.num_samples)

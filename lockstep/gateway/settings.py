@@ -1,0 +1,61 @@
+"""Gateway settings: one frozen dataclass, filled by the CLI (`python -m lockstep.gateway`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# The SDK's retrieve_future client timeout is 45 s; a long-poll must answer well before it.
+MAX_LONG_POLL_SECONDS = 40.0
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """Everything the HTTP gateway needs to know; nothing is read from the environment.
+
+    Attributes:
+        scheduler_address: gRPC target of the scheduler, e.g. "127.0.0.1:50051".
+        api_keys: accepted `X-API-Key` values. Empty means "no fixed list" (see below).
+        allow_any_tml_key: with an empty `api_keys`, accept any key starting with "tml-"
+            (single-user / development deployments). Ignored when `api_keys` is non-empty.
+        long_poll_seconds: how long one `retrieve_future` call waits for a result before it
+            answers `try_again`. Must stay under the SDK's 45 s client timeout.
+        max_body_bytes: largest accepted request body, after decompression (413 above it).
+        file_url_secret: HMAC key that signs the checkpoint download URLs this gateway hands
+            out (`external_weights_urls`) and later serves (`/api/v1/checkpoint_files/...`).
+        public_base_url: base URL clients reach this gateway at (e.g. behind a proxy), used to
+            build download URLs. None: derived from each request's own URL.
+        file_url_ttl_seconds: lifetime of a signed download URL.
+        grpc_max_message_bytes: max gRPC message size in both directions (fwd/bwd requests
+            and their outputs can be far larger than gRPC's 4 MiB default).
+    """
+
+    scheduler_address: str
+    api_keys: frozenset[str] = frozenset()
+    allow_any_tml_key: bool = False
+    long_poll_seconds: float = 25.0
+    max_body_bytes: int = 256 * 1024 * 1024
+    file_url_secret: bytes = b""
+    public_base_url: str | None = None
+    file_url_ttl_seconds: int = 3600
+    grpc_max_message_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.scheduler_address:
+            raise ValueError("scheduler_address must not be empty")
+        if not (
+            math.isfinite(self.long_poll_seconds)
+            and 0 < self.long_poll_seconds <= MAX_LONG_POLL_SECONDS
+        ):
+            raise ValueError(
+                f"long_poll_seconds must be in (0, {MAX_LONG_POLL_SECONDS}], "
+                f"got {self.long_poll_seconds}"
+            )
+        if self.max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be > 0")
+        if self.file_url_ttl_seconds <= 0:
+            raise ValueError("file_url_ttl_seconds must be > 0")
+        if self.public_base_url is not None and not self.public_base_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError("public_base_url must start with http:// or https://")

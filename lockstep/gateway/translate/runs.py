@@ -1,0 +1,86 @@
+"""Training runs, checkpoints, weights info and server capabilities (REST side)."""
+
+from __future__ import annotations
+
+from typing import Literal, cast
+
+from lockstep.gateway.translate.common import utc
+from lockstep.gateway.wire import responses as rs
+from lockstep.v1 import scheduler_pb2 as pb
+
+CheckpointType = Literal["training", "sampler", "external"]
+_TYPES: tuple[CheckpointType, ...] = ("training", "sampler", "external")
+
+
+def checkpoint(c: pb.Checkpoint) -> rs.Checkpoint:
+    kind = c.checkpoint_type if c.checkpoint_type in _TYPES else "training"
+    return rs.Checkpoint(
+        checkpoint_id=c.checkpoint_id,
+        checkpoint_type=cast(CheckpointType, kind),
+        time=utc(c.time),
+        tinker_path=c.tinker_path,
+        size_bytes=c.size_bytes or None,
+        public=c.public,
+        user_metadata=dict(c.user_metadata) or None,
+        expires_at=utc(c.expires_at) if c.HasField("expires_at") else None,
+    )
+
+
+def checkpoint_list(
+    reply: pb.CheckpointList, offset: int, limit: int
+) -> rs.CheckpointsListResponse:
+    return rs.CheckpointsListResponse(
+        checkpoints=[checkpoint(c) for c in reply.checkpoints],
+        cursor=rs.Cursor(offset=offset, limit=limit, total_count=reply.total_count),
+    )
+
+
+def training_run(r: pb.TrainingRun) -> rs.TrainingRun:
+    return rs.TrainingRun(
+        training_run_id=r.training_run_id,
+        base_model=r.base_model,
+        model_owner=r.model_owner,
+        is_lora=r.is_lora,
+        lora_rank=r.lora_rank or None,
+        last_request_time=utc(r.last_request_time),
+        last_checkpoint=checkpoint(r.last_checkpoint) if r.HasField("last_checkpoint") else None,
+        last_sampler_checkpoint=(
+            checkpoint(r.last_sampler_checkpoint) if r.HasField("last_sampler_checkpoint") else None
+        ),
+        user_metadata=dict(r.user_metadata) or None,
+    )
+
+
+def training_run_list(
+    reply: pb.TrainingRunList, offset: int, limit: int
+) -> rs.TrainingRunsResponse:
+    return rs.TrainingRunsResponse(
+        training_runs=[training_run(r) for r in reply.runs],
+        cursor=rs.Cursor(offset=offset, limit=limit, total_count=reply.total_count),
+    )
+
+
+def weights_info(info: pb.WeightsInfo) -> rs.WeightsInfoResponse:
+    lora = info.lora_config if info.HasField("lora_config") else None
+    return rs.WeightsInfoResponse(
+        base_model=info.base_model,
+        is_lora=info.is_lora,
+        lora_rank=lora.rank if lora else None,
+        train_unembed=lora.train_unembed if lora else None,
+        train_mlp=lora.train_mlp if lora else None,
+        train_attn=lora.train_attn if lora else None,
+    )
+
+
+def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
+    return rs.ServerCapabilitiesResponse(
+        supported_models=[
+            rs.SupportedModel(
+                model_name=m.model_name,
+                max_context_length=m.max_context_length or None,
+                trainable=True,
+                sampleable=True,
+            )
+            for m in caps.models
+        ]
+    )

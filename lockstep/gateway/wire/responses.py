@@ -1,0 +1,232 @@
+"""JSON response bodies, shaped as the tinker SDK 0.38 validates them (tinker-protocol.md §2-3).
+
+Literal `type` fields carry the exact value the SDK checks. Datetimes are timezone-aware (UTC)
+and serialize as ISO 8601, e.g. "2026-11-22T02:49:33Z".
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+
+# ---------------------------------------------------------------- client and health
+class ClientConfigResponse(WireModel):
+    pjwt_auth_enabled: bool = False
+    use_pyqwest_transport: bool = False
+    proto_compress_fwdbwd: bool = False
+
+
+class ClientDynamicConfigResponse(WireModel):
+    refresh_interval_sec: int = 300
+    sample_cancel_enabled: bool = False
+
+
+class TelemetryResponse(WireModel):
+    status: Literal["accepted"] = "accepted"
+
+
+class HealthResponse(WireModel):
+    status: Literal["ok", "unavailable"]
+    parts: dict[str, str] = {}
+
+
+class OrgDetails(WireModel):
+    name: str
+
+
+class UserDetails(WireModel):
+    email: str
+
+
+class ApiKeyDetails(WireModel):
+    org_details: OrgDetails
+    user_details: UserDetails
+
+
+class ApiKeyMeResponse(WireModel):
+    key_id: int
+    name: str
+    note: str
+    details: ApiKeyDetails
+
+
+# ---------------------------------------------------------------- sessions
+class CreateSessionResponse(WireModel):
+    type: Literal["create_session"] = "create_session"
+    session_id: str
+
+
+class SessionHeartbeatResponse(WireModel):
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class GetSessionResponse(WireModel):
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
+
+
+class ListSessionsResponse(WireModel):
+    sessions: list[str]
+
+
+# ---------------------------------------------------------------- futures
+class UntypedAPIFuture(WireModel):
+    request_id: str
+    model_id: str | None = None
+
+
+class SampleFuture(WireModel):
+    request_id: str
+    sample_sequence_ids: list[str]
+
+
+class TryAgainResponse(WireModel):
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
+    queue_state_reason: str | None = None
+
+
+class RequestFailedResponse(WireModel):
+    error: str
+    category: Literal["user", "server", "unknown"]
+
+
+class CreateModelResult(WireModel):
+    type: Literal["create_model"] = "create_model"
+    model_id: str
+
+
+class OptimStepResult(WireModel):
+    metrics: dict[str, float] | None = None
+
+
+class SaveWeightsResult(WireModel):
+    type: Literal["save_weights"] = "save_weights"
+    path: str
+
+
+class SaveWeightsForSamplerResult(WireModel):
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+    path: str | None = None
+    sampling_session_id: str | None = None
+
+
+class SaveWeightsExternalResult(WireModel):
+    type: Literal["save_weights_external"] = "save_weights_external"
+    path: str
+    size_bytes: int | None = None
+
+
+class LoadWeightsResult(WireModel):
+    type: Literal["load_weights"] = "load_weights"
+    path: str | None = None
+    model_id: str | None = None
+
+
+# ---------------------------------------------------------------- models and samplers
+class OptimizerConfig(WireModel):
+    type: str = "adamw"
+
+
+class ModelData(WireModel):
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+class GetInfoResponse(WireModel):
+    type: Literal["get_info"] = "get_info"
+    model_id: str
+    model_data: ModelData
+    optimizer_config: OptimizerConfig = OptimizerConfig()
+    is_lora: bool | None = None
+    lora_rank: int | None = None
+    model_name: str | None = None
+
+
+class CreateSamplingSessionResponse(WireModel):
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+    sampling_session_id: str
+
+
+class GetSamplerResponse(WireModel):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class SupportedModel(WireModel):
+    model_name: str | None = None
+    max_context_length: int | None = None
+    trainable: bool | None = None
+    sampleable: bool | None = None
+
+
+class ServerCapabilitiesResponse(WireModel):
+    supported_models: list[SupportedModel]
+
+
+# ---------------------------------------------------------------- runs and checkpoints
+class Checkpoint(WireModel):
+    checkpoint_id: str
+    checkpoint_type: Literal["training", "sampler", "external"]
+    time: datetime
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: datetime | None = None
+
+
+class Cursor(WireModel):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class CheckpointsListResponse(WireModel):
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+class TrainingRun(WireModel):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_request_time: datetime
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class TrainingRunsResponse(WireModel):
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+class ExternalWeightsUrlsResponse(WireModel):
+    urls: dict[str, str]
+    expires: datetime
+
+
+class WeightsInfoResponse(WireModel):
+    base_model: str
+    optimizer_config: OptimizerConfig = OptimizerConfig()
+    is_lora: bool
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None

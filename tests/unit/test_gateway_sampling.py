@@ -1,0 +1,158 @@
+"""Sampling routes (create_sampling_session, samplers/{id}, asample) against a stand-in
+scheduler with canned replies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from lockstep.gateway.deps import owner_of
+from lockstep.gateway.testing import (
+    TEST_API_KEY,
+    StandInScheduler,
+    gateway_client,
+    running_standin,
+)
+from lockstep.v1 import scheduler_pb2 as pb
+
+OWNER = owner_of(TEST_API_KEY)
+MODEL = "sess-1:train:0"
+
+
+@pytest.fixture(scope="module")
+def standin() -> Iterator[tuple[StandInScheduler, str]]:
+    with running_standin() as running:
+        yield running
+
+
+@pytest.fixture
+def sched(standin: tuple[StandInScheduler, str]) -> StandInScheduler:
+    standin[0].reset()
+    return standin[0]
+
+
+@pytest.fixture
+def api(standin: tuple[StandInScheduler, str], sched: StandInScheduler) -> Iterator[Any]:
+    with gateway_client(standin[1]) as client:
+        yield client
+
+
+def test_sampling_sessions(api: Any, sched: StandInScheduler) -> None:
+    sched.replies["CreateSamplingSession"] = pb.SamplerInfo(sampler_id="sess-1:sample:0")
+    path = f"tinker://{MODEL}/sampler_weights/step-0"
+    body = {"session_id": "sess-1", "sampling_session_seq_id": 0, "model_path": path}
+    r = api.post("/api/v1/create_sampling_session", json=body)
+    assert r.json() == {"type": "create_sampling_session", "sampling_session_id": "sess-1:sample:0"}
+    req = sched.last("CreateSamplingSession")
+    assert (req.owner, req.model_path, req.HasField("base_model")) == (OWNER, path, False)
+    missing = api.post(
+        "/api/v1/create_sampling_session",
+        json={"session_id": "sess-1", "sampling_session_seq_id": 1},
+    )
+    assert missing.status_code == 400
+
+    sched.replies["GetSampler"] = pb.SamplerInfo(sampler_id="sess-1:sample:1", base_model="B")
+    assert api.get("/api/v1/samplers/sess-1:sample:1").json() == {
+        "sampler_id": "sess-1:sample:1",
+        "base_model": "B",
+        "model_path": None,
+    }
+
+
+def _sample(**over: Any) -> dict[str, Any]:
+    body = {
+        "num_samples": 2,
+        "prompt": {
+            "chunks": [
+                {"tokens": [1, 2], "type": "encoded_text"},
+                {"tokens": [3], "type": "encoded_text"},
+            ]
+        },
+        "sampling_params": {
+            "max_tokens": 3,
+            "seed": 5,
+            "stop": ["\n"],
+            "temperature": 0.7,
+            "top_k": -1,
+            "top_p": 1.0,
+        },
+        "sampling_session_id": "sess-1:sample:0",
+        "seq_id": 7000000000,
+        "prompt_logprobs": True,
+        "topk_prompt_logprobs": 2,
+        "topk_sample_logprobs": 0,
+        "prompt_alt_tokens_k": 0,
+        "record_stability_info": False,
+        "type": "sample",
+    }
+    body.update(over)
+    return body
+
+
+def test_asample(api: Any, sched: StandInScheduler) -> None:
+    sched.replies["Submit"] = pb.SubmitReply(request_id="req-s", sample_sequence_ids=["a", "b"])
+    r = api.post("/api/v1/asample", json=_sample())
+    assert r.json() == {"request_id": "req-s", "sample_sequence_ids": ["a", "b"]}
+    op = sched.last("Submit").sample
+    assert (op.sampling_session_id, op.seq_id, list(op.prompt_tokens), op.num_samples) == (
+        "sess-1:sample:0",
+        7000000000,
+        [1, 2, 3],
+        2,
+    )
+    assert (op.prompt_logprobs, op.topk_prompt_logprobs, op.HasField("prompt_logprobs_last_n")) == (
+        True,
+        2,
+        False,
+    )
+    p = op.params
+    assert (p.max_tokens, p.seed, p.top_k, p.has_stop, list(p.stop_strings)) == (
+        3,
+        5,
+        -1,
+        True,
+        ["\n"],
+    )
+    assert p.temperature == pytest.approx(0.7)
+
+    sched.replies["Submit"] = pb.SubmitReply(request_id="req-t")
+    r = api.post("/api/v1/asample", json=_sample(sampling_params={"stop": [7, 8], "seed": -1}))
+    assert r.json()["sample_sequence_ids"] == ["req-t:seq:0", "req-t:seq:1"]
+    p = sched.last("Submit").sample.params
+    assert (list(p.stop_tokens), p.seed, p.HasField("max_tokens")) == ([7, 8], 2**64 - 1, False)
+    api.post("/api/v1/asample", json=_sample(sampling_params={"stop": []}))
+    p = sched.last("Submit").sample.params
+    assert (p.has_stop, len(p.stop_strings), len(p.stop_tokens)) == (True, 0, 0)
+    api.post("/api/v1/asample", json=_sample(sampling_params={}))
+    assert not sched.last("Submit").sample.params.has_stop
+
+
+@pytest.mark.parametrize(
+    "over, detail",
+    [
+        ({"num_samples": 0}, "num_samples: must be >= 1"),
+        ({"sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens: must be >= 1"),
+        ({"sampling_params": {"temperature": -1}}, "sampling_params.temperature: must be >= 0"),
+        ({"prompt": {"chunks": []}}, "prompt: must contain at least one token"),
+        (
+            {"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}},
+            "prompt.chunks[0]: chunk type 'image' is not supported",
+        ),
+        ({"sampling_session_id": None}, "sampling_session_id: field required"),
+        ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k: not supported"),
+        ({"prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n: must be <= len(prompt) - 1"),
+    ],
+)
+def test_asample_rejects(api: Any, over: dict[str, Any], detail: str) -> None:
+    r = api.post("/api/v1/asample", json=_sample(**over))
+    assert r.status_code == 400 and r.json()["detail"].startswith(detail), r.json()
+
+
+def test_asample_backpressure_is_429(api: Any, sched: StandInScheduler) -> None:
+    sched.fail("Submit", grpc.StatusCode.RESOURCE_EXHAUSTED, "sampler queue full")
+    r = api.post("/api/v1/asample", json=_sample())
+    assert (r.status_code, r.json()) == (429, {"detail": "sampler queue full"})
+    assert r.headers["retry-after"] == "1"
