@@ -25,6 +25,7 @@ PIG_LATIN = [
 
 def quickstart_data(tokenizer) -> list:  # type: ignore[no-untyped-def]
     """The docs' datums: prompt tokens weighted 0, completion tokens weighted 1."""
+    import numpy as np
     from tinker import types
 
     data = []
@@ -35,12 +36,15 @@ def quickstart_data(tokenizer) -> list:  # type: ignore[no-untyped-def]
         weights = [0.0] * len(prompt) + [1.0] * len(completion)
         data.append(types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+            loss_fn_inputs={
+                "target_tokens": types.TensorData.from_numpy(np.array(tokens[1:], np.int64)),
+                "weights": types.TensorData.from_numpy(np.array(weights[1:], np.float32)),
+            },
         ))
     return data
 
 
-def run_quickstart(base_url: str, model: str, steps: int, learning_rate: float = 1e-2) -> None:
+def run_quickstart(base_url: str, model: str, steps: int, learning_rate: float = 5e-3) -> None:
     import numpy as np
     import tinker
     from rich.console import Console
@@ -50,7 +54,8 @@ def run_quickstart(base_url: str, model: str, steps: int, learning_rate: float =
     console = Console()
     service = tinker.ServiceClient(base_url=base_url, api_key=os.environ.get(
         "TINKER_API_KEY", "tml-demo"))
-    trainer = service.create_lora_training_client(base_model=model, rank=32, seed=0)
+    trainer = service.create_lora_training_client(
+        base_model=model, rank=32, seed=0).result()
     tokenizer = trainer.get_tokenizer()
     data = quickstart_data(tokenizer)
     total_weight = sum(float(np.sum(d.loss_fn_inputs["weights"].to_numpy())) for d in data)

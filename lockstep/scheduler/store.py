@@ -11,7 +11,7 @@ import hashlib
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -64,7 +64,9 @@ class ClaimConflict(Exception):
 
 class Store:
     def __init__(self, client: aioredis.Redis) -> None:
-        self.redis = client
+        # redis-py types every reply as a bytes|str|int union; with decode_responses=False it is
+        # always bytes, so the client is used untyped here.
+        self.redis: Any = client
 
     @classmethod
     def from_url(cls, url: str) -> Store:

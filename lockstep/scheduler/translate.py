@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from lockstep.engine.types import (
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.wire.v1 import tinker_pb2 as wire
 
-_DTYPES = {
+_DTYPES: dict[int, np.dtype[Any]] = {
     wire.DTYPE_FLOAT32: np.dtype("<f4"),
     wire.DTYPE_INT64: np.dtype("<i8"),
     wire.DTYPE_INT32: np.dtype("<i4"),

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def trainer(service_client: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
-    return service_client.create_lora_training_client(base_model=base_model, rank=4, seed=3)
+    return service_client.create_lora_training_client(
+        base_model=base_model, rank=4, seed=3).result()
 
 
 def _good_step(trainer: tinker.TrainingClient) -> float:

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.e2e
 def test_rl_loop_raises_reward_and_logprobs_agree(service_client: tinker.ServiceClient,
                                                   base_model: str) -> None:
     """Parity bandit: reward 1 when the sampled token id is even (baseline about 0.5)."""
-    trainer = service_client.create_lora_training_client(base_model=base_model, rank=16, seed=1)
+    trainer = service_client.create_lora_training_client(
+        base_model=base_model, rank=16, seed=1).result()
     tokenizer = trainer.get_tokenizer()
     prompts = [tokenizer.encode(f"pick {i}:") for i in range(8)]
     rewards_per_step = []
@@ -65,18 +66,19 @@ def _steps(trainer: tinker.TrainingClient, data: list[types.Datum], n: int) -> l
 
 def test_resume_with_and_without_optimizer(service_client: tinker.ServiceClient,
                                            base_model: str) -> None:
-    run_a = service_client.create_lora_training_client(base_model=base_model, rank=8, seed=123)
+    run_a = service_client.create_lora_training_client(
+        base_model=base_model, rank=8, seed=123).result()
     data = quickstart_data(run_a.get_tokenizer())
     _steps(run_a, data, 3)
     path = run_a.save_state("mid").result().path
     assert path.startswith("tinker://") and path.endswith("/weights/mid")
     a = _steps(run_a, data, 3)
 
-    run_b = service_client.create_training_client_from_state_with_optimizer(path)
+    run_b = service_client.create_training_client_from_state_with_optimizer(path).result()
     b = _steps(run_b, data, 3)
     np.testing.assert_allclose(b, a, rtol=1e-5)
 
-    run_c = service_client.create_training_client_from_state(path)
+    run_c = service_client.create_training_client_from_state(path).result()
     c = _steps(run_c, data, 3)
     assert c[0] == pytest.approx(a[0], rel=1e-5)  # same weights
     assert abs(c[1] - a[1]) > 10 * abs(b[1] - a[1]) + 1e-6  # but a fresh Adam
@@ -88,7 +90,8 @@ def test_resume_with_and_without_optimizer(service_client: tinker.ServiceClient,
 
 def test_named_sampler_checkpoint_serves_the_trainer_weights(
         service_client: tinker.ServiceClient, base_model: str) -> None:
-    trainer = service_client.create_lora_training_client(base_model=base_model, rank=4, seed=7)
+    trainer = service_client.create_lora_training_client(
+        base_model=base_model, rank=4, seed=7).result()
     data = quickstart_data(trainer.get_tokenizer())
     _steps(trainer, data, 2)
     path = trainer.save_weights_for_sampler("s1").result().path
