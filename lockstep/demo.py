@@ -70,7 +70,7 @@ def run_quickstart(base_url: str, model: str, steps: int, learning_rate: float =
             cycle = int(result.metrics["clock_cycle:unique"])
             progress.console.print(f"step {step:3d}  loss/token {loss:7.4f}  cycle {cycle}")
             progress.advance(task)
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(tokenizer.encode("English: banana split\nPig Latin:"))
     params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])
     out = sampler.sample(prompt=prompt, sampling_params=params, num_samples=1).result()

@@ -39,7 +39,7 @@ def test_pig_latin_trains_and_samples(service_client: tinker.ServiceClient,
     assert abs(losses[0] - np.log(vocab)) < 0.3 * np.log(vocab), losses[0]
     assert min(losses) < 0.1 * losses[0], losses
 
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt_tokens = tokenizer.encode("English: banana split\nPig Latin:", add_special_tokens=True)
     completion = tokenizer.encode(" anana-bay plit-say\n\n", add_special_tokens=False)
     params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])

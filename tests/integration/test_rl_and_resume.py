@@ -21,7 +21,7 @@ def test_rl_loop_raises_reward_and_logprobs_agree(service_client: tinker.Service
     prompts = [tokenizer.encode(f"pick {i}:") for i in range(8)]
     rewards_per_step = []
     for _ in range(16):
-        sampler = trainer.save_weights_and_get_sampling_client()
+        sampler = trainer.save_weights_and_get_sampling_client().result()
         futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=8,
                                   sampling_params=types.SamplingParams(max_tokens=1,
                                                                        temperature=1.0))
@@ -96,7 +96,7 @@ def test_named_sampler_checkpoint_serves_the_trainer_weights(
     _steps(trainer, data, 2)
     path = trainer.save_weights_for_sampler("s1").result().path
     assert path.endswith("/sampler_weights/s1")
-    sampler = service_client.create_sampling_client(model_path=path)
+    sampler = service_client.create_sampling_client(model_path=path).result()
     tokens = data[0].model_input.to_ints()
     lps = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     fwd = trainer.forward([types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
