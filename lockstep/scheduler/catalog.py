@@ -27,6 +27,10 @@ class NotFound(LookupError):
     """Reported as 404."""
 
 
+class OverCapacity(RuntimeError):
+    """A queue is full right now: the client should retry later (429 / try_again)."""
+
+
 class Catalog:
     def __init__(
         self, store: Store, card: ModelCard, served_names: list[str], data_dir: Path

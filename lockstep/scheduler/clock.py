@@ -57,6 +57,13 @@ class Clock:
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
         self._stopping = False
 
+    def queue_state(self, model_id: str) -> tuple[str, str]:
+        """What a waiting request of `model_id` is told (TryAgain.queue_state and reason)."""
+        if model_id in self.deficits:
+            return "paused_capacity", "waiting for room in a clock cycle (token budget shared " \
+                "fairly between tenants)"
+        return "active", ""
+
     def stop(self) -> None:
         self._stopping = True
         self.wake.set()
@@ -77,7 +84,7 @@ class Clock:
     async def cycle(self) -> CyclePlan:
         queues, next_seq = await self.store.queued_ops()
         plan = plan_cycle(queues, next_seq, self.config.token_budget, self.deficits)
-        self.deficits = plan.deficits
+        self.deficits = plan.deficits  # the models that had to wait for room in this cycle
         if plan.empty and self.config.policy == "triggered":
             return plan
         cycle = await self.store.next_cycle()

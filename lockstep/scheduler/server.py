@@ -80,7 +80,7 @@ async def serve(cfg: SchedulerConfig) -> None:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
                                       ("grpc.max_send_message_length", 512 << 20)])
     pb_grpc.add_SchedulerServicer_to_server(
-        SchedulerService(store, catalog, submissions, board, health), server)
+        SchedulerService(store, catalog, submissions, board, health, clock.queue_state), server)
     server.add_insecure_port(cfg.listen)
     await server.start()
     log.info("scheduler listening on %s (redis %s)", cfg.listen, cfg.redis_url)

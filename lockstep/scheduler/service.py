@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from lockstep.engine.interface import UserInputError
-from lockstep.scheduler.catalog import Catalog, NotFound
+from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.paths import TinkerPath
 from lockstep.scheduler.records import CheckpointRecord, ModelRecord
@@ -38,6 +38,8 @@ def grpc_errors(fn: F) -> F:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except OverCapacity as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     return wrapper  # type: ignore[return-value]
 
@@ -65,7 +67,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     def __init__(
         self, store: Store, catalog: Catalog, submissions: Submissions, board: FutureBoard,
         health: Callable[[], Awaitable[dict[str, str]]],
+        queue_state: Callable[[str], tuple[str, str]] = lambda model_id: ("active", ""),
     ) -> None:
+        self.queue_state = queue_state
         self.store = store
         self.catalog = catalog
         self.submissions = submissions
@@ -121,7 +125,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         if job is None or job.owner != request.owner:
             raise NotFound(f"request {request.request_id} does not exist")
         if job.status == "pending":
-            return pb.FutureReply(try_again=pb.TryAgain(queue_state="active"))
+            state, reason = self.queue_state(job.model_id)
+            return pb.FutureReply(try_again=pb.TryAgain(queue_state=state, reason=reason))
         if job.status == "failed":
             return pb.FutureReply(error=pb.JobError(message=job.error or "failed",
                                                     category=job.category or "unknown"))

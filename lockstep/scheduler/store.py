@@ -335,6 +335,12 @@ class Store:
             rec.last_request_time = time.time()
             await self.put_model(rec)
 
+    async def pending_count(self, model_id: str) -> int:
+        return int(await self.redis.zcard(keys.pending(model_id)))
+
+    async def sample_backlog(self) -> int:
+        return int(await self.redis.llen(keys.SAMPLE_QUEUE))
+
     async def queued_samples(self, limit: int) -> list[str]:
         return [r.decode() for r in await self.redis.lrange(keys.SAMPLE_QUEUE, 0, limit - 1)]
 

@@ -15,7 +15,7 @@ from lockstep.engine import losses
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard
 from lockstep.scheduler import translate
-from lockstep.scheduler.catalog import Catalog, NotFound
+from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler.records import LoraRecord, ModelRecord
 from lockstep.scheduler.store import ClaimConflict, Store
@@ -23,6 +23,10 @@ from lockstep.v1 import scheduler_pb2 as pb
 
 MAX_LORA_RANK = 512
 MAX_SAMPLES_PER_REQUEST = 256
+# Admission: past these backlogs a submission is told to come back later (HTTP 429, retried by
+# the SDK with backoff) instead of growing the queue without bound.
+MAX_PENDING_PER_MODEL = 4096
+MAX_PENDING_SAMPLES = 20000
 
 
 def _finite(value: float, field: str, minimum: float | None = None) -> None:
@@ -52,6 +56,9 @@ class Submissions:
                 return await self._sample(req, payload)
             try:
                 model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
+                if await self.store.pending_count(model_id) >= MAX_PENDING_PER_MODEL:
+                    raise OverCapacity(f"model {model_id} has {MAX_PENDING_PER_MODEL} requests "
+                                       "queued; retry later")
             except UserInputError as exc:
                 await self._hold_seq(req, op, payload, exc)
                 raise
@@ -207,6 +214,8 @@ class Submissions:
                 f"context length {self.card.max_context_length}")
         for name, value in (("temperature", s.params.temperature), ("top_p", s.params.top_p)):
             _finite(value, f"sampling_params.{name}", 0.0)
+        if await self.store.sample_backlog() >= MAX_PENDING_SAMPLES:
+            raise OverCapacity("the sampling queue is full; retry later")
         try:
             rid, _ = await self.store.claim_sample(
                 owner=req.owner, sampler_id=s.sampling_session_id, seq_id=s.seq_id,

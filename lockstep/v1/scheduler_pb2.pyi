@@ -361,10 +361,12 @@ class JobError(_message.Message):
     def __init__(self, message: _Optional[str] = ..., category: _Optional[str] = ...) -> None: ...
 
 class TryAgain(_message.Message):
-    __slots__ = ("queue_state",)
+    __slots__ = ("queue_state", "reason")
     QUEUE_STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     queue_state: str
-    def __init__(self, queue_state: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, queue_state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FutureReply(_message.Message):
     __slots__ = ("try_again", "result", "error")

@@ -37,9 +37,10 @@ def json_response(model: BaseModel, status_code: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"), status_code=status_code)
 
 
-def try_again(request_id: str, queue_state: str = "active") -> JSONResponse:
+def try_again(request_id: str, queue_state: str = "active", reason: str = "") -> JSONResponse:
     state = cast(QueueState, queue_state if queue_state in _QUEUE_STATES else "active")
-    return json_response(rs.TryAgainResponse(request_id=request_id, queue_state=state))
+    return json_response(rs.TryAgainResponse(request_id=request_id, queue_state=state,
+                                             queue_state_reason=reason or None))
 
 
 def failed(message: str, category: str) -> JSONResponse:
@@ -99,7 +100,7 @@ def future_response(
 ) -> Response:
     state = reply.WhichOneof("state")
     if state == "try_again":
-        return try_again(request_id, reply.try_again.queue_state)
+        return try_again(request_id, reply.try_again.queue_state, reply.try_again.reason)
     if state == "error":
         return failed(reply.error.message, reply.error.category)
     if state == "result":
