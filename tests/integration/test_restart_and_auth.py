@@ -73,7 +73,7 @@ def test_a_killed_gateway_is_restarted_and_old_futures_still_answer(own_server: 
 
 
 def test_another_key_sees_nothing_of_mine(server: Server, service_client: tinker.ServiceClient,
-                                          base_model: str, ) -> None:
+                                          base_model: str) -> None:
     trainer = service_client.create_lora_training_client(base_model=base_model, rank=4).result()
     path = trainer.save_state("private").result().path
     other = {"X-API-Key": "tml-someone-else"}
