@@ -122,6 +122,9 @@ async def _rpc_error_handler(request: Request, exc: Exception) -> JSONResponse:
 async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     detail = "; ".join(_describe_validation_error(e) for e in exc.errors()) or "invalid request"
+    from lockstep.gateway.seqhold import hold_seq_of_request  # deps imports this module
+
+    await hold_seq_of_request(request, exc.body, detail)
     return JSONResponse({"detail": detail}, status_code=400)
 
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from lockstep.observability import metrics
 from lockstep.scheduler.dispatch import Dispatcher, Outcome
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.planner import CyclePlan, plan_cycle
@@ -55,6 +56,7 @@ class Clock:
         self.wake = asyncio.Event()
         self.cycles_run = 0
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
+        self.meter = metrics.ClockMeter(config.token_budget, store.model)
         self._stopping = False
 
     def queue_state(self, model_id: str) -> tuple[str, str]:
@@ -78,20 +80,26 @@ class Clock:
                 await self.cycle()
             except Exception:  # a broken cycle must not stop the clock
                 log.exception("clock cycle failed")
+                self.meter.failed()
                 await asyncio.sleep(0.5)
         log.info("clock stopped after %d cycles", self.cycles_run)
 
     async def cycle(self) -> CyclePlan:
+        span = self.meter.begin()
         queues, next_seq = await self.store.queued_ops()
         plan = plan_cycle(queues, next_seq, self.config.token_budget, self.deficits)
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
-        if plan.empty and self.config.policy == "triggered":
+        runs = not plan.empty or self.config.policy != "triggered"
+        await self.meter.planned(span, queues, plan, runs)
+        if not runs:
             return plan
         cycle = await self.store.next_cycle()
         outcomes = await self.dispatcher.run(plan, cycle)
+        self.meter.dispatched(span)
         await self.collect(plan, outcomes)
         self.publish(outcomes)
         self.cycles_run += 1
+        self.meter.finished(span, plan, outcomes)
         if not plan.empty:
             self.wake.set()  # more may be ready now that this cycle advanced the queues
             log.debug("cycle %d: %d models, %d passes, %d steps, %d tokens", cycle,

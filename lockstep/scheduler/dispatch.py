@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lockstep.engine.interface import TrainingEngine, UserInputError
 from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest
+from lockstep.observability import metrics
 from lockstep.scheduler import translate
 from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, ephemeral_dir
 from lockstep.scheduler.planner import CyclePlan
@@ -60,7 +61,8 @@ class Dispatcher:
         self.data_dir = data_dir
 
     async def _call(self, fn, *args):  # type: ignore[no-untyped-def]
-        return await asyncio.to_thread(fn, *args)
+        with metrics.engine_call("trainer", fn.__name__):
+            return await asyncio.to_thread(fn, *args)
 
     async def run(self, plan: CyclePlan, cycle: int) -> dict[str, Outcome]:
         outcomes: dict[str, Outcome] = {}

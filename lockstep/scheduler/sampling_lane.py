@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import SampleRequest
+from lockstep.observability import metrics
 from lockstep.scheduler import translate
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.store import Job, Store
@@ -45,7 +46,9 @@ class SamplingLane:
         if adapter_id in self._loaded:
             return
         async with self._engine_lock:
-            await asyncio.to_thread(self.engine.load_adapter, adapter_id, directory)
+            with metrics.engine_call("sampler", "load_adapter") as timer:
+                await asyncio.to_thread(self.engine.load_adapter, adapter_id, directory)
+        metrics.adapter_published(timer.seconds)
         self._loaded.add(adapter_id)
 
     async def run(self) -> None:
@@ -54,6 +57,7 @@ class SamplingLane:
                 served = await self.serve_once()
             except Exception:
                 log.exception("sampling batch failed")
+                metrics.scheduler_error("sampling")
                 served = 0
                 await asyncio.sleep(0.5)
             if not served:
@@ -65,6 +69,8 @@ class SamplingLane:
 
     async def serve_once(self) -> int:
         request_ids = await self.store.queued_samples(self.max_batch)
+        metrics.sample_backlog(len(request_ids) if len(request_ids) < self.max_batch
+                               else await self.store.sample_backlog())
         if not request_ids:
             return 0
         jobs: list[Job] = []
@@ -79,13 +85,16 @@ class SamplingLane:
                 adapter_id = await self._adapter_for(sample.sampling_session_id)
             except LookupError as exc:
                 await self._finish(job, error=str(exc))
+                metrics.sample_failed([job.owner])
                 continue
             jobs.append(job)
             requests.append(translate.sample_request(job.request_id, sample, adapter_id))
             topk.append(sample.topk_prompt_logprobs)
         if requests:
             async with self._engine_lock:
-                results = await asyncio.to_thread(self.engine.sample, requests)
+                with metrics.engine_call("sampler", "sample") as timer:
+                    results = await asyncio.to_thread(self.engine.sample, requests)
+            metrics.sampled([job.owner for job in jobs], results, timer.seconds)
             for job, result, k in zip(jobs, results, topk, strict=True):
                 if result.error is not None:
                     await self._finish(job, error=result.error)

@@ -14,6 +14,8 @@ from pathlib import Path
 import grpc
 
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
+from lockstep.observability import metrics
+from lockstep.observability.ops_server import start_ops_server
 from lockstep.scheduler.catalog import Catalog
 from lockstep.scheduler.clock import Clock, ClockConfig
 from lockstep.scheduler.dispatch import Dispatcher
@@ -36,6 +38,9 @@ class SchedulerConfig:
     served_names: tuple[str, ...]
     clock: ClockConfig = field(default_factory=ClockConfig)
     max_sample_batch: int = 64
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # /metrics, /healthz, /livez; None: not served; 0: any port
+    metrics_max_tenants: int = 32  # owners with per-tenant series of their own (docs/operations)
 
 
 def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]:
@@ -53,6 +58,9 @@ def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]
 
 
 async def serve(cfg: SchedulerConfig) -> None:
+    metrics.configure(cfg.metrics_max_tenants)
+    ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host,
+                                                                  cfg.metrics_port)
     store = Store.from_url(cfg.redis_url)
     await store.ping()
     trainer, sampler = await asyncio.to_thread(start_engines, cfg)
@@ -90,9 +98,14 @@ async def serve(cfg: SchedulerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tasks = [asyncio.create_task(clock.run()), asyncio.create_task(lane.run())]
+    probe = asyncio.create_task(metrics.probe_redis(store.ping))
+    if ops is not None:
+        ops.health = health
     clock.wake.set()  # pick up work queued before a restart
     await stop.wait()
     log.info("scheduler draining")
+    probe.cancel()
+    tasks.append(probe)
     clock.stop()
     lane.stop()
     await server.stop(grace=5)
@@ -102,6 +115,8 @@ async def serve(cfg: SchedulerConfig) -> None:
     trainer.close()
     sampler.close()
     await store.close()
+    if ops is not None:
+        ops.close()
     log.info("scheduler stopped")
 
 
@@ -116,12 +131,20 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     p.add_argument("--clock-period", type=float, default=1.0)
     p.add_argument("--clock-gather", type=float, default=0.02)
     p.add_argument("--token-budget", type=int, default=65536)
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the /metrics, /healthz and /livez HTTP server")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="port of that server (0: any free port, logged); omitted: no server")
+    p.add_argument("--metrics-max-tenants", type=int, default=32,
+                   help="owners with per-tenant metric series of their own; others: 'other'")
     a = p.parse_args(argv)
     return SchedulerConfig(
         listen=a.listen, redis_url=a.redis_url, data_dir=a.data_dir.resolve(),
         model_dir=a.model_dir.resolve(), served_names=tuple(a.served_name),
         clock=ClockConfig(policy=a.clock_policy, period_s=a.clock_period,
                           gather_s=a.clock_gather, token_budget=a.token_budget),
+        metrics_host=a.metrics_host, metrics_port=a.metrics_port,
+        metrics_max_tenants=a.metrics_max_tenants,
     )
 
 

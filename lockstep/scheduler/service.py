@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from lockstep.engine.interface import UserInputError
+from lockstep.observability import metrics
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.paths import TinkerPath
@@ -35,10 +36,13 @@ def grpc_errors(fn: F) -> F:
         try:
             return await fn(self, request, context)
         except UserInputError as exc:
+            metrics.refused("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotFound as exc:
+            metrics.refused("NOT_FOUND")
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except OverCapacity as exc:
+            metrics.refused("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     return wrapper  # type: ignore[return-value]
@@ -121,7 +125,8 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     @grpc_errors
     async def RetrieveFuture(self, request, context):  # type: ignore[no-untyped-def]
         timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
-        job = await self.board.wait(request.request_id, timeout)
+        with metrics.FUTURE_WAITERS.track_inprogress():
+            job = await self.board.wait(request.request_id, timeout)
         if job is None or job.owner != request.owner:
             raise NotFound(f"request {request.request_id} does not exist")
         if job.status == "pending":

@@ -14,6 +14,7 @@ from pathlib import Path
 from lockstep.engine import losses
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard
+from lockstep.observability import metrics
 from lockstep.scheduler import translate
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, validate_name
@@ -54,18 +55,25 @@ class Submissions:
         try:
             if op == "sample":
                 return await self._sample(req, payload)
+            if op == "refused":
+                r = req.refused
+                await self._hold_seq(req, r.model_id, r.seq_id, payload, r.reason)
+                return pb.SubmitReply()
             try:
                 model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
                 if await self.store.pending_count(model_id) >= MAX_PENDING_PER_MODEL:
                     raise OverCapacity(f"model {model_id} has {MAX_PENDING_PER_MODEL} requests "
                                        "queued; retry later")
-            except UserInputError as exc:
-                await self._hold_seq(req, op, payload, exc)
+            except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
+                addressed = self._addressed(req, op)
+                if addressed is not None:
+                    await self._hold_seq(req, *addressed, payload, str(exc))
                 raise
-            rid, _ = await self.store.claim_training(
+            rid, created = await self.store.claim_training(
                 owner=req.owner, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
                 tokens=tokens, new_model=new_model,
             )
+            metrics.submitted(req.owner, model_id, kind, created)
         except ClaimConflict as exc:
             raise UserInputError(
                 "seq_id", f"this seq_id was already used by request {exc} with a different "
@@ -73,25 +81,29 @@ class Submissions:
         self.on_training()
         return pb.SubmitReply(request_id=rid, model_id=model_id)
 
-    async def _hold_seq(
-        self, req: pb.SubmitRequest, op: str | None, payload: bytes, exc: UserInputError
-    ) -> None:
-        """A refused request still uses its seq_id: the SDK has moved on to the next one."""
-        addressed = {
+    @staticmethod
+    def _addressed(req: pb.SubmitRequest, op: str | None) -> tuple[str, int] | None:
+        """(model_id, seq_id) of a request that takes a place in a model's sequence."""
+        return {
             "forward_backward": (req.forward_backward.model_id, req.forward_backward.seq_id),
             "optim_step": (req.optim_step.model_id, req.optim_step.seq_id),
             "save_weights": (req.save_weights.model_id, req.save_weights.seq_id),
             "load_weights": (req.load_weights.model_id, req.load_weights.seq_id),
         }.get(op or "")
-        if addressed is None or not addressed[0] or addressed[1] < 1:
+
+    async def _hold_seq(
+        self, req: pb.SubmitRequest, model_id: str, seq_id: int, payload: bytes, reason: str
+    ) -> None:
+        """A refused request still uses its seq_id: the SDK has moved on to the next one."""
+        if not model_id or seq_id < 1:
             return
-        model = await self.store.model(addressed[0])
+        model = await self.store.model(model_id)
         if model is None or model.owner != req.owner:
             return
         try:
             await self.store.claim_training(
-                owner=req.owner, model_id=addressed[0], seq_id=addressed[1], kind="rejected",
-                payload=payload, tokens=0, rejection=str(exc))
+                owner=req.owner, model_id=model_id, seq_id=seq_id, kind="rejected",
+                payload=payload, tokens=0, rejection=reason)
         except ClaimConflict:
             return  # the seq_id already belongs to an accepted request
         self.on_training()
@@ -217,9 +229,10 @@ class Submissions:
         if await self.store.sample_backlog() >= MAX_PENDING_SAMPLES:
             raise OverCapacity("the sampling queue is full; retry later")
         try:
-            rid, _ = await self.store.claim_sample(
+            rid, created = await self.store.claim_sample(
                 owner=req.owner, sampler_id=s.sampling_session_id, seq_id=s.seq_id,
                 payload=payload)
+            metrics.submitted(req.owner, s.sampling_session_id, "sample", created)
         except ClaimConflict as exc:
             raise UserInputError("seq_id", f"already used by request {exc} with a different "
                                  "payload") from exc

@@ -261,8 +261,18 @@ class Sample(_message.Message):
     prompt_logprobs_last_n: int
     def __init__(self, sampling_session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: bool = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
 
+class Refused(_message.Message):
+    __slots__ = ("model_id", "seq_id", "reason")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    seq_id: int
+    reason: str
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
-    __slots__ = ("owner", "create_model", "forward_backward", "optim_step", "save_weights", "load_weights", "sample")
+    __slots__ = ("owner", "create_model", "forward_backward", "optim_step", "save_weights", "load_weights", "sample", "refused")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
     FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +280,7 @@ class SubmitRequest(_message.Message):
     SAVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     owner: str
     create_model: CreateModel
     forward_backward: _tinker_pb2.ForwardBackwardRequest
@@ -277,7 +288,8 @@ class SubmitRequest(_message.Message):
     save_weights: SaveWeights
     load_weights: LoadWeights
     sample: Sample
-    def __init__(self, owner: _Optional[str] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
+    refused: Refused
+    def __init__(self, owner: _Optional[str] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("request_id", "model_id", "sample_sequence_ids")
