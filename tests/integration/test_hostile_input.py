@@ -140,8 +140,8 @@ CASES: list[tuple[str, Callable[[Ctx], httpx.Response], str]] = [
     # optim_step
     ("learning rate NaN", lambda c: c.http.post(
         "/api/v1/optim_step", headers={"content-type": "application/json"},
-        content=('{"model_id": "%s", "seq_id": %d, "type": "optim_step", "adam_params": '
-                 '{"learning_rate": NaN}}' % (c.model_id, c.next_seq()))), "learning_rate"),
+        content=(f'{{"model_id": "{c.model_id}", "seq_id": {c.next_seq()}, "type": '
+                 '"optim_step", "adam_params": {"learning_rate": NaN}}')), "learning_rate"),
     ("learning rate negative", lambda c: optim(c, learning_rate=-1.0), "learning_rate"),
     ("beta1 >= 1", lambda c: optim(c, beta1=1.5), "beta1"),
     ("learning rate as text", lambda c: optim(c, learning_rate="fast"), "learning_rate"),
