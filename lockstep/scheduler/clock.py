@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lockstep.observability import metrics
-from lockstep.scheduler.dispatch import Dispatcher, Outcome
+from lockstep.scheduler.dispatch import CycleAborted, Dispatcher, Outcome
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.planner import CyclePlan, plan_cycle
 from lockstep.scheduler.sampling_lane import SamplingLane
@@ -94,7 +94,11 @@ class Clock:
         if not runs:
             return plan
         cycle = await self.store.next_cycle()
-        outcomes = await self.dispatcher.run(plan, cycle)
+        try:
+            outcomes = await self.dispatcher.run(plan, cycle)
+        except CycleAborted:
+            self.wake.set()  # nothing was recorded: the same work runs on the fresh engine
+            return plan
         self.meter.dispatched(span)
         await self.collect(plan, outcomes)
         self.publish(outcomes)
@@ -133,7 +137,10 @@ class Clock:
                     result=outcome.result.SerializeToString() if outcome.result else None,
                     error=outcome.error,
                     category=outcome.category,
+                    snapshot_seq=outcome.snapshot_seq,
                 )
+                if outcome.snapshot_seq is not None:
+                    self.dispatcher.prune_snapshots(op.model_id, outcome.snapshot_seq)
                 self.board.notify(op.request_id)
 
     async def _note_checkpoint(self, model_id: str, outcome: Outcome) -> None:

@@ -3,12 +3,20 @@
 Order inside a cycle: PRE ops (creations, loads, early saves) -> ONE fused pass over every
 tenant's forward/forward_backward -> ONE batched optimizer step -> POST ops (saves). Each op
 yields an Outcome; nothing is written to Redis here (that is `collect`).
+
+Durability: after every op that changes a model's weights (create, load, optim_step) its state
+is written to a snapshot directory, recorded in Redis with the op's outcome. An engine that
+restarted (a crash, a new scheduler) has no adapters; before a model's next cycle its snapshot
+is loaded and the forward_backward passes since then are re-run to rebuild its gradients, so a
+crash loses nothing and applies nothing twice. If the engine dies during a cycle, the cycle is
+abandoned before anything is written and runs again on a fresh engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +30,7 @@ from lockstep.scheduler.planner import CyclePlan
 from lockstep.scheduler.records import CheckpointRecord, QueuedOp, SamplerRecord
 from lockstep.scheduler.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.workers.process import EngineDied
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +43,7 @@ class Outcome:
     checkpoint: CheckpointRecord | None = None  # a named checkpoint to register
     sampler: SamplerRecord | None = None  # an ephemeral sampler to register
     adapter_dir: Path | None = None  # new sampler weights to publish
+    snapshot_seq: int | None = None  # the model's state after this op is its new snapshot
 
 
 @dataclass
@@ -48,7 +58,13 @@ def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
     )
 
 
+class CycleAborted(RuntimeError):
+    """The engine died mid-cycle: nothing of the cycle is recorded; it runs again."""
+
+
 def failure(exc: BaseException) -> Outcome:
+    if isinstance(exc, EngineDied):
+        raise exc  # not the request's fault: abandon the cycle instead of failing it
     if isinstance(exc, UserInputError):
         return Outcome(error=str(exc), category="user")
     return Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
@@ -59,20 +75,68 @@ class Dispatcher:
         self.store = store
         self.engine = engine
         self.data_dir = data_dir
+        self.resident: set[str] = set()  # models whose state the engine holds right now
 
     async def _call(self, fn, *args):  # type: ignore[no-untyped-def]
         with metrics.engine_call("trainer", fn.__name__):
             return await asyncio.to_thread(fn, *args)
 
     async def run(self, plan: CyclePlan, cycle: int) -> dict[str, Outcome]:
-        outcomes: dict[str, Outcome] = {}
-        for op in plan.pre:
-            outcomes[op.request_id] = await self._single(op)
-        outcomes.update(await self._passes(plan.passes, cycle))
-        outcomes.update(await self._optims(plan.optims))
-        for op in plan.post:
-            outcomes[op.request_id] = await self._single(op)
-        return outcomes
+        try:
+            for work in plan.models:
+                await self._ensure_resident(work.model_id)
+            outcomes: dict[str, Outcome] = {}
+            for op in plan.pre:
+                outcomes[op.request_id] = await self._single(op)
+            outcomes.update(await self._passes(plan.passes, cycle))
+            outcomes.update(await self._optims(plan.optims))
+            for op in plan.post:
+                outcomes[op.request_id] = await self._single(op)
+            return outcomes
+        except EngineDied as exc:
+            log.error("training engine died during cycle %d (%s); restarting it", cycle, exc)
+            self.resident.clear()
+            restart = getattr(self.engine, "restart", None)
+            if restart is None:
+                raise
+            await asyncio.to_thread(restart)
+            raise CycleAborted(str(exc)) from exc
+
+    # ---------------------------------------------------------------- durability
+    def snapshot_dir(self, model_id: str, seq: int) -> Path:
+        return self.data_dir / "state" / model_id / f"seq-{seq}"
+
+    async def _snapshot(self, model_id: str, seq: int) -> None:
+        final = self.snapshot_dir(model_id, seq)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        await self._call(self.engine.save_state, model_id, tmp, True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # a snapshot directory is complete or absent
+
+    def prune_snapshots(self, model_id: str, keep_seq: int) -> None:
+        """Called once Redis records `keep_seq` as the snapshot: older ones are not needed."""
+        for old in (self.data_dir / "state" / model_id).glob("seq-*"):
+            if old.name != f"seq-{keep_seq}":
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def _ensure_resident(self, model_id: str) -> None:
+        if model_id in self.resident:
+            return
+        _, snapshot_seq = await self.store.progress(model_id)
+        if snapshot_seq is None:
+            return  # not created yet: its create/load is in this cycle
+        await self._call(self.engine.load_state, model_id,
+                         self.snapshot_dir(model_id, snapshot_seq), True)
+        replay = await self.store.replay_log(model_id, snapshot_seq)
+        if replay:
+            requests = [translate.pass_request(
+                job.request_id, pb.SubmitRequest.FromString(job.payload).forward_backward)
+                for job in replay]
+            await self._call(self.engine.run_passes, requests)
+        self.resident.add(model_id)
+        log.info("restored %s from its snapshot at seq %d (+%d passes replayed)", model_id,
+                 snapshot_seq, len(replay))
 
     async def _request(self, op: QueuedOp) -> pb.SubmitRequest:
         job = await self.store.job(op.request_id)
@@ -86,8 +150,10 @@ class Dispatcher:
             if op.kind == "create_model":
                 c = req.create_model
                 await self._call(self.engine.create_model, op.model_id, lora_spec(c.lora_config))
+                self.resident.add(op.model_id)
+                await self._snapshot(op.model_id, op.seq_id)
                 return Outcome(pb.JobResult(create_model=pb.CreateModelResult(
-                    model_id=op.model_id)))
+                    model_id=op.model_id)), snapshot_seq=op.seq_id)
             if op.kind == "load":
                 return await self._load(op, req.load_weights)
             if op.kind == "save":
@@ -103,7 +169,10 @@ class Dispatcher:
         if not directory.is_dir():
             raise UserInputError("path", f"checkpoint {load.path} has no files on this server")
         await self._call(self.engine.load_state, op.model_id, directory, load.optimizer)
-        return Outcome(pb.JobResult(load=pb.LoadResult(model_id=op.model_id, path=load.path)))
+        self.resident.add(op.model_id)
+        await self._snapshot(op.model_id, op.seq_id)
+        return Outcome(pb.JobResult(load=pb.LoadResult(model_id=op.model_id, path=load.path)),
+                       snapshot_seq=op.seq_id)
 
     async def _save(self, op: QueuedOp, owner: str, save: pb.SaveWeights) -> Outcome:
         model = await self.store.model(op.model_id)
@@ -188,7 +257,9 @@ class Dispatcher:
             metrics = await self._call(self.engine.optim_step, list(requests.values()))
         except Exception as exc:
             return outcomes | {rid: failure(exc) for rid in requests}
+        seq_of = {op.request_id: op.seq_id for op in ops}
         for rid, r in requests.items():
+            await self._snapshot(r.model_id, seq_of[rid])
             result = pb.OptimStepResult(metrics=metrics.get(r.model_id, {}))
-            outcomes[rid] = Outcome(pb.JobResult(optim_step=result))
+            outcomes[rid] = Outcome(pb.JobResult(optim_step=result), snapshot_seq=seq_of[rid])
         return outcomes

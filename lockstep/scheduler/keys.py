@@ -36,6 +36,19 @@ def pending(model_id: str) -> str:
     return f"{PREFIX}pending:{model_id}"
 
 
+def progress(model_id: str) -> str:
+    """Hash: next_seq (the seq_id the clock runs next), snapshot_seq (the seq_id whose state
+    is the model's durable snapshot), last_request_time. Written with the job outcomes, in the
+    same transaction, so a crash never leaves a finished request without its model advancing."""
+    return f"{PREFIX}progress:{model_id}"
+
+
+def replay(model_id: str) -> str:
+    """Sorted set: seq_id -> request id of forward_backward passes run since the model's last
+    snapshot. A restarted engine restores the snapshot and re-runs these to rebuild gradients."""
+    return f"{PREFIX}replay:{model_id}"
+
+
 def model(model_id: str) -> str:
     """String (JSON ModelRecord)."""
     return f"{PREFIX}model:{model_id}"

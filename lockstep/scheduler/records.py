@@ -43,7 +43,6 @@ class ModelRecord(msgspec.Struct):
     lora: LoraRecord
     created: float
     last_request_time: float
-    next_seq: int = 0  # the seq_id the clock runs next for this model
     user_metadata: dict[str, str] = {}
     last_checkpoint: str | None = None  # checkpoint_id
     last_sampler_checkpoint: str | None = None

@@ -17,6 +17,7 @@ from lockstep.scheduler import translate
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.workers.process import EngineDied
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,14 @@ class SamplingLane:
         while not self._stopping:
             try:
                 served = await self.serve_once()
+            except EngineDied as exc:  # the batch stays queued and runs on a fresh sampler
+                log.error("sampling engine died (%s); restarting it", exc)
+                self._loaded.clear()
+                restart = getattr(self.engine, "restart", None)
+                if restart is None:
+                    raise
+                await asyncio.to_thread(restart)
+                served = 0
             except Exception:
                 log.exception("sampling batch failed")
                 metrics.scheduler_error("sampling")

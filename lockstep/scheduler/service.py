@@ -176,9 +176,10 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     # ---------------------------------------------------------------- runs and checkpoints
     async def _run(self, model: ModelRecord) -> pb.TrainingRun:
+        last = await self.store.last_request_time(model.model_id) or model.last_request_time
         run = pb.TrainingRun(
             training_run_id=model.model_id, base_model=model.base_model,
-            model_owner=model.owner, is_lora=True, last_request_time=model.last_request_time,
+            model_owner=model.owner, is_lora=True, last_request_time=last,
             lora_rank=model.lora.rank, user_metadata=model.user_metadata,
         )
         for cid, slot in ((model.last_checkpoint, run.last_checkpoint),

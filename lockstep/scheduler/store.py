@@ -281,7 +281,7 @@ class Store:
             if rec is None or not entries:
                 await self.redis.srem(keys.ACTIVE_MODELS, model_id)
                 continue
-            ops = []
+            ops: list[QueuedOp] = []
             async with self.redis.pipeline(transaction=False) as pipe:
                 for rid, _ in entries:
                     pipe.hmget(keys.job(rid.decode()), ["kind", "tokens"])
@@ -290,11 +290,16 @@ class Store:
                 ops.append(QueuedOp(rid.decode(), model_id, int(seq), (kind or b"").decode(),
                                     int(tokens or 0)))
             queues[model_id] = ops
-            next_seq[model_id] = rec.next_seq
+            next_seq[model_id] = (await self.progress(model_id))[0]
         return queues, next_seq
 
     async def next_cycle(self) -> int:
         return int(await self.redis.incr(keys.CLOCK))
+
+    async def progress(self, model_id: str) -> tuple[int, int | None]:
+        """(next_seq, snapshot_seq) of a model."""
+        raw = await self.redis.hmget(keys.progress(model_id), ["next_seq", "snapshot_seq"])
+        return int(raw[0] or 0), None if raw[1] is None else int(raw[1])
 
     async def finish_job(
         self,
@@ -303,10 +308,15 @@ class Store:
         result: bytes | None = None,
         error: str | None = None,
         category: str = "user",
-        advance_model: bool = True,
         keep_status: bool = False,
+        snapshot_seq: int | None = None,
     ) -> None:
-        """Write a job's outcome, take it off its queue and (training) advance the model's seq."""
+        """Write a job's outcome, take it off its queue and, for training requests, advance the
+        model's progress, all in one transaction.
+
+        A successful forward_backward keeps its payload and joins the model's replay log until
+        the next snapshot; `snapshot_seq` marks a new snapshot (and empties the log up to it).
+        """
         fields: dict[str, bytes | str] = {}
         if not keep_status:
             fields["status"] = "done" if error is None else "failed"
@@ -315,25 +325,41 @@ class Store:
         if error is not None:
             fields["error"] = error
             fields["category"] = category
+        replayed = job.kind == "forward_backward" and error is None
+        stale: list[str] = []
+        if snapshot_seq is not None:
+            stale = [r.decode() for r in await self.redis.zrangebyscore(
+                keys.replay(job.model_id), "-inf", snapshot_seq)]
         async with self.redis.pipeline(transaction=True) as pipe:
             if fields:
                 pipe.hset(keys.job(job.request_id), mapping=fields)
-            pipe.hdel(keys.job(job.request_id), "payload")
+            if not replayed:
+                pipe.hdel(keys.job(job.request_id), "payload")
             pipe.expire(keys.job(job.request_id), RESULT_TTL_SECONDS)
             if job.kind == "sample":
                 pipe.lrem(keys.SAMPLE_QUEUE, 1, job.request_id)
             else:
                 pipe.zrem(keys.pending(job.model_id), job.request_id)
+                progress = {"next_seq": job.seq_id + 1, "last_request_time": time.time()}
+                if snapshot_seq is not None:
+                    progress["snapshot_seq"] = snapshot_seq
+                pipe.hset(keys.progress(job.model_id), mapping=progress)
+                if replayed:
+                    pipe.zadd(keys.replay(job.model_id), {job.request_id: job.seq_id})
+                if stale:
+                    pipe.zrem(keys.replay(job.model_id), *stale)
+                    for rid in stale:
+                        pipe.hdel(keys.job(rid), "payload")
             await pipe.execute()
-        if advance_model and job.kind != "sample":
-            await self.advance_model(job.model_id, job.seq_id + 1)
 
-    async def advance_model(self, model_id: str, next_seq: int) -> None:
-        rec = await self.model(model_id)
-        if rec is not None and next_seq > rec.next_seq:
-            rec.next_seq = next_seq
-            rec.last_request_time = time.time()
-            await self.put_model(rec)
+    async def replay_log(self, model_id: str, after_seq: int) -> list[Job]:
+        """The forward_backward passes to re-run on top of the snapshot taken at `after_seq`."""
+        ids = await self.redis.zrangebyscore(keys.replay(model_id), f"({after_seq}", "+inf")
+        return await self.jobs([i.decode() for i in ids])
+
+    async def last_request_time(self, model_id: str) -> float | None:
+        raw = await self.redis.hget(keys.progress(model_id), "last_request_time")
+        return None if raw is None else float(raw)
 
     async def pending_count(self, model_id: str) -> int:
         return int(await self.redis.zcard(keys.pending(model_id)))

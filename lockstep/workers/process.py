@@ -60,20 +60,34 @@ class EngineProcess:
     """A child process hosting one engine object built by `factory` (which must pickle)."""
 
     def __init__(self, factory: Callable[[], Any], name: str, start_timeout: float = 600) -> None:
+        self.name = name
+        self.factory = factory
+        self.start_timeout = start_timeout
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.name = name
-        self._proc = ctx.Process(target=_serve, args=(factory, child), name=name, daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(self.factory, child), name=self.name,
+                                 daemon=True)
         self._proc.start()
         child.close()
-        self._lock = threading.Lock()
-        if not self._conn.poll(start_timeout):
+        if not self._conn.poll(self.start_timeout):
             self.close()
-            raise EngineDied(f"{name} did not start within {start_timeout}s")
+            raise EngineDied(f"{self.name} did not start within {self.start_timeout}s")
         ok, value = self._conn.recv()
         if not ok:
             raise value
-        log.info("%s ready in process %s", name, self._proc.pid)
+        log.info("%s ready in process %s", self.name, self._proc.pid)
+
+    def restart(self) -> None:
+        """Replace a dead (or wedged) engine process by a fresh one; its state starts empty."""
+        self.close()
+        self.restarts += 1
+        log.warning("restarting %s (restart %d)", self.name, self.restarts)
+        self._start()
 
     @property
     def pid(self) -> int | None:
@@ -118,6 +132,10 @@ class ProcessTrainingEngine(TrainingEngine):
     def card(self) -> ModelCard:
         return self._card
 
+    def restart(self) -> None:
+        """A fresh engine process: every adapter must be restored by the caller."""
+        self.process.restart()
+
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
         self.process.call("create_model", model_id, spec)
 
@@ -156,6 +174,10 @@ class ProcessSamplingEngine(SamplingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def restart(self) -> None:
+        """A fresh sampler process; adapters are loaded again on demand."""
+        self.process.restart()
 
     def load_adapter(self, adapter_id: str, directory: Path) -> None:
         self.process.call("load_adapter", adapter_id, directory)

@@ -67,9 +67,9 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
         await store.finish_job(op, result=b"result-bytes")
         job = await store.job(rid)
         assert job is not None and job.status == "done" and job.result == b"result-bytes"
-        assert job.payload == b""  # payloads are dropped once served
-        model = await store.model("sess-1:train:0")
-        assert model is not None and model.next_seq == 2
+        assert await store.progress("sess-1:train:0") == (2, None)
+        (job,) = await store.replay_log("sess-1:train:0", after_seq=0)
+        assert job.request_id == rid and job.payload == b"x"  # kept until the next snapshot
         assert (await store.queued_ops())[0] == {}
         c1, c2 = await store.next_cycle(), await store.next_cycle()
         assert c2 == c1 + 1
@@ -90,6 +90,30 @@ def test_a_rejected_request_is_failed_but_queued(clean_redis: str) -> None:
         assert job.error == "weights: wrong length"
         (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
         assert op.kind == "rejected"
+        await store.close()
+
+    run(go())
+
+
+def test_a_snapshot_empties_the_replay_log(clean_redis: str) -> None:
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        model = "sess-1:train:0"
+        await store.put_model(model_record())
+        for seq, kind in ((1, "forward_backward"), (2, "forward_backward"), (3, "optim_step"),
+                          (4, "forward_backward")):
+            await store.claim_training(owner="o", model_id=model, seq_id=seq, kind=kind,
+                                       payload=f"p{seq}".encode(), tokens=1)
+        ops = (await store.queued_ops())[0][model]
+        for op in ops[:2]:
+            await store.finish_job(op, result=b"r")
+        assert [j.seq_id for j in await store.replay_log(model, after_seq=0)] == [1, 2]
+        await store.finish_job(ops[2], result=b"r", snapshot_seq=3)
+        await store.finish_job(ops[3], result=b"r")
+        assert await store.progress(model) == (5, 3)
+        assert [j.seq_id for j in await store.replay_log(model, after_seq=3)] == [4]
+        first = await store.job(ops[0].request_id)
+        assert first is not None and first.payload == b""  # dropped once a snapshot covers it
         await store.close()
 
     run(go())
