@@ -58,6 +58,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to gather requests before a triggered cycle")
     p.add_argument("--token-budget", type=int, default=65536,
                    help="pass tokens packed into one cycle")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="port of the scheduler's /metrics (default: a free port, logged); the "
+                   "gateway serves its own /metrics on --port")
+    p.add_argument("--metrics-max-tenants", type=int, default=32,
+                   help="API-key owners with per-tenant metric series of their own (the rest "
+                   "are counted as owner=\"other\")")
     p.add_argument("--log-level", default="info")
 
 
@@ -71,7 +77,8 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
              "--clock-gather", str(a.clock_gather), "--token-budget", str(a.token_budget))
     return ServeConfig(host=a.host, port=a.port, data_dir=data_dir, model_dir=model_dir,
                        served_names=names, redis_url=a.redis_url, api_keys=tuple(keys),
-                       clock_args=clock, log_level=a.log_level)
+                       clock_args=clock, log_level=a.log_level, metrics_port=a.metrics_port,
+                       metrics_max_tenants=a.metrics_max_tenants)
 
 
 def main(argv: list[str] | None = None) -> None:

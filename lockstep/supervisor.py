@@ -49,6 +49,8 @@ class ServeConfig:
     clock_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str = "info"
+    metrics_port: int = 0  # the scheduler's /metrics (0: a free port, logged)
+    metrics_max_tenants: int = 32
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Supervisor:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.children: list[Child] = []
+        self.metrics_port = cfg.metrics_port
         self._stopping = False
 
     def _redis(self) -> tuple[Child | None, str]:
@@ -106,6 +109,9 @@ class Supervisor:
         sched = [py, "-m", "lockstep.scheduler", "--listen", sched_addr, "--redis-url",
                  redis_url, "--data-dir", str(self.cfg.data_dir), "--model-dir",
                  str(self.cfg.model_dir), *self.cfg.clock_args]
+        self.metrics_port = self.cfg.metrics_port or free_port()
+        sched += ["--metrics-host", self.cfg.host, "--metrics-port", str(self.metrics_port),
+                  "--metrics-max-tenants", str(self.cfg.metrics_max_tenants)]
         for name in self.cfg.served_names:
             sched += ["--served-name", name]
         self.children.append(Child("scheduler", sched))
@@ -138,6 +144,9 @@ class Supervisor:
                     if resp.status == 200:
                         log.info("Lockstep ready at http://%s:%d (models: %s)", self.cfg.host,
                                  self.cfg.port, ", ".join(self.cfg.served_names))
+                        log.info("metrics: http://%s:%d/metrics (gateway), "
+                                 "http://%s:%d/metrics (scheduler)", self.cfg.host,
+                                 self.cfg.port, self.cfg.host, self.metrics_port)
                         return
             except OSError:
                 pass

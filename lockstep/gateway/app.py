@@ -15,6 +15,7 @@ from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.routes import api_router
 from lockstep.gateway.settings import GatewaySettings
+from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
 from lockstep.v1 import scheduler_pb2_grpc
 
 log = logging.getLogger("lockstep.gateway")
@@ -69,7 +70,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.file_url_secret = secret
     install_error_handlers(app)
     app.include_router(api_router)
+    app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware)  # outermost: times everything
     return app
 
 

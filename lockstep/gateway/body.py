@@ -77,7 +77,7 @@ class BodyLimitMiddleware:
                 (k, v) for k, v in headers if k not in (b"content-encoding", b"content-length")
             ]
             headers.append((b"content-length", str(len(body)).encode()))
-            scope = dict(scope, headers=headers)
+            scope["headers"] = headers  # in place: outer middleware reads the scope afterwards
 
         sent = False
 

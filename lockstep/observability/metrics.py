@@ -1,0 +1,423 @@
+"""Every Prometheus metric Lockstep exports, defined in this one module.
+
+Each process has its own registry: `SCHEDULER` is served by the scheduler's ops server
+(`--metrics-port`: `/metrics`, see `ops_server`), `GATEWAY` by the gateway at `GET /metrics`
+(see `asgi`). The scheduler and the gateway call the small helpers below; docs/operations.md
+says what each metric means, which alerts to set and how to size the clock cycle.
+
+Label cardinality is bounded by construction: no request, session, sampler or model id is ever a
+label. Per-tenant series are labelled `owner` (the API key's owner id, sha256(key)[:16]), and at
+most `--metrics-max-tenants` owners (default 32) have series of their own at once; the rest are
+counted under owner="other" (`tracking.TenantLabels`). HTTP routes are the route templates
+(`/api/v1/training_runs/{run_id}`), never raw paths; an unknown path is route="unmatched".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from lockstep.observability.tracking import BusyWindow, HasOwner, OwnerCache, TenantLabels
+
+if TYPE_CHECKING:
+    from lockstep.engine.types import SampleResult
+    from lockstep.scheduler.dispatch import Outcome
+    from lockstep.scheduler.planner import CyclePlan
+    from lockstep.scheduler.records import QueuedOp
+
+log = logging.getLogger(__name__)
+
+disable_created_metrics()  # no `*_created` series: they double the series count for nothing
+
+SCHEDULER = CollectorRegistry()
+GATEWAY = CollectorRegistry()
+for _registry in (SCHEDULER, GATEWAY):
+    ProcessCollector(registry=_registry)
+    PlatformCollector(registry=_registry)
+    GCCollector(registry=_registry)
+
+try:
+    VERSION = metadata.version("lockstep")
+except metadata.PackageNotFoundError:  # a source checkout that was never installed
+    VERSION = "unknown"
+for _registry in (SCHEDULER, GATEWAY):
+    Info("lockstep_build", "The running Lockstep version.", registry=_registry).info(
+        {"version": VERSION})
+
+# Buckets. Cycles run from milliseconds (tiny model, CPU) to minutes (big packed batches).
+CYCLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Long polls (retrieve_future) hold a call up to 25 s, the SDK gives up at 45 s.
+HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
+                30, 45, 60)
+RATIO_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 1.5, 2)
+TENANT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1)
+PUBLISH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# ---------------------------------------------------------------- scheduler: the clock
+CYCLE_SECONDS = Histogram(
+    "lockstep_cycle_duration_seconds",
+    "Wall time of one clock cycle: plan, dispatch (fused pass + batched step), collect.",
+    buckets=CYCLE_BUCKETS, registry=SCHEDULER)
+CYCLE_PHASE_SECONDS = Histogram(
+    "lockstep_cycle_phase_duration_seconds",
+    "Wall time of each part of a clock cycle (plan: read the queues from Redis and plan; "
+    "dispatch: the engine work; collect: write results and wake futures).",
+    ["phase"], buckets=CYCLE_BUCKETS, registry=SCHEDULER)
+CYCLES = Counter(
+    "lockstep_cycles_total",
+    "Clock cycles run; kind=idle are periodic-policy cycles that found nothing to do.",
+    ["kind"], registry=SCHEDULER)
+CYCLE_TOKENS = Counter(
+    "lockstep_cycle_tokens_total", "Pass tokens packed into clock cycles.", registry=SCHEDULER)
+CYCLE_BUDGET = Counter(
+    "lockstep_cycle_token_budget_total",
+    "Token budget offered by the clock cycles run (token budget x cycles).", registry=SCHEDULER)
+CYCLE_TOKEN_UTILIZATION = Histogram(
+    "lockstep_cycle_token_utilization_ratio",
+    "Per cycle: pass tokens packed / token budget (above 1 only when one request larger than "
+    "the whole budget runs alone).", buckets=RATIO_BUCKETS, registry=SCHEDULER)
+CYCLE_TENANTS = Histogram(
+    "lockstep_cycle_tenants",
+    "Per cycle with work: distinct training runs (LoRA adapters) that ran in it.",
+    buckets=TENANT_BUCKETS, registry=SCHEDULER)
+CLOCK_BUSY_SECONDS = Counter(
+    "lockstep_clock_busy_seconds_total",
+    "Time spent inside clock cycles that had work; rate() of it is busy time / wall time.",
+    registry=SCHEDULER)
+CLOCK_BUSY_RATIO = Gauge(
+    "lockstep_clock_busy_ratio",
+    "Busy time / wall time of the clock over the last 60 s (a running cycle counts).",
+    registry=SCHEDULER)
+CLOCK_TOKEN_BUDGET = Gauge(
+    "lockstep_clock_token_budget", "The configured pass-token budget of one cycle.",
+    registry=SCHEDULER)
+TENANTS_WAITING = Gauge(
+    "lockstep_tenants_waiting",
+    "Training runs with passes that did not fit the last cycle (their futures answer "
+    "queue_state=paused_capacity).", registry=SCHEDULER)
+
+# ---------------------------------------------------------------- scheduler: tenants and queues
+TENANT_REQUESTS = Counter(
+    "lockstep_tenant_requests_total",
+    "Requests executed, per owner (capped; see docs/operations.md), kind and outcome.",
+    ["owner", "kind", "outcome"], registry=SCHEDULER)
+TENANT_TOKENS = Counter(
+    "lockstep_tenant_tokens_total",
+    "Tokens processed per owner: pass tokens (forward, forward_backward), generated tokens "
+    "(sample).", ["owner", "kind"], registry=SCHEDULER)
+QUEUE_DEPTH = Gauge(
+    "lockstep_queue_depth", "Training requests queued per owner (ready or waiting on a gap).",
+    ["owner"], registry=SCHEDULER)
+FUTURES_PENDING = Gauge(
+    "lockstep_futures_pending", "Submitted requests whose result is not written yet.",
+    ["kind"], registry=SCHEDULER)
+FUTURE_WAITERS = Gauge(
+    "lockstep_future_waiters", "retrieve_future long polls the scheduler is holding now.",
+    registry=SCHEDULER)
+SUBMISSIONS = Counter(
+    "lockstep_submissions_total", "Requests accepted and queued (first submission only).",
+    ["kind"], registry=SCHEDULER)
+RETRIES_DEDUPLICATED = Counter(
+    "lockstep_retries_deduplicated_total",
+    "Resubmissions of an already queued (model, seq_id) or (sampler, seq_id): answered with "
+    "the first request id, not run again.", ["kind"], registry=SCHEDULER)
+
+# ---------------------------------------------------------------- scheduler: engines, Redis
+ENGINE_PHASE = Enum(
+    "lockstep_engine_phase",
+    "What each engine process is doing now (train: passes and optimizer steps; checkpoint: "
+    "create/save/load; sample; publish: loading new adapter weights into the sampler).",
+    ["engine"], states=["idle", "train", "checkpoint", "sample", "publish"], registry=SCHEDULER)
+ENGINE_BUSY_SECONDS = Counter(
+    "lockstep_engine_busy_seconds_total", "Time each engine spent in each phase.",
+    ["engine", "phase"], registry=SCHEDULER)
+ADAPTER_PUBLISH_SECONDS = Histogram(
+    "lockstep_adapter_publish_duration_seconds",
+    "Time to load new sampler weights (a LoRA adapter) into the sampling engine.",
+    buckets=PUBLISH_BUCKETS, registry=SCHEDULER)
+SAMPLER_TOKENS = Counter(
+    "lockstep_sampler_tokens_total", "Tokens generated by the sampling engine.",
+    registry=SCHEDULER)
+SAMPLER_BATCH_SECONDS = Histogram(
+    "lockstep_sampler_batch_duration_seconds", "Wall time of one sampling engine batch.",
+    buckets=CYCLE_BUCKETS, registry=SCHEDULER)
+SAMPLER_BATCH_REQUESTS = Histogram(
+    "lockstep_sampler_batch_requests", "Sample requests (all tenants) in one engine batch.",
+    buckets=BATCH_BUCKETS, registry=SCHEDULER)
+REDIS_RTT_SECONDS = Histogram(
+    "lockstep_redis_rtt_seconds", "Round-trip time of a Redis PING from the scheduler.",
+    buckets=REDIS_BUCKETS, registry=SCHEDULER)
+
+# ---------------------------------------------------------------- errors (both processes)
+ERROR_CATEGORIES = frozenset({
+    "user", "auth", "not_found", "capacity", "unavailable", "server", "cycle", "sampling",
+    "redis"})
+SCHEDULER_ERRORS = Counter(
+    "lockstep_errors_total", "Errors by component and category (docs/operations.md).",
+    ["component", "category"], registry=SCHEDULER)
+GATEWAY_ERRORS = Counter(
+    "lockstep_errors_total", "Errors by component and category (docs/operations.md).",
+    ["component", "category"], registry=GATEWAY)
+
+# ---------------------------------------------------------------- gateway: HTTP
+HTTP_SECONDS = Histogram(
+    "lockstep_http_request_duration_seconds",
+    "HTTP request latency by method, route template and status (retrieve_future is a long "
+    "poll: it is held up to --long-poll-seconds).",
+    ["method", "route", "status"], buckets=HTTP_BUCKETS, registry=GATEWAY)
+HTTP_IN_FLIGHT = Gauge(
+    "lockstep_http_requests_in_flight",
+    "HTTP requests being served now (long polls included).", registry=GATEWAY)
+
+TENANTS = TenantLabels()
+OWNERS = OwnerCache()
+PASS_KINDS = frozenset({"forward", "forward_backward"})
+
+
+def configure(max_tenants: int) -> None:
+    """Set the per-owner label cap (`--metrics-max-tenants`) before any series exists."""
+    TENANTS.cap = max_tenants
+
+
+def scheduler_error(category: str) -> None:
+    SCHEDULER_ERRORS.labels("scheduler", category if category in ERROR_CATEGORIES
+                            else "server").inc()
+
+
+def gateway_error(category: str) -> None:
+    GATEWAY_ERRORS.labels("gateway", category if category in ERROR_CATEGORIES
+                          else "server").inc()
+
+
+def _tenant_inc(metric: Counter, owner: str | None, *labels: str, amount: float = 1) -> None:
+    label = TENANTS.label(owner)
+    values = (label, *labels)
+    metric.labels(*values).inc(amount)
+    TENANTS.track(label, metric, values)
+
+
+# ---------------------------------------------------------------- submissions
+def submitted(owner: str, model_id: str, kind: str, created: bool) -> None:
+    """A submission was claimed: a new request, or a deduplicated retry of a queued one."""
+    (SUBMISSIONS if created else RETRIES_DEDUPLICATED).labels(kind).inc()
+    if kind != "sample":
+        OWNERS.note(model_id, owner)
+
+
+_REFUSALS = {"INVALID_ARGUMENT": "user", "NOT_FOUND": "not_found",
+             "RESOURCE_EXHAUSTED": "capacity"}
+
+
+def refused(status_code: str) -> None:
+    """A scheduler RPC answered with an error status (a gRPC status code name)."""
+    scheduler_error(_REFUSALS.get(status_code, "server"))
+
+
+# ---------------------------------------------------------------- the clock
+@dataclass
+class CycleSpan:
+    """Timestamps of one cycle (time.monotonic)."""
+
+    start: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        previous = max(self.marks.values(), default=self.start)
+        CYCLE_PHASE_SECONDS.labels(phase).observe(now - previous)
+        self.marks[phase] = now
+
+
+class ClockMeter:
+    """What the clock reports about each cycle; `Clock` calls it at each step of a cycle."""
+
+    def __init__(
+        self, token_budget: int, lookup_model: Callable[[str], Awaitable[HasOwner | None]],
+        window_s: float = 60.0,
+    ) -> None:
+        self.lookup_model = lookup_model
+        self.busy = BusyWindow(window_s)
+        CLOCK_TOKEN_BUDGET.set(token_budget)
+        CLOCK_BUSY_RATIO.set_function(self.busy.ratio)
+        self._queued_owners: set[str] = set()
+
+    def begin(self) -> CycleSpan:
+        return CycleSpan()
+
+    async def planned(
+        self, span: CycleSpan, queues: Mapping[str, list[QueuedOp]], plan: CyclePlan,
+        runs: bool,
+    ) -> None:
+        """The queues were read and planned; `runs`: the cycle goes on (work or periodic)."""
+        await OWNERS.resolve(queues, self.lookup_model)
+        depth: dict[str, int] = {}
+        for model_id, ops in queues.items():
+            label = TENANTS.label(OWNERS.get(model_id))
+            depth[label] = depth.get(label, 0) + len(ops)
+        for label in self._queued_owners - depth.keys():
+            QUEUE_DEPTH.labels(label).set(0)
+        for label, n in depth.items():
+            QUEUE_DEPTH.labels(label).set(n)
+            TENANTS.track(label, QUEUE_DEPTH, (label,))
+        self._queued_owners = set(depth)
+        FUTURES_PENDING.labels("training").set(sum(depth.values()))
+        TENANTS_WAITING.set(len(plan.deficits))
+        if runs:
+            span.mark("plan")
+            if not plan.empty:
+                self.busy.begin(span.start)
+
+    def dispatched(self, span: CycleSpan) -> None:
+        span.mark("dispatch")
+
+    def finished(self, span: CycleSpan, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
+        span.mark("collect")
+        seconds = time.monotonic() - span.start
+        CYCLE_SECONDS.observe(seconds)
+        CYCLES.labels("idle" if plan.empty else "work").inc()
+        CYCLE_TOKENS.inc(plan.tokens)
+        CYCLE_BUDGET.inc(plan.budget)
+        if plan.budget > 0:
+            CYCLE_TOKEN_UTILIZATION.observe(plan.tokens / plan.budget)
+        if plan.empty:
+            return
+        CLOCK_BUSY_SECONDS.inc(seconds)
+        self.busy.end()
+        CYCLE_TENANTS.observe(len(plan.models))
+        for work in plan.models:
+            owner = OWNERS.get(work.model_id)
+            for op in work.ops():
+                if op.kind == "rejected":  # refused at submission, counted there
+                    continue
+                outcome = outcomes.get(op.request_id)
+                ok = outcome is not None and outcome.error is None
+                _tenant_inc(TENANT_REQUESTS, owner, op.kind, "ok" if ok else "failed")
+                if not ok:
+                    scheduler_error(outcome.category if outcome is not None else "server")
+                elif op.kind in PASS_KINDS:
+                    _tenant_inc(TENANT_TOKENS, owner, op.kind, amount=op.tokens)
+
+    def failed(self) -> None:
+        """The cycle raised (the clock logs it and goes on)."""
+        self.busy.end()
+        scheduler_error("cycle")
+
+
+# ---------------------------------------------------------------- engines and sampling
+_PHASES = {"run_passes": "train", "optim_step": "train", "sample": "sample",
+           "load_adapter": "publish"}
+
+
+@dataclass
+class Timer:
+    seconds: float = 0.0
+
+
+@contextmanager
+def engine_call(engine: str, verb: str) -> Iterator[Timer]:
+    """Mark `engine` busy in the phase of `verb` (an engine method name) while the block runs."""
+    phase = _PHASES.get(verb, "checkpoint")
+    timer = Timer()
+    start = time.monotonic()
+    ENGINE_PHASE.labels(engine).state(phase)
+    try:
+        yield timer
+    finally:
+        timer.seconds = time.monotonic() - start
+        ENGINE_PHASE.labels(engine).state("idle")
+        ENGINE_BUSY_SECONDS.labels(engine, phase).inc(timer.seconds)
+
+
+def sampled(owners: list[str], results: list[SampleResult], seconds: float) -> None:
+    """One sampling engine batch finished: `owners[i]` asked for `results[i]`."""
+    SAMPLER_BATCH_SECONDS.observe(seconds)
+    SAMPLER_BATCH_REQUESTS.observe(len(results))
+    for owner, result in zip(owners, results, strict=True):
+        ok = result.error is None
+        _tenant_inc(TENANT_REQUESTS, owner, "sample", "ok" if ok else "failed")
+        if not ok:
+            scheduler_error("user")
+            continue
+        tokens = sum(len(seq.tokens) for seq in result.sequences)
+        SAMPLER_TOKENS.inc(tokens)
+        _tenant_inc(TENANT_TOKENS, owner, "sample", amount=tokens)
+
+
+def sample_failed(owners: Iterable[str]) -> None:
+    """Sample requests answered with an error before reaching the engine (e.g. no sampler)."""
+    for owner in owners:
+        _tenant_inc(TENANT_REQUESTS, owner, "sample", "failed")
+        scheduler_error("user")
+
+
+def sample_backlog(queued: int) -> None:
+    FUTURES_PENDING.labels("sample").set(queued)
+
+
+def adapter_published(seconds: float) -> None:
+    ADAPTER_PUBLISH_SECONDS.observe(seconds)
+
+
+async def probe_redis(ping: Callable[[], Awaitable[object]], interval_s: float = 5.0) -> None:
+    """Measure the Redis round trip every `interval_s` until cancelled."""
+    while True:
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(ping(), timeout=max(interval_s, 1.0))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("redis ping failed: %s", exc)
+            scheduler_error("redis")
+        else:
+            REDIS_RTT_SECONDS.observe(time.monotonic() - start)
+        await asyncio.sleep(interval_s)
+
+
+# ---------------------------------------------------------------- gateway
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def http_error_category(status: int) -> str | None:
+    """The error category of an HTTP status (None: not an error)."""
+    if status < 400:
+        return None
+    if status in (401, 403):
+        return "auth"
+    if status in (404, 405):
+        return "not_found"
+    if status == 429:
+        return "capacity"
+    if status in (502, 503, 504):
+        return "unavailable"
+    return "server" if status >= 500 else "user"
+
+
+def http_request(method: str, route: str, status: int, seconds: float) -> None:
+    method = method if method in _METHODS else "OTHER"
+    HTTP_SECONDS.labels(method, route, str(status)).observe(seconds)
+    category = http_error_category(status)
+    if category is not None:
+        gateway_error(category)
