@@ -172,8 +172,8 @@ REDIS_RTT_SECONDS = Histogram(
 
 # ---------------------------------------------------------------- errors (both processes)
 ERROR_CATEGORIES = frozenset({
-    "user", "auth", "not_found", "capacity", "unavailable", "server", "cycle", "sampling",
-    "redis"})
+    "user", "auth", "not_found", "capacity", "unavailable", "server", "cycle", "engine",
+    "sampling", "redis"})
 SCHEDULER_ERRORS = Counter(
     "lockstep_errors_total", "Errors by component and category (docs/operations.md).",
     ["component", "category"], registry=SCHEDULER)
@@ -319,10 +319,11 @@ class ClockMeter:
                 elif op.kind in PASS_KINDS:
                     _tenant_inc(TENANT_TOKENS, owner, op.kind, amount=op.tokens)
 
-    def failed(self) -> None:
-        """The cycle raised (the clock logs it and goes on)."""
+    def failed(self, category: str = "cycle") -> None:
+        """The cycle raised ("cycle"; the clock logs it and goes on) or was abandoned because
+        the engine died ("engine"; it runs again on a fresh engine)."""
         self.busy.end()
-        scheduler_error("cycle")
+        scheduler_error(category)
 
 
 # ---------------------------------------------------------------- engines and sampling

@@ -97,6 +97,7 @@ class Clock:
         try:
             outcomes = await self.dispatcher.run(plan, cycle)
         except CycleAborted:
+            self.meter.failed("engine")
             self.wake.set()  # nothing was recorded: the same work runs on the fresh engine
             return plan
         self.meter.dispatched(span)

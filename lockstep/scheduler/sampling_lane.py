@@ -58,6 +58,7 @@ class SamplingLane:
                 served = await self.serve_once()
             except EngineDied as exc:  # the batch stays queued and runs on a fresh sampler
                 log.error("sampling engine died (%s); restarting it", exc)
+                metrics.scheduler_error("engine")
                 self._loaded.clear()
                 restart = getattr(self.engine, "restart", None)
                 if restart is None:

@@ -32,6 +32,13 @@ R = TypeVar("R")
 
 # Completed futures stay retrievable this long (the SDK may re-poll after a transport error).
 RESULT_TTL_SECONDS = 7 * 24 * 3600
+# Drop a model from the active set only if its pending queue is (still) empty, atomically.
+_SREM_IF_IDLE = """
+if redis.call('ZCARD', KEYS[2]) == 0 then
+  return redis.call('SREM', KEYS[1], ARGV[1])
+end
+return 0
+"""
 
 
 def new_request_id() -> str:
@@ -278,8 +285,14 @@ class Store:
         for model_id in model_ids:
             entries = await self.redis.zrange(keys.pending(model_id), 0, -1, withscores=True)
             rec = await self.model(model_id)
-            if rec is None or not entries:
+            if rec is None:
                 await self.redis.srem(keys.ACTIVE_MODELS, model_id)
+                continue
+            if not entries:
+                # Only while still idle: a request claimed since the ZRANGE above (it re-adds the
+                # model) must keep it active, or it would wait for the model's next submission.
+                await self.redis.eval(_SREM_IF_IDLE, 2, keys.ACTIVE_MODELS,
+                                      keys.pending(model_id), model_id)
                 continue
             ops: list[QueuedOp] = []
             async with self.redis.pipeline(transaction=False) as pipe:

@@ -117,3 +117,33 @@ def test_a_snapshot_empties_the_replay_log(clean_redis: str) -> None:
         await store.close()
 
     run(go())
+
+
+def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) -> None:
+    """queued_ops drops an idle model from the active set; a request claimed between its read of
+    the (empty) queue and the removal must keep the model active, or the request would wait for
+    the model's next submission (seen as a forward_backward_custom that never completed)."""
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        await store.put_model(model_record())
+        rid, _ = await store.claim_training(owner="o", model_id="sess-1:train:0", seq_id=1,
+                                            kind="forward_backward", payload=b"x", tokens=3)
+        (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
+        await store.finish_job(op, result=b"r")  # the queue is empty, the model still active
+        read_model = store.model
+
+        async def model_then_claim(model_id: str) -> ModelRecord | None:
+            record = await read_model(model_id)
+            await store.claim_training(owner="o", model_id="sess-1:train:0", seq_id=2,
+                                       kind="forward_backward", payload=b"y", tokens=3)
+            return record
+
+        store.model = model_then_claim  # type: ignore[method-assign]
+        assert (await store.queued_ops())[0] == {}  # it read the queue before the claim
+        store.model = read_model  # type: ignore[method-assign]
+        (late,) = (await store.queued_ops())[0]["sess-1:train:0"]
+        assert late.seq_id == 2 and late.request_id != rid
+        await store.close()
+
+    run(go())
