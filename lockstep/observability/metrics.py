@@ -303,8 +303,7 @@ class ClockMeter:
             CYCLE_TOKEN_UTILIZATION.observe(plan.tokens / plan.budget)
         if plan.empty:
             return
-        CLOCK_BUSY_SECONDS.inc(seconds)
-        self.busy.end()
+        CLOCK_BUSY_SECONDS.inc(self.busy.end())
         CYCLE_TENANTS.observe(len(plan.models))
         for work in plan.models:
             owner = OWNERS.get(work.model_id)
@@ -322,7 +321,7 @@ class ClockMeter:
     def failed(self, category: str = "cycle") -> None:
         """The cycle raised ("cycle"; the clock logs it and goes on) or was abandoned because
         the engine died ("engine"; it runs again on a fresh engine)."""
-        self.busy.end()
+        CLOCK_BUSY_SECONDS.inc(self.busy.end())
         scheduler_error(category)
 
 

@@ -141,11 +141,15 @@ class BusyWindow:
         with self._lock:
             self._current = start
 
-    def end(self, end: float | None = None) -> None:
+    def end(self, end: float | None = None) -> float:
+        """Close the running interval (if any); returns its length in seconds."""
         with self._lock:
-            if self._current is not None:
-                self._intervals.append((self._current, self._now() if end is None else end))
-            self._current = None
+            start, self._current = self._current, None
+            if start is None:
+                return 0.0
+            stop = self._now() if end is None else end
+            self._intervals.append((start, stop))
+            return stop - start
 
     def ratio(self) -> float:
         with self._lock:
