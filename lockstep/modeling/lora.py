@@ -1,9 +1,10 @@
 """Multi-tenant LoRA: many adapters live in one base model; each batch ROW picks its own adapter.
 
 `LoraModel` swaps every targeted `nn.Linear` of a HF model for a `MultiLoRALinear`, which computes
-`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row. Rows are grouped per
-adapter and each group is computed on its own, so a row's output (and each adapter's gradient) is
-the same whichever other rows or adapters share the batch.
+`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row. Each row gathers its
+own adapter's A / B, zero-padded to the layer's largest rank, and two batched matmuls (one matrix
+per row) apply every adapter at once, so a row's output is the same whichever other rows or
+adapters share the batch, and the op count does not grow with the number of adapters.
 
 Adapter parameters are NOT registered as submodule parameters: the base model's `state_dict()`
 keeps its HF key names, and the engines reach adapters through `adapter_parameters(...)`.
@@ -47,43 +48,90 @@ def validate_spec(spec: LoraSpec) -> None:
 
 
 class _Routing:
-    """Which adapter each batch row uses; token-index groups are cached per input shape."""
+    """Which adapter each batch row uses; per-layout gather plans are cached for the forward."""
 
     def __init__(self, adapter_ids: Sequence[str | None], valid: torch.Tensor | None) -> None:
         self.adapter_ids = list(adapter_ids)
         self.valid = None if valid is None else valid.detach().to("cpu", torch.bool)  # one sync
-        self._cache: dict[tuple[int, torch.device], list[tuple[str, torch.Tensor]]] = {}
+        self._plans: dict[tuple[object, ...], _Plan | None] = {}
 
-    def groups(self, x: torch.Tensor, in_features: int) -> list[tuple[str, torch.Tensor]]:
-        """(adapter_id, flat token indices in row order) for x viewed as [rows, n, in]."""
+    def plan(
+        self, x: torch.Tensor, in_features: int, ranks: dict[str, int], scales: dict[str, float],
+        r_max: int,
+    ) -> _Plan | None:
+        """Gather plan for x viewed as [rows, n, in] over the adapters in `ranks` (this layer's).
+
+        Layers with the same adapter set, rank padding and token layout share one plan, so it is
+        built once per forward, not once per layer. None when no row uses any of these adapters.
+        """
         rows = len(self.adapter_ids)
         if x.shape[0] != rows:
             raise ValueError(f"batch has {x.shape[0]} rows but {rows} adapter ids were routed")
         per_row = x.numel() // (rows * in_features) if rows else 0
-        key = (per_row, x.device)
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        # Only real (non-padding) tokens when the mask matches: padding then never enters a
-        # group's matmul, so the group's inputs are identical alone or packed.
-        use_valid = self.valid is not None and self.valid.shape == (rows, per_row)
-        positions: dict[str, list[torch.Tensor]] = {}
-        for row, adapter_id in enumerate(self.adapter_ids):
-            if adapter_id is None:
+        active = list(dict.fromkeys(a for a in self.adapter_ids if a is not None and a in ranks))
+        key = (per_row, x.device, r_max, tuple((a, ranks[a], scales[a]) for a in active))
+        if key in self._plans:
+            return self._plans[key]
+        plan = _Plan.build(self.adapter_ids, active, ranks, scales, r_max, per_row, self.valid)
+        if plan is not None:
+            plan = plan.to(x.device)
+        self._plans[key] = plan
+        return plan
+
+
+class _Plan:
+    """Per-row gather of zero-padded adapter weights for one layer layout.
+
+    The active adapters' A (and B) are concatenated along the rank axis, with one zero slice
+    appended; `index` [rows * r_max] picks, for each row, its adapter's rank slices followed by
+    zero slices up to r_max (rows without an adapter here get only zero slices). `coef`
+    [rows, n, r_max] is the adapter's scale on real tokens and 0 on padding tokens, so padding and
+    unrouted tokens get an exact-zero delta, and each row's matmuls only see its own adapter.
+    """
+
+    def __init__(self, active: list[str], index: torch.Tensor, coef: torch.Tensor) -> None:
+        self.active = active
+        self.index = index
+        self.coef = coef
+
+    @staticmethod
+    def build(
+        adapter_ids: list[str | None],
+        active: list[str],
+        ranks: dict[str, int],
+        scales: dict[str, float],
+        r_max: int,
+        per_row: int,
+        valid: torch.Tensor | None,
+    ) -> _Plan | None:
+        if not active:
+            return None
+        offsets: dict[str, int] = {}
+        total = 0
+        for aid in active:
+            offsets[aid] = total
+            total += ranks[aid]
+        zero = total  # the appended zero slice
+        rows = len(adapter_ids)
+        index = torch.full((rows, r_max), zero, dtype=torch.long)
+        scale = torch.zeros(rows, 1, r_max)
+        for row, routed in enumerate(adapter_ids):
+            if routed is None or routed not in offsets:
                 continue
-            if use_valid:
-                assert self.valid is not None
-                offs = torch.nonzero(self.valid[row], as_tuple=True)[0]
-            else:
-                offs = torch.arange(per_row)
-            positions.setdefault(adapter_id, []).append(offs + row * per_row)
-        out = [
-            (aid, torch.cat(parts).to(device=x.device, dtype=torch.long))
-            for aid, parts in positions.items()
-        ]
-        out = [(aid, idx) for aid, idx in out if idx.numel() > 0]
-        self._cache[key] = out
-        return out
+            r = ranks[routed]
+            index[row, :r] = torch.arange(offsets[routed], offsets[routed] + r)
+            scale[row, 0, :r] = scales[routed]
+        # Only real (non-padding) tokens when the mask matches; the others get a zero delta.
+        if valid is not None and valid.shape == (rows, per_row):
+            coef = scale * valid.to(torch.float32).unsqueeze(-1)
+        else:
+            coef = scale.expand(rows, per_row, r_max).contiguous()
+        return _Plan(active, index.reshape(-1), coef)
+
+    def to(self, device: torch.device) -> _Plan:
+        if self.index.device == device:
+            return self
+        return _Plan(self.active, self.index.to(device), self.coef.to(device))
 
 
 class _RoutingSlot:
@@ -116,21 +164,30 @@ class MultiLoRALinear(nn.Module):
         routing = self._slot.current
         if routing is None or not self.lora_A:
             return y
-        active = [(a, idx) for a, idx in routing.groups(x, self.in_features) if a in self.lora_A]
-        if not active:
+        ranks = {aid: a.shape[0] for aid, a in self.lora_A.items()}
+        # Pad to the largest rank this layer holds (not the batch's): a row's padded shapes, and
+        # so its kernels, do not depend on which other adapters share the batch.
+        r_max = max(ranks.values())
+        plan = routing.plan(x, self.in_features, ranks, self.scale, r_max)
+        if plan is None:
             return y
-        flat_x = x.reshape(-1, self.in_features)
-        deltas, indices = [], []
-        for adapter_id, idx in active:
-            # Per-group matmuls: a group's result depends only on its own rows (batch invariance).
-            h = F.linear(flat_x.index_select(0, idx), self.lora_A[adapter_id])
-            deltas.append(F.linear(h, self.lora_B[adapter_id]) * self.scale[adapter_id])
-            indices.append(idx)
-        # Groups are disjoint, so one index_add adds exactly one delta to each routed token.
-        flat_y = y.reshape(-1, self.out_features).index_add(
-            0, torch.cat(indices), torch.cat(deltas).to(y.dtype)
-        )
-        return flat_y.reshape(y.shape)
+        rows = x.shape[0]
+        a_all = torch.cat([self.lora_A[a] for a in plan.active] + [self._zeros_a(x)])
+        b_all = torch.cat([self.lora_B[a] for a in plan.active] + [self._zeros_b(x)], dim=1)
+        a_rows = a_all.index_select(0, plan.index).view(rows, r_max, self.in_features)
+        b_rows = b_all.t().index_select(0, plan.index).view(rows, r_max, self.out_features)
+        # One batched matmul per side: each row multiplies only its own (padded) adapter, so its
+        # result is independent of the other rows; zero padding adds exact zeros.
+        x3 = x.reshape(rows, -1, self.in_features)
+        h = torch.bmm(x3, a_rows.transpose(1, 2)) * plan.coef
+        delta = torch.bmm(h, b_rows)
+        return y + delta.to(y.dtype).view(y.shape)
+
+    def _zeros_a(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(1, self.in_features, device=x.device, dtype=torch.float32)
+
+    def _zeros_b(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.out_features, 1, device=x.device, dtype=torch.float32)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
