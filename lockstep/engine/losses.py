@@ -22,6 +22,20 @@ _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _PER_TOKEN_CLIPS = ("clip_low_threshold", "clip_high_threshold")
 
+# Losses Tinker defines that this server refuses, with the reason the 400 carries.
+UNSUPPORTED_LOSSES: dict[str, str] = {
+    "stable_reinforce": (
+        "stable_reinforce is not supported by this server: its objective uses stability "
+        "information the sampler records (record_stability_info=True) that Tinker does not "
+        "document, so it cannot be reproduced faithfully; use importance_sampling, ppo, cispo "
+        "or gspo"
+    ),
+    "custom": (
+        "server-side custom losses (create_custom_loss) are not supported by this server; "
+        "forward_backward_custom (client-side custom losses) works"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class LossDef:
@@ -32,6 +46,7 @@ class LossDef:
     optional_inputs: tuple[str, ...] = ()
     config_defaults: dict[str, float] = field(default_factory=dict)
     allows_2d_targets: bool = False  # [T, K] targets (top-K soft cross-entropy)
+    nonempty_mask: str | None = None  # an input that must mark (!= 0) at least one token
 
 
 LOSSES: dict[str, LossDef] = {
@@ -42,6 +57,13 @@ LOSSES: dict[str, LossDef] = {
         LossDef("ppo", _RL_INPUTS, _PER_TOKEN_CLIPS, dict(_CLIP)),
         LossDef("cispo", _RL_INPUTS, _PER_TOKEN_CLIPS, dict(_CLIP)),
         LossDef("dro", _RL_INPUTS, (), {"beta": 0.05}),
+        LossDef(
+            "gspo",
+            (*_RL_INPUTS, "sequence_ratio_mask"),
+            _PER_TOKEN_CLIPS,
+            dict(_CLIP),
+            nonempty_mask="sequence_ratio_mask",
+        ),
     )
 }
 
@@ -50,6 +72,8 @@ def loss_def(loss_fn: str) -> LossDef:
     try:
         return LOSSES[loss_fn]
     except KeyError:
+        if loss_fn in UNSUPPORTED_LOSSES:
+            raise UserInputError("loss_fn", UNSUPPORTED_LOSSES[loss_fn]) from None
         raise UserInputError(
             "loss_fn", f"unsupported loss {loss_fn!r}; supported: {', '.join(sorted(LOSSES))}"
         ) from None
@@ -129,6 +153,11 @@ def validate_datum(
             raise UserInputError(vfield, f"must be real numbers, got dtype {value.dtype}")
         if not np.all(np.isfinite(value)):
             raise UserInputError(vfield, "must be finite (found NaN or inf)")
+    if ldef.nonempty_mask is not None and not np.any(np.asarray(inputs[ldef.nonempty_mask])):
+        raise UserInputError(
+            f"{where}.loss_fn_inputs.{ldef.nonempty_mask}",
+            f"must mark at least one token (loss_fn {ldef.name!r} averages over the marked tokens)",
+        )
 
 
 def _check_ids(ids: np.ndarray, where: str, vocab_size: int) -> None:

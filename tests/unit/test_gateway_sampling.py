@@ -156,3 +156,11 @@ def test_asample_backpressure_is_429(api: Any, sched: StandInScheduler) -> None:
     r = api.post("/api/v1/asample", json=_sample())
     assert (r.status_code, r.json()) == (429, {"detail": "sampler queue full"})
     assert r.headers["retry-after"] == "1"
+
+
+def test_asample_accepts_record_stability_info(api: Any, sched: StandInScheduler) -> None:
+    """The cookbook samples with record_stability_info=True; it is accepted (and records
+    nothing: stable_reinforce, the only loss that reads it, is refused with a clear 400)."""
+    sched.replies["Submit"] = pb.SubmitReply(request_id="req-r", sample_sequence_ids=["x", "y"])
+    r = api.post("/api/v1/asample", json=_sample(record_stability_info=True))
+    assert r.status_code == 200 and r.json()["sample_sequence_ids"] == ["x", "y"], r.json()

@@ -303,7 +303,7 @@ def test_user_input_errors(engine: LocalTrainingEngine) -> None:
     with pytest.raises(UserInputError, match="outside"):
         engine.run_passes([_fb("m", [bad])])
     with pytest.raises(UserInputError, match="loss_fn"):
-        engine.run_passes([_fb("m", _data(1, "cross_entropy"), loss_fn="gspo")])
+        engine.run_passes([_fb("m", _data(1, "cross_entropy"), loss_fn="stable_reinforce")])
     with pytest.raises(UserInputError, match="learning_rate"):
         engine.optim_step([OptimRequest("m", AdamConfig(learning_rate=-1.0))])
     assert all(p.grad is None for p in engine._lora.adapter_parameters("m"))

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from lockstep.engine.interface import UserInputError
-from lockstep.engine.losses import LOSSES, resolve_loss_config, validate_pass_request
+from lockstep.engine.losses import (
+    LOSSES,
+    UNSUPPORTED_LOSSES,
+    resolve_loss_config,
+    validate_pass_request,
+)
 from lockstep.engine.types import Datum, PassRequest
 from lockstep.workers.local.losses import TORCH_LOSSES, elementwise_loss
 
@@ -24,6 +31,16 @@ def _rl_datum(n: int = 6) -> Datum:
     return _datum(n, logprobs=np.full(n, -1.0, np.float32), advantages=np.ones(n, np.float32))
 
 
+def _gspo_datum(mask: list[float]) -> Datum:
+    n = len(mask)
+    return _datum(
+        n,
+        logprobs=np.full(n, -1.0, np.float32),
+        advantages=np.ones(n, np.float32),
+        sequence_ratio_mask=np.asarray(mask, np.float32),
+    )
+
+
 def _req(
     loss_fn: str, data: list[Datum], config: dict[str, float | str] | None = None
 ) -> PassRequest:
@@ -38,7 +55,8 @@ def _field(req: PassRequest) -> str:
 
 def test_table_and_torch_losses_agree() -> None:
     assert set(LOSSES) == set(TORCH_LOSSES)
-    assert set(LOSSES) >= {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+    assert set(LOSSES) >= {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
+    assert not set(LOSSES) & set(UNSUPPORTED_LOSSES)
 
 
 def test_valid_requests_pass_and_extra_keys_are_ignored() -> None:
@@ -50,6 +68,15 @@ def test_valid_requests_pass_and_extra_keys_are_ignored() -> None:
     validate_pass_request(_req("cross_entropy", [two_d]), VOCAB, CTX)
     for loss in ("importance_sampling", "ppo", "cispo", "dro"):
         validate_pass_request(_req(loss, [_rl_datum(), _rl_datum(3)], {"unknown": 1.0}), VOCAB, CTX)
+    validate_pass_request(_req("gspo", [_gspo_datum([0, 0, 1, 1]), _gspo_datum([1])]), VOCAB, CTX)
+
+
+def test_unsupported_losses_say_why() -> None:
+    with pytest.raises(UserInputError) as info:
+        validate_pass_request(_req("stable_reinforce", [_rl_datum()]), VOCAB, CTX)
+    assert info.value.field == "loss_fn"
+    assert "stable_reinforce is not supported" in str(info.value)
+    assert "importance_sampling" in str(info.value)
 
 
 def test_shape_mismatch_names_the_field() -> None:
@@ -132,6 +159,15 @@ def test_shape_mismatch_names_the_field() -> None:
             "loss_fn_config.clip_low_threshold",
         ),
         (_req("dro", [_rl_datum()], {"beta": float("nan")}), "loss_fn_config.beta"),
+        (_req("gspo", [_rl_datum()]), "data[0].loss_fn_inputs.sequence_ratio_mask"),
+        (
+            _req("gspo", [_gspo_datum([1, 1]), _gspo_datum([0, 0, 0])]),
+            "data[1].loss_fn_inputs.sequence_ratio_mask",
+        ),
+        (
+            _req("gspo", [_gspo_datum([1, 1, 1]), _datum(3, sequence_ratio_mask=np.ones(2))]),
+            "data[1].loss_fn_inputs.logprobs",
+        ),
     ],
 )
 def test_bad_requests(req: PassRequest, field: str) -> None:
@@ -203,3 +239,38 @@ def test_two_d_cross_entropy_is_elementwise() -> None:
     loss = elementwise_loss("cross_entropy", logp, {"weights": w}, {})
     assert loss.shape == (4, 3)
     torch.testing.assert_close(loss, -logp * w)
+
+
+def test_gspo_is_tinkers_gspo_token() -> None:
+    """The sequence ratio over the masked tokens, each token's own gradient, PPO-style clipping."""
+    g = torch.Generator().manual_seed(1)
+    n = 12
+    logp = -torch.rand(n, generator=g) * 3
+    q = logp + (torch.rand(n, generator=g) - 0.5) * 0.6
+    adv = torch.randn(n, generator=g)
+    mask = torch.zeros(n)
+    mask[4:] = 1.0  # the prompt (first 4 tokens) does not count towards the ratio
+    q_prompt_garbage = q.clone()
+    q_prompt_garbage[:4] = 0.0  # the cookbook sends logprob 0 for prompt tokens
+    inputs = {"logprobs": q_prompt_garbage, "advantages": adv, "sequence_ratio_mask": mask}
+    cfg = resolve_loss_config("gspo", {})
+    assert cfg == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+    loss, grad = _grad("gspo", logp, inputs, cfg)
+    s = torch.exp((logp[4:] - q[4:]).mean())
+    clipped = torch.clamp(s, 0.8, 1.2)
+    torch.testing.assert_close(loss, -torch.minimum(s * adv, clipped * adv))
+    # d(-s_t A_t)/dlogp_t = -s A_t where the unclipped term is the min, else 0.
+    active = (s * adv) <= (clipped * adv)
+    torch.testing.assert_close(grad, torch.where(active, -s * adv, torch.zeros(n)))
+
+    # On-policy (q == logp on the masked tokens): s == 1, the loss is -A and the gradient -A.
+    on_policy = {**inputs, "logprobs": torch.where(mask > 0, logp, torch.zeros(n))}
+    loss, grad = _grad("gspo", logp, on_policy, cfg)
+    torch.testing.assert_close(loss, -adv)
+    torch.testing.assert_close(grad, -adv)
+
+    # The ratio is one number per datum: far off-policy, every token is clipped the same way.
+    far = {**inputs, "logprobs": torch.where(mask > 0, logp - 1.0, torch.zeros(n))}
+    loss, _ = _grad("gspo", logp, far, cfg)  # s = e > 1.2
+    torch.testing.assert_close(loss, -torch.minimum(math.e * adv, 1.2 * adv))

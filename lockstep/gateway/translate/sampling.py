@@ -88,8 +88,8 @@ def sample(owner: str, body: rq.SampleRequest) -> pb.SubmitRequest:
         raise bad_request("target_prompt_logprobs", "not supported by this server")
     if body.prompt_alt_tokens_k:
         raise bad_request("prompt_alt_tokens_k", "not supported by this server")
-    if body.record_stability_info:
-        raise bad_request("record_stability_info", "not supported by this server")
+    # record_stability_info is accepted and records nothing: it only feeds stable_reinforce,
+    # which this server refuses with a 400 (lockstep.engine.losses.UNSUPPORTED_LOSSES).
     tokens = _prompt_tokens(body.prompt)
     want_prompt_logprobs = bool(body.prompt_logprobs)
     if body.prompt_logprobs_last_n is not None:

@@ -11,11 +11,18 @@ loss (shape of target_tokens); the datum's loss is its sum, and `loss:sum` sums 
 - ppo:                  l_t = -min(ratio_t * A_t, clip(ratio_t, lo, hi) * A_t)
 - cispo:                l_t = -stopgrad(clip(ratio_t, lo, hi)) * logp_t * A_t
 - dro:                  l_t = -(logp_t * A_t - 0.5 * beta * (logp_t - q_t)^2)
+- gspo (GSPO-token):    s = exp(mean_{t in M}(logp_t - q_t)), M = {t: sequence_ratio_mask_t != 0}
+                        (the datum's sequence ratio, held constant);
+                        s_t = s * exp(logp_t - sg(logp_t))  (s's value, logp_t's gradient);
+                        l_t = -min(s_t * A_t, clip(s_t, lo, hi) * A_t)
 
 lo / hi are the ratio bounds `clip_low_threshold` / `clip_high_threshold` (default 0.8 / 1.2,
 i.e. epsilon 0.2 as in Tinker); a per-token tensor of the same name in loss_fn_inputs overrides
-the config. `beta` defaults to 0.05 (the value Tinker's docs use in their DRO example; Tinker
-does not document a default).
+the config (ppo, cispo, gspo). `beta` defaults to 0.05 (the value Tinker's docs use in their DRO
+example; Tinker does not document a default).
+
+stable_reinforce is refused with a 400 (see `lockstep.engine.losses.UNSUPPORTED_LOSSES`): Tinker
+does not document the sampler-side stability information its objective uses.
 """
 
 from __future__ import annotations
@@ -77,12 +84,25 @@ def _dro(logp: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.
     return -(logp * inputs["advantages"] - 0.5 * config["beta"] * quadratic)
 
 
+def _gspo(logp: torch.Tensor, inputs: Inputs, config: dict[str, float]) -> torch.Tensor:
+    """Tinker's GSPO-token: every token carries its datum's sequence ratio (the geometric mean of
+    the token ratios over the tokens `sequence_ratio_mask` marks) with its own log-prob's
+    gradient, clipped like PPO. A datum is one sequence; validation ensures M is non-empty."""
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    log_ratio = (logp.detach() - inputs["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(log_ratio + logp - logp.detach())
+    adv = inputs["advantages"]
+    low, high = _clip_bounds(inputs, config)
+    return -torch.minimum(ratio * adv, _clamp(ratio, low, high) * adv)
+
+
 TORCH_LOSSES: dict[str, LossFn] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
     "ppo": _ppo,
     "cispo": _cispo,
     "dro": _dro,
+    "gspo": _gspo,
 }
 assert set(TORCH_LOSSES) == set(LOSSES), "the torch losses and the loss table must agree"
 
