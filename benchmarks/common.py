@@ -86,17 +86,19 @@ def environment() -> dict[str, Any]:
     """Where the numbers were taken: enough to tell two result files apart."""
     import torch
 
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-            text=True, check=False,
-        ).stdout.strip()
-    except OSError:
-        rev = ""
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  check=False).stdout.rstrip()
+        except OSError:
+            return ""
+
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv[1:],
-        "git_rev": rev,
+        "git_rev": git("rev-parse", "--short", "HEAD"),
+        # Uncommitted changes under lockstep/ that the numbers were taken with.
+        "git_dirty": git("status", "--porcelain", "--", "lockstep").splitlines(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
