@@ -163,6 +163,7 @@ class Store:
         tokens: int,
         new_model: ModelRecord | None = None,
         rejection: str | None = None,
+        identity: bytes | None = None,
     ) -> tuple[str, bool]:
         """Enqueue a training request exactly once.
 
@@ -172,9 +173,10 @@ class Store:
         Returns (request_id, created). A retry with the same payload returns the first request id
         with created=False; a different payload under the same key raises ClaimConflict.
         `new_model` is written in the same transaction (create_model / create-via-load).
+        `identity` (default: the payload) is what a retry must repeat to count as the same request.
         """
         claim = keys.seq_claim(model_id, seq_id)
-        want = digest(payload)
+        want = digest(payload if identity is None else identity)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:

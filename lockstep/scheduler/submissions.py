@@ -37,6 +37,22 @@ def _finite(value: float, field: str, minimum: float | None = None) -> None:
         raise UserInputError(field, f"must be >= {minimum}, got {value}")
 
 
+def retry_identity(req: pb.SubmitRequest) -> bytes | None:
+    """What a retry of `req` must repeat to count as the same request (None: its payload).
+
+    The SDK retries an ephemeral save_weights_for_sampler (save_weights_and_get_sampling_client)
+    under the same seq_id but with the next sampling_session_seq_id from its counter; it is the
+    same request, and the first one's sampler is the one the SDK is told about.
+    """
+    if req.WhichOneof("op") == "save_weights" and req.save_weights.HasField(
+            "sampling_session_seq_id"):
+        same = pb.SubmitRequest()
+        same.CopyFrom(req)
+        same.save_weights.ClearField("sampling_session_seq_id")
+        return same.SerializeToString(deterministic=True)
+    return None
+
+
 class Submissions:
     def __init__(
         self, store: Store, catalog: Catalog, card: ModelCard, data_dir: Path,
@@ -71,7 +87,7 @@ class Submissions:
                 raise
             rid, created = await self.store.claim_training(
                 owner=req.owner, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
-                tokens=tokens, new_model=new_model,
+                tokens=tokens, new_model=new_model, identity=retry_identity(req),
             )
             metrics.submitted(req.owner, model_id, kind, created)
         except ClaimConflict as exc:

@@ -147,3 +147,40 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
         await store.close()
 
     run(go())
+
+
+def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> None:
+    """The SDK retries save_weights_and_get_sampling_client with a new sampling_session_seq_id;
+    Submissions passes an identity without it, so the retry gets the first request back."""
+    from lockstep.scheduler.submissions import retry_identity
+    from lockstep.v1 import scheduler_pb2 as pb
+
+    def save(sampling_seq: int | None, name: str | None = None) -> pb.SubmitRequest:
+        op = pb.SaveWeights(model_id="sess-1:train:0", seq_id=3,
+                            kind=pb.CHECKPOINT_KIND_SAMPLER)
+        if sampling_seq is not None:
+            op.sampling_session_seq_id = sampling_seq
+        if name is not None:
+            op.name = name
+        return pb.SubmitRequest(owner="o", save_weights=op)
+
+    first, retry = save(4), save(5)
+    assert retry_identity(first) == retry_identity(retry) is not None
+    assert retry_identity(save(None, "a")) is None  # a named save: the payload is its identity
+    assert retry_identity(pb.SubmitRequest(owner="o", optim_step=pb.OptimStep())) is None
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        await store.put_model(model_record())
+        kw = dict(owner="o", model_id="sess-1:train:0", seq_id=3, kind="save_weights", tokens=0)
+        rid, created = await store.claim_training(  # type: ignore[arg-type]
+            payload=first.SerializeToString(), identity=retry_identity(first), **kw)
+        again, created_again = await store.claim_training(  # type: ignore[arg-type]
+            payload=retry.SerializeToString(), identity=retry_identity(retry), **kw)
+        assert created and not created_again and again == rid
+        with pytest.raises(ClaimConflict):  # another name under the same seq_id is not a retry
+            await store.claim_training(  # type: ignore[arg-type]
+                payload=save(None, "b").SerializeToString(), **kw)
+        await store.close()
+
+    run(go())
