@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from lockstep.engine.interface import TrainingEngine, UserInputError
-from lockstep.engine.losses import loss_def, resolve_loss_config, validate_pass_request
+from lockstep.engine.losses import resolve_loss_config, validate_pass_request
 from lockstep.engine.types import (
     Datum,
     LoraSpec,
@@ -29,7 +29,7 @@ from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import LoraModel, validate_spec
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.workers.local import checkpoint
-from lockstep.workers.local.losses import elementwise_loss
+from lockstep.workers.local.losses import datum_loss
 from lockstep.workers.local.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
 
 PAD_MULTIPLE = 8  # padded length is a multiple of 8, so every GEMM has M >= 8 rows
@@ -129,10 +129,13 @@ class LocalTrainingEngine(TrainingEngine):
             ).logits
 
         per_request: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in indices}
-        for b, row in enumerate(rows):
+        # One unbind instead of a slice per row: autograd then sums the rows' gradients into
+        # the logits once, not once per row (the same numbers, a third less backward time).
+        row_logits = logits.unbind(0)
+        for row, row_out in zip(rows, row_logits, strict=True):
             req = requests[row.request]
             logp, loss = self._datum_loss(
-                logits[b, : row.length], row.datum, req.loss_fn, configs[row.request]
+                row_out[: row.length], row.datum, req.loss_fn, configs[row.request]
             )
             per_request[row.request].append((logp, loss))
         losses = {}
@@ -155,19 +158,7 @@ class LocalTrainingEngine(TrainingEngine):
         self, logits: torch.Tensor, datum: Datum, loss_fn: str, config: dict[str, float]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs of the targets, elementwise loss), both shaped like target_tokens."""
-        ldef = loss_def(loss_fn)
-        targets = torch.from_numpy(np.asarray(datum.loss_inputs["target_tokens"], np.int64))
-        targets = targets.to(self._device)
-        logp_all = torch.log_softmax(logits.float(), dim=-1)
-        logp = logp_all.gather(-1, targets.reshape(targets.shape[0], -1)).reshape(targets.shape)
-        inputs = {
-            key: torch.as_tensor(
-                np.asarray(datum.loss_inputs[key], np.float32), device=self._device
-            )
-            for key in ldef.required_inputs[1:] + ldef.optional_inputs
-            if key in datum.loss_inputs
-        }
-        return logp, elementwise_loss(loss_fn, logp, inputs, config)
+        return datum_loss(logits, datum, loss_fn, config)
 
     # -- optimizer ------------------------------------------------------------------------
 
