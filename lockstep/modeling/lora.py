@@ -47,6 +47,23 @@ def validate_spec(spec: LoraSpec) -> None:
         raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
 
 
+def init_adapter_state(
+    spec: LoraSpec, shapes: dict[str, tuple[int, int]]
+) -> dict[str, torch.Tensor]:
+    """A fresh adapter in PEFT keys for layers `path -> (in, out)`: A ~ kaiming-uniform (PEFT's
+    init) from a generator seeded by (spec.seed, path), B = 0. Shared by every training engine so
+    the same seed gives the same adapter whatever engine or sharding holds it."""
+    seed = spec.seed if spec.seed is not None else 0
+    state: dict[str, torch.Tensor] = {}
+    for path, (fan_in, fan_out) in shapes.items():
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63)
+        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5))
+        a = (torch.rand(spec.rank, fan_in, generator=gen) * 2 - 1) * bound
+        state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a
+        state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.zeros(fan_out, spec.rank)
+    return state
+
+
 class _Routing:
     """Which adapter each batch row uses; per-layout gather plans are cached for the forward."""
 
@@ -235,18 +252,11 @@ class LoraModel:
         validate_spec(spec)
         if adapter_id in self._specs:
             raise ValueError(f"adapter {adapter_id!r} already exists")
-        seed = spec.seed if spec.seed is not None else 0
-        state: dict[str, torch.Tensor] = {}
-        for path in self.target_paths(spec):
-            layer = self._layers[path]
-            gen = torch.Generator().manual_seed(
-                (seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
-            )
-            bound = 1.0 / math.sqrt(layer.in_features)  # kaiming_uniform_(a=sqrt(5))
-            a = (torch.rand(spec.rank, layer.in_features, generator=gen) * 2 - 1) * bound
-            state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a
-            state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.zeros(layer.out_features, spec.rank)
-        self.load_adapter_state(adapter_id, state, spec)
+        shapes = {
+            p: (self._layers[p].in_features, self._layers[p].out_features)
+            for p in self.target_paths(spec)
+        }
+        self.load_adapter_state(adapter_id, init_adapter_state(spec, shapes), spec)
 
     def remove_adapter(self, adapter_id: str) -> None:
         self._specs.pop(adapter_id, None)

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from lockstep.engine.losses import LOSSES
+from lockstep.engine.losses import LOSSES, loss_def
+from lockstep.engine.types import Datum
 
 Inputs = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Inputs, dict[str, float]], torch.Tensor]
@@ -113,3 +115,21 @@ def elementwise_loss(
     """Per-token loss terms for one datum (shape of `logp`). `inputs` holds only the loss's known
     keys as float32 tensors on logp's device; `config` is `resolve_loss_config(...)`."""
     return TORCH_LOSSES[loss_fn](logp, inputs, config)
+
+
+def datum_loss(
+    logits: torch.Tensor, datum: Datum, loss_fn: str, config: dict[str, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs of the targets, elementwise loss) of one datum from its [T, vocab] logits, both
+    shaped like target_tokens. Every training engine computes its losses through this."""
+    ldef = loss_def(loss_fn)
+    targets = torch.from_numpy(np.asarray(datum.loss_inputs["target_tokens"], np.int64))
+    targets = targets.to(logits.device)
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    logp = logp_all.gather(-1, targets.reshape(targets.shape[0], -1)).reshape(targets.shape)
+    inputs = {
+        key: torch.as_tensor(np.asarray(datum.loss_inputs[key], np.float32), device=logits.device)
+        for key in ldef.required_inputs[1:] + ldef.optional_inputs
+        if key in datum.loss_inputs
+    }
+    return logp, elementwise_loss(loss_fn, logp, inputs, config)
