@@ -1,0 +1,1 @@
+"""The probes behind scripts/compat_matrix.py (one module per table)."""
