@@ -8,7 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+from lockstep import limits
+from lockstep.rollout import config as rollout_config
 from lockstep.supervisor import ServeConfig, run
+from lockstep.workers.megatron import options as engine_options
 
 DEFAULT_DATA_DIR = Path(os.path.expanduser("~/.lockstep"))
 
@@ -64,6 +67,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-max-tenants", type=int, default=32,
                    help="API-key owners with per-tenant metric series of their own (the rest "
                    "are counted as owner=\"other\")")
+    limits.add_serve_arguments(p)
+    rollout_config.add_arguments(p)
+    engine_options.add_arguments(p)
     p.add_argument("--log-level", default="info")
 
 
@@ -73,11 +79,28 @@ def serve_config(a: argparse.Namespace) -> ServeConfig:
     model_dir, names = resolve_models(a.model, data_dir)
     keys = list(a.api_key)
     keys += [k for k in os.environ.get("LOCKSTEP_API_KEYS", "").split(",") if k.strip()]
+    try:
+        lim = limits.from_serve_args(a)
+    except ValueError as exc:
+        raise SystemExit(f"lockstep serve: {exc}") from exc
+    try:
+        sampler = rollout_config.from_args(a)
+    except ValueError as exc:
+        raise SystemExit(f"lockstep serve: {exc}") from exc
+    try:
+        engine = engine_options.from_args(a)
+    except ValueError as exc:
+        raise SystemExit(f"lockstep serve: {exc}") from exc
+    # The limits reach the scheduler beside the clock flags, the gateway as its own flags.
     clock = ("--clock-policy", a.clock_policy, "--clock-period", str(a.clock_period),
-             "--clock-gather", str(a.clock_gather), "--token-budget", str(a.token_budget))
+             "--clock-gather", str(a.clock_gather), "--token-budget", str(a.token_budget),
+             *lim.scheduler_argv(), *sampler.argv(), *engine.argv())
+    gateway = ("--max-body-bytes", str(lim.max_body_bytes),
+               "--max-datums-per-request", str(lim.max_datums_per_request))
     return ServeConfig(host=a.host, port=a.port, data_dir=data_dir, model_dir=model_dir,
                        served_names=names, redis_url=a.redis_url, api_keys=tuple(keys),
-                       clock_args=clock, log_level=a.log_level, metrics_port=a.metrics_port,
+                       clock_args=clock, gateway_args=gateway, log_level=a.log_level,
+                       metrics_port=a.metrics_port,
                        metrics_max_tenants=a.metrics_max_tenants)
 
 

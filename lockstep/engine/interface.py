@@ -132,5 +132,13 @@ class SamplingEngine(ABC):
         `SampleResult.error` set instead of failing the batch.
         """
 
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Colocated mode: free accelerator memory before a training phase (no sampling until
+        `resume`). Default: nothing to free."""
+
+    def resume(self) -> None:  # noqa: B027 - optional hook
+        """Colocated mode: take the memory back after the training phase and re-send whatever
+        the release dropped (e.g. loaded adapters)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-bytes", type=int, default=256 * 1024 * 1024, help="largest request body"
     )
+    p.add_argument(
+        "--max-datums-per-request", type=int, default=4096,
+        help="the scheduler's datum limit; the SDK is told to chunk below it",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -62,6 +66,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         allow_any_tml_key=args.allow_any_tml_key,
         long_poll_seconds=args.long_poll_seconds,
         max_body_bytes=args.max_body_bytes,
+        max_datums_per_request=args.max_datums_per_request,
         file_url_secret=secret,
         public_base_url=args.public_base_url,
     )

@@ -13,8 +13,10 @@ from fastapi import FastAPI
 
 from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.errors import install_error_handlers
+from lockstep.gateway.openapi import install_openapi
 from lockstep.gateway.routes import api_router
 from lockstep.gateway.settings import GatewaySettings
+from lockstep.gateway.wire.requests import ForwardBackwardJsonRequest
 from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
 from lockstep.v1 import scheduler_pb2_grpc
 
@@ -70,6 +72,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.file_url_secret = secret
     install_error_handlers(app)
     app.include_router(api_router)
+    install_openapi(app, [ForwardBackwardJsonRequest])  # bodies read by hand (protobuf/JSON)
     app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware)  # outermost: times everything

@@ -21,6 +21,8 @@ class GatewaySettings:
         long_poll_seconds: how long one `retrieve_future` call waits for a result before it
             answers `try_again`. Must stay under the SDK's 45 s client timeout.
         max_body_bytes: largest accepted request body, after decompression (413 above it).
+        max_datums_per_request: the scheduler's datum limit per fwd/bwd request
+            (lockstep.limits); the client config tells the SDK to chunk below it.
         file_url_secret: HMAC key that signs the checkpoint download URLs this gateway hands
             out (`external_weights_urls`) and later serves (`/api/v1/checkpoint_files/...`).
         public_base_url: base URL clients reach this gateway at (e.g. behind a proxy), used to
@@ -35,6 +37,7 @@ class GatewaySettings:
     allow_any_tml_key: bool = False
     long_poll_seconds: float = 25.0
     max_body_bytes: int = 256 * 1024 * 1024
+    max_datums_per_request: int = 4096
     file_url_secret: bytes = b""
     public_base_url: str | None = None
     file_url_ttl_seconds: int = 3600
@@ -53,6 +56,8 @@ class GatewaySettings:
             )
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be > 0")
+        if self.max_datums_per_request <= 0:
+            raise ValueError("max_datums_per_request must be > 0")
         if self.file_url_ttl_seconds <= 0:
             raise ValueError("file_url_ttl_seconds must be > 0")
         if self.public_base_url is not None and not self.public_base_url.startswith(

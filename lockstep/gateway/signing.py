@@ -55,7 +55,8 @@ def verify(ref: FileRef, signature: str, secret: bytes, now: float | None = None
         expected = sign(ref, secret)
     except ValueError as e:
         raise ApiError(403, "invalid download signature") from e
-    if not hmac.compare_digest(expected, signature):
+    # bytes: compare_digest refuses (TypeError) a str with non-ASCII characters
+    if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
         raise ApiError(403, "invalid download signature")
     if (time.time() if now is None else now) > ref.expires:
         raise ApiError(403, "download URL expired; request new URLs")

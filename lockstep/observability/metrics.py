@@ -153,6 +153,11 @@ ENGINE_PHASE = Enum(
 ENGINE_BUSY_SECONDS = Counter(
     "lockstep_engine_busy_seconds_total", "Time each engine spent in each phase.",
     ["engine", "phase"], registry=SCHEDULER)
+SAMPLER_MEMORY_TRANSITIONS = Counter(
+    "lockstep_sampler_memory_transitions_total",
+    "Colocated mode (--colocate): the sampler releasing its accelerator memory before a "
+    "training phase (release) and taking it back after (resume).", ["action"],
+    registry=SCHEDULER)
 ADAPTER_PUBLISH_SECONDS = Histogram(
     "lockstep_adapter_publish_duration_seconds",
     "Time to load new sampler weights (a LoRA adapter) into the sampling engine.",
@@ -374,6 +379,11 @@ def sample_failed(owners: Iterable[str]) -> None:
 
 def sample_backlog(queued: int) -> None:
     FUTURES_PENDING.labels("sample").set(queued)
+
+
+def sampler_memory(action: str) -> None:
+    """Colocated mode: the sampler released ("release") or took back ("resume") its memory."""
+    SAMPLER_MEMORY_TRANSITIONS.labels(action).inc()
 
 
 def adapter_published(seconds: float) -> None:

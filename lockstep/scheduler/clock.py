@@ -3,7 +3,8 @@
     plan     -> which queued requests of which models run in this cycle (pure, `planner`)
     dispatch -> one fused pass + one batched optimizer step on the engine (`dispatch`)
     collect  -> write each request's result to Redis and wake its future
-    publish  -> hand new sampler weights to the sampling lane (off the critical path)
+    publish  -> hand new sampler weights to the sampling lane (off the critical path; started
+                just before collect so the load overlaps the client's round trips)
 """
 
 from __future__ import annotations
@@ -95,14 +96,19 @@ class Clock:
             return plan
         cycle = await self.store.next_cycle()
         try:
-            outcomes = await self.dispatcher.run(plan, cycle)
+            # The one place training runs: in colocated mode the sampler gives its memory
+            # back for the duration (lane.training_phase; a no-op otherwise).
+            async with self.lane.training_phase():
+                outcomes = await self.dispatcher.run(plan, cycle)
         except CycleAborted:
             self.meter.failed("engine")
             self.wake.set()  # nothing was recorded: the same work runs on the fresh engine
             return plan
         self.meter.dispatched(span)
-        await self.collect(plan, outcomes)
+        # Publish first: the sampler loads new adapters while collect answers the futures and
+        # the client asks for its sampling session, instead of after (a task; never blocks).
         self.publish(outcomes)
+        await self.collect(plan, outcomes)
         self.cycles_run += 1
         self.meter.finished(span, plan, outcomes)
         if not plan.empty:
@@ -155,6 +161,7 @@ class Clock:
         await self.store.put_model(model)
 
     def publish(self, outcomes: dict[str, Outcome]) -> None:
-        for outcome in outcomes.values():
-            if outcome.sampler is not None and outcome.adapter_dir is not None:
-                self.lane.prefetch(outcome.sampler.adapter_id or "", outcome.adapter_dir)
+        """Every adapter this cycle saved for sampling, published in one batch."""
+        self.lane.publish([(o.sampler.adapter_id or "", o.adapter_dir)
+                           for o in outcomes.values()
+                           if o.sampler is not None and o.adapter_dir is not None])

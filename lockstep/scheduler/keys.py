@@ -12,6 +12,8 @@ CLOCK = PREFIX + "clock"
 COUNTER = PREFIX + "counter"
 # Models that have queued training work (the clock scans only these).
 ACTIVE_MODELS = PREFIX + "active_models"
+# Every training run ever created here (a set; the --max-tenants count).
+ALL_MODELS = PREFIX + "all_models"
 # Sample jobs waiting for the sampling lane (a list of request ids, FIFO).
 SAMPLE_QUEUE = PREFIX + "sample_queue"
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from lockstep.engine.interface import SamplingEngine
@@ -24,9 +26,11 @@ log = logging.getLogger(__name__)
 
 class SamplingLane:
     def __init__(
-        self, store: Store, engine: SamplingEngine, board: FutureBoard, max_batch: int = 64
+        self, store: Store, engine: SamplingEngine, board: FutureBoard, max_batch: int = 64,
+        colocate: bool = False,
     ) -> None:
         self.store = store
+        self.colocate = colocate  # sampler and trainer share one accelerator
         self.engine = engine
         self.board = board
         self.max_batch = max_batch
@@ -42,6 +46,46 @@ class SamplingLane:
     def prefetch(self, adapter_id: str, directory: Path) -> None:
         """Publish new sampler weights without blocking the clock."""
         asyncio.get_running_loop().create_task(self._ensure_adapter(adapter_id, directory))
+
+    def publish(self, adapters: Sequence[tuple[str, Path]]) -> None:
+        """Publish every adapter one cycle changed, in one engine call, off the clock's path."""
+        fresh = [(a, d) for a, d in adapters if a not in self._loaded]
+        if fresh:
+            asyncio.get_running_loop().create_task(self._publish_all(fresh))
+
+    async def _publish_all(self, adapters: list[tuple[str, Path]]) -> None:
+        load_many = getattr(self.engine, "load_adapters", None)
+        if load_many is None:  # engines without a batch verb: one load each
+            for adapter_id, directory in adapters:
+                await self._ensure_adapter(adapter_id, directory)
+            return
+        try:
+            async with self._engine_lock:
+                with metrics.engine_call("sampler", "load_adapter") as timer:
+                    await asyncio.to_thread(load_many, adapters)
+        except Exception:  # not fatal: a sample loads its adapter on demand
+            log.exception("publishing %d adapters failed", len(adapters))
+            return
+        metrics.adapter_published(timer.seconds)
+        self._loaded.update(a for a, _ in adapters)
+
+    @asynccontextmanager
+    async def training_phase(self) -> AsyncIterator[None]:
+        """Colocated mode: no sampling while the trainer runs; the sampler's memory is released
+        before and taken back after (a no-op for engines without release/resume)."""
+        if not self.colocate:
+            yield
+            return
+        async with self._engine_lock:
+            log.info("phase: train (sampler released)")
+            await asyncio.to_thread(self.engine.release)
+            metrics.sampler_memory("release")
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(self.engine.resume)
+                metrics.sampler_memory("resume")
+                log.info("phase: sample (sampler resumed)")
 
     async def _ensure_adapter(self, adapter_id: str, directory: Path) -> None:
         if adapter_id in self._loaded:

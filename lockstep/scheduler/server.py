@@ -8,14 +8,17 @@ import contextlib
 import functools
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from lockstep import limits as limits_mod
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
+from lockstep.rollout import config as rollout_config
 from lockstep.scheduler.catalog import Catalog
 from lockstep.scheduler.clock import Clock, ClockConfig
 from lockstep.scheduler.dispatch import Dispatcher
@@ -25,6 +28,7 @@ from lockstep.scheduler.service import SchedulerService
 from lockstep.scheduler.store import Store
 from lockstep.scheduler.submissions import Submissions
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
+from lockstep.workers.megatron import options as engine_options
 
 log = logging.getLogger("lockstep.scheduler")
 
@@ -41,19 +45,27 @@ class SchedulerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # /metrics, /healthz, /livez; None: not served; 0: any port
     metrics_max_tenants: int = 32  # owners with per-tenant series of their own (docs/operations)
+    engine: engine_options.EngineOptions = field(default_factory=engine_options.EngineOptions)
+    limits: limits_mod.Limits = field(default_factory=limits_mod.Limits)
+    sampler: rollout_config.SamplerConfig = field(default_factory=rollout_config.SamplerConfig)
 
 
 def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]:
-    """The local engines, each in its own child process."""
-    from lockstep.rollout.local import LocalSamplingEngine
+    """The local trainer in its own child process; the configured sampler (rollout.config)."""
     from lockstep.workers.local.engine import LocalTrainingEngine
-    from lockstep.workers.process import ProcessSamplingEngine, ProcessTrainingEngine
+    from lockstep.workers.process import ProcessTrainingEngine
 
     name = cfg.served_names[0]
-    trainer = ProcessTrainingEngine(
-        functools.partial(LocalTrainingEngine, cfg.model_dir, name), "trainer")
-    sampler = ProcessSamplingEngine(
-        functools.partial(LocalSamplingEngine, cfg.model_dir, name), "sampler")
+    factory: Callable[[], TrainingEngine] = functools.partial(
+        LocalTrainingEngine, cfg.model_dir, name)
+    if cfg.engine.engine == "megatron":  # the child process drives the Ray worker group
+        from lockstep.workers.megatron.engine import MegatronTrainingEngine
+
+        factory = functools.partial(MegatronTrainingEngine, cfg.model_dir, name,
+                                    cfg.engine.parallel, "ray", cfg.engine.ray_address,
+                                    cfg.engine.micro_batch)
+    trainer = ProcessTrainingEngine(factory, "trainer")
+    sampler = rollout_config.start_sampler(cfg.sampler, cfg.model_dir, name, cfg.data_dir)
     return trainer, sampler
 
 
@@ -61,18 +73,19 @@ async def serve(cfg: SchedulerConfig) -> None:
     metrics.configure(cfg.metrics_max_tenants)
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host,
                                                                   cfg.metrics_port)
-    store = Store.from_url(cfg.redis_url)
+    store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
     trainer, sampler = await asyncio.to_thread(start_engines, cfg)
     card = trainer.card()
     log.info("engines ready: %s (vocab %d, context %d) from %s", card.name, card.vocab_size,
              card.max_context_length, card.directory)
     board = FutureBoard(store)
-    lane = SamplingLane(store, sampler, board, cfg.max_sample_batch)
+    lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
     clock = Clock(store, Dispatcher(store, trainer, cfg.data_dir), board, lane, cfg.clock)
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
     submissions = Submissions(store, catalog, card, cfg.data_dir,
-                              on_training=clock.wake.set, on_sample=lane.wake.set)
+                              on_training=clock.wake.set, on_sample=lane.wake.set,
+                              limits=cfg.limits)
 
     async def health() -> dict[str, str]:
         parts = {}
@@ -137,6 +150,9 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
                    help="port of that server (0: any free port, logged); omitted: no server")
     p.add_argument("--metrics-max-tenants", type=int, default=32,
                    help="owners with per-tenant metric series of their own; others: 'other'")
+    limits_mod.add_scheduler_arguments(p)
+    rollout_config.add_arguments(p)
+    engine_options.add_arguments(p)
     a = p.parse_args(argv)
     return SchedulerConfig(
         listen=a.listen, redis_url=a.redis_url, data_dir=a.data_dir.resolve(),
@@ -144,7 +160,9 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
         clock=ClockConfig(policy=a.clock_policy, period_s=a.clock_period,
                           gather_s=a.clock_gather, token_budget=a.token_budget),
         metrics_host=a.metrics_host, metrics_port=a.metrics_port,
-        metrics_max_tenants=a.metrics_max_tenants,
+        metrics_max_tenants=a.metrics_max_tenants, engine=engine_options.from_args(a),
+        limits=limits_mod.from_scheduler_args(a),
+        sampler=rollout_config.from_args(a),
     )
 
 

@@ -70,14 +70,15 @@ class ClaimConflict(Exception):
 
 
 class Store:
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, result_ttl_s: int = RESULT_TTL_SECONDS) -> None:
         # redis-py types every reply as a bytes|str|int union; with decode_responses=False it is
         # always bytes, so the client is used untyped here.
         self.redis: Any = client
+        self.result_ttl_s = result_ttl_s  # Limits.future_ttl_s
 
     @classmethod
-    def from_url(cls, url: str) -> Store:
-        return cls(aioredis.Redis.from_url(url, decode_responses=False))
+    def from_url(cls, url: str, result_ttl_s: int = RESULT_TTL_SECONDS) -> Store:
+        return cls(aioredis.Redis.from_url(url, decode_responses=False), result_ttl_s)
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
@@ -203,6 +204,7 @@ class Store:
                         pipe.set(keys.model(model_id), encoder.encode(new_model))
                         pipe.sadd(keys.session_models(new_model.session_id), model_id)
                         pipe.zadd(keys.owner_runs(owner), {model_id: new_model.created})
+                        pipe.sadd(keys.ALL_MODELS, model_id)
                     await pipe.execute()
                     return rid, True
                 except WatchError:
@@ -226,7 +228,7 @@ class Store:
                         return rid, False
                     rid = new_request_id()
                     pipe.multi()
-                    pipe.set(claim, rid, ex=RESULT_TTL_SECONDS)
+                    pipe.set(claim, rid, ex=self.result_ttl_s)
                     pipe.hset(
                         keys.job(rid),
                         mapping=self._job_fields(rid, "sample", owner, sampler_id, seq_id, want,
@@ -348,9 +350,9 @@ class Store:
         async with self.redis.pipeline(transaction=True) as pipe:
             if fields:
                 pipe.hset(keys.job(job.request_id), mapping=fields)
-            if not replayed:
+            if not replayed:  # a replay-log entry keeps both until a snapshot covers it
                 pipe.hdel(keys.job(job.request_id), "payload")
-            pipe.expire(keys.job(job.request_id), RESULT_TTL_SECONDS)
+                pipe.expire(keys.job(job.request_id), self.result_ttl_s)
             if job.kind == "sample":
                 pipe.lrem(keys.SAMPLE_QUEUE, 1, job.request_id)
             else:
@@ -365,6 +367,7 @@ class Store:
                     pipe.zrem(keys.replay(job.model_id), *stale)
                     for rid in stale:
                         pipe.hdel(keys.job(rid), "payload")
+                        pipe.expire(keys.job(rid), self.result_ttl_s)
             await pipe.execute()
 
     async def replay_log(self, model_id: str, after_seq: int) -> list[Job]:
@@ -375,6 +378,14 @@ class Store:
     async def last_request_time(self, model_id: str) -> float | None:
         raw = await self.redis.hget(keys.progress(model_id), "last_request_time")
         return None if raw is None else float(raw)
+
+    async def run_counts(self, owner: str) -> tuple[int, int]:
+        """(training runs of `owner`, training runs on this server) for the tenant limits."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(keys.owner_runs(owner))
+            pipe.scard(keys.ALL_MODELS)
+            mine, everyone = await pipe.execute()
+        return int(mine), int(everyone)
 
     async def pending_count(self, model_id: str) -> int:
         return int(await self.redis.zcard(keys.pending(model_id)))

@@ -14,6 +14,7 @@ from pathlib import Path
 from lockstep.engine import losses
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard
+from lockstep.limits import Limits
 from lockstep.observability import metrics
 from lockstep.scheduler import translate
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
@@ -21,13 +22,11 @@ from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler.records import LoraRecord, ModelRecord
 from lockstep.scheduler.store import ClaimConflict, Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.wire.v1 import tinker_pb2 as wire
 
-MAX_LORA_RANK = 512
-MAX_SAMPLES_PER_REQUEST = 256
-# Admission: past these backlogs a submission is told to come back later (HTTP 429, retried by
-# the SDK with backoff) instead of growing the queue without bound.
-MAX_PENDING_PER_MODEL = 4096
-MAX_PENDING_SAMPLES = 20000
+# Every limit is in lockstep.limits.Limits. Admission: past the backlog limits a submission is
+# told to come back later (HTTP 429, retried by the SDK with backoff) instead of growing the
+# queue without bound; the size and tenant limits are permanent (400, naming the limit).
 
 
 def _finite(value: float, field: str, minimum: float | None = None) -> None:
@@ -57,7 +56,9 @@ class Submissions:
     def __init__(
         self, store: Store, catalog: Catalog, card: ModelCard, data_dir: Path,
         on_training: Callable[[], None], on_sample: Callable[[], None],
+        limits: Limits | None = None,
     ) -> None:
+        self.limits = limits or Limits()
         self.store = store
         self.catalog = catalog
         self.card = card
@@ -77,9 +78,10 @@ class Submissions:
                 return pb.SubmitReply()
             try:
                 model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
-                if await self.store.pending_count(model_id) >= MAX_PENDING_PER_MODEL:
-                    raise OverCapacity(f"model {model_id} has {MAX_PENDING_PER_MODEL} requests "
-                                       "queued; retry later")
+                backlog = self.limits.max_pending_per_model
+                if await self.store.pending_count(model_id) >= backlog:
+                    raise OverCapacity(f"model {model_id} has {backlog} requests queued; "
+                                       "retry later")
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
                 addressed = self._addressed(req, op)
                 if addressed is not None:
@@ -133,8 +135,9 @@ class Submissions:
             session = await self.catalog.owned_session(owner, c.session_id)
             self.catalog.resolve_base_model(c.base_model)
             rank = c.lora_config.rank
-            if not 1 <= rank <= MAX_LORA_RANK:
-                raise UserInputError("lora_config.rank", f"must be in [1, {MAX_LORA_RANK}]")
+            if not 1 <= rank <= self.limits.max_lora_rank:
+                raise UserInputError("lora_config.rank",
+                                     f"must be in [1, {self.limits.max_lora_rank}]")
             if not (c.lora_config.train_attn or c.lora_config.train_mlp
                     or c.lora_config.train_unembed):
                 raise UserInputError("lora_config", "at least one of train_* must be true")
@@ -142,6 +145,7 @@ class Submissions:
                 raise UserInputError("optimizer_config.type",
                                      f"{c.optimizer_type!r} is not supported; use adamw")
             model_id = f"{session.session_id}:train:{c.model_seq_id}"
+            await self._check_tenants(owner, model_id)
             lc = c.lora_config
             now = time.time()
             record = ModelRecord(
@@ -159,6 +163,7 @@ class Submissions:
             self._check_seq(fb.seq_id)
             if not fb.data:
                 raise UserInputError("data", "no datums given")
+            self._check_sizes(fb)
             pass_req = translate.pass_request("validation", fb)
             losses.validate_pass_request(pass_req, self.card.vocab_size,
                                          self.card.max_context_length)
@@ -211,6 +216,7 @@ class Submissions:
         if source is None:
             raise NotFound(f"training run {path.model_id} does not exist")
         model_id = f"{session.session_id}:train:{load.model_seq_id}"
+        await self._check_tenants(owner, model_id)
         now = time.time()
         record = ModelRecord(
             model_id=model_id, owner=owner, session_id=session.session_id,
@@ -225,8 +231,13 @@ class Submissions:
         await self.catalog.owned_sampler(req.owner, s.sampling_session_id)
         if not s.prompt_tokens:
             raise UserInputError("prompt", "is empty")
-        if not 1 <= s.num_samples <= MAX_SAMPLES_PER_REQUEST:
-            raise UserInputError("num_samples", f"must be in [1, {MAX_SAMPLES_PER_REQUEST}]")
+        if not 1 <= s.num_samples <= self.limits.max_samples_per_request:
+            raise UserInputError("num_samples",
+                                 f"must be in [1, {self.limits.max_samples_per_request}]")
+        per_datum = self.limits.max_tokens_per_datum
+        if per_datum and len(s.prompt_tokens) > per_datum:
+            raise UserInputError("prompt", f"has {len(s.prompt_tokens)} tokens; this server "
+                                 f"accepts at most {per_datum} (max_tokens_per_datum)")
         vocab = self.card.vocab_size
         for i, tok in enumerate(s.prompt_tokens):
             if not 0 <= tok < vocab:
@@ -242,7 +253,7 @@ class Submissions:
                 f"context length {self.card.max_context_length}")
         for name, value in (("temperature", s.params.temperature), ("top_p", s.params.top_p)):
             _finite(value, f"sampling_params.{name}", 0.0)
-        if await self.store.sample_backlog() >= MAX_PENDING_SAMPLES:
+        if await self.store.sample_backlog() >= self.limits.max_pending_samples:
             raise OverCapacity("the sampling queue is full; retry later")
         try:
             rid, created = await self.store.claim_sample(
@@ -255,6 +266,37 @@ class Submissions:
         self.on_sample()
         return pb.SubmitReply(
             request_id=rid, sample_sequence_ids=[f"{rid}:seq:{i}" for i in range(s.num_samples)])
+
+    def _check_sizes(self, fb: wire.ForwardBackwardRequest) -> None:
+        """The request-size limits: datums per request, model-input tokens per datum."""
+        most = self.limits.max_datums_per_request
+        if len(fb.data) > most:
+            raise UserInputError("data", f"has {len(fb.data)} datums; this server accepts at "
+                                 f"most {most} per request (max_datums_per_request)")
+        per_datum = self.limits.max_tokens_per_datum
+        if not per_datum:
+            return  # the context length is checked with the loss inputs
+        for i, datum in enumerate(fb.data):
+            n = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input)
+            if n > per_datum:
+                raise UserInputError(f"data[{i}].model_input", f"has {n} tokens; this server "
+                                     f"accepts at most {per_datum} (max_tokens_per_datum)")
+
+    async def _check_tenants(self, owner: str, model_id: str) -> None:
+        """The tenant quotas, checked before a new training run is claimed. A retried
+        create_model (its run already exists) passes; concurrent creations of one key may
+        overshoot by the number in flight."""
+        if await self.store.model(model_id) is not None:
+            return
+        mine, everyone = await self.store.run_counts(owner)
+        if self.limits.max_tenants_per_key and mine >= self.limits.max_tenants_per_key:
+            raise UserInputError("create_model", f"this API key already has {mine} training "
+                                 f"runs, its quota (max_tenants_per_key "
+                                 f"{self.limits.max_tenants_per_key})")
+        if self.limits.max_tenants and everyone >= self.limits.max_tenants:
+            raise UserInputError("create_model", f"this server already holds {everyone} "
+                                 f"training runs, its limit (max_tenants "
+                                 f"{self.limits.max_tenants})")
 
     async def _owned_model(self, owner: str, model_id: str) -> ModelRecord:
         return await self.catalog.owned_model(owner, model_id)

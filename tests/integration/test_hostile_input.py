@@ -181,6 +181,9 @@ CASES: list[tuple[str, Callable[[Ctx], httpx.Response], str]] = [
     ("rank 0", lambda c: post(c, "create_model", {
         "session_id": c.session, "model_seq_id": 51, "base_model": "Lockstep/tiny-qwen3",
         "lora_config": {"rank": 0}, "type": "create_model"}), "rank"),
+    # found by tests/integration/test_fuzz_openapi.py (was a 500)
+    ("non-ASCII download signature", lambda c: c.http.get(
+        "/api/v1/checkpoint_files/o/r/weights/n/f?expires=1&sig=%C3%BE"), "signature"),
     ("no API key", lambda c: httpx.post(str(c.http.base_url) + "/api/v1/create_session",
                                         json={"type": "create_session"}), "API key"),
     ("key without tml- prefix", lambda c: httpx.post(

@@ -51,6 +51,8 @@ def test_client_config_and_friends(api: Any) -> None:
         "pjwt_auth_enabled": False,
         "use_pyqwest_transport": False,
         "proto_compress_fwdbwd": False,
+        "fwdbwd_max_chunk_len": 1024,  # the SDK chunks below the server's limits
+        "fwdbwd_max_chunk_bytes_count": 5_000_000,
     }
     assert api.post("/api/v1/client/dynamic_config", json={}).status_code == 200
     telemetry = api.post("/api/v1/telemetry", json={"events": [], "session_id": "s"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import grpc
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from lockstep.gateway.deps import Owner, Scheduler
@@ -19,10 +19,15 @@ health_router = APIRouter(tags=["health"])
 
 
 @router.post("/client/config")
-async def client_config(owner: Owner) -> rs.ClientConfigResponse:
+async def client_config(request: Request, owner: Owner) -> rs.ClientConfigResponse:
     # Plain X-API-Key auth, plain httpx transport, uncompressed fwd/bwd bodies (zstd bodies
-    # are accepted anyway: see lockstep.gateway.body).
-    return rs.ClientConfigResponse()
+    # are accepted anyway: see lockstep.gateway.body). The SDK chunks its fwd/bwd batches
+    # below the server's limits, so a large batch never meets a 400 or a 413.
+    settings = request.app.state.settings
+    return rs.ClientConfigResponse(
+        fwdbwd_max_chunk_len=min(1024, settings.max_datums_per_request),
+        fwdbwd_max_chunk_bytes_count=min(5_000_000, settings.max_body_bytes // 2),
+    )
 
 
 @router.post("/client/dynamic_config")

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
 from lockstep.gateway.errors import ApiError
+from lockstep.gateway.openapi import body_ref
 from lockstep.gateway.seqhold import hold_seq
 from lockstep.gateway.translate import training as tr
 from lockstep.gateway.validate import check_id
@@ -58,7 +59,9 @@ async def get_info(body: rq.GetInfoRequest, owner: Owner, stub: Scheduler) -> rs
     return tr.model_info(await stub.GetModelInfo(ref, timeout=CALL_TIMEOUT_S))
 
 
-@router.post("/forward_backward")
+@router.post("/forward_backward", openapi_extra=body_ref(
+    rq.ForwardBackwardJsonRequest, protobuf="tinker.ForwardBackwardRequest (the SDK's form), "
+    "optionally zstd/gzip-compressed (Content-Encoding)"))
 async def forward_backward(request: Request, owner: Owner, stub: Scheduler) -> rs.UntypedAPIFuture:
     """Body: protobuf `ForwardBackwardRequest` (what the SDK sends; zstd already undone by the
     body middleware) or, for robustness, its JSON form."""

@@ -21,6 +21,8 @@ class ClientConfigResponse(WireModel):
     pjwt_auth_enabled: bool = False
     use_pyqwest_transport: bool = False
     proto_compress_fwdbwd: bool = False
+    fwdbwd_max_chunk_len: int = 1024  # datums per fwd/bwd request the SDK sends
+    fwdbwd_max_chunk_bytes_count: int = 5_000_000  # its estimated body bytes per request
 
 
 class ClientDynamicConfigResponse(WireModel):

@@ -8,7 +8,6 @@ distinct adapters than fit is served in several consecutive sub-batches.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -24,6 +23,7 @@ from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.rollout.local.generate import GenerateConfig, Generator
 from lockstep.rollout.local.kvcache import check_supported
+from lockstep.rollout.validation import validate_sample_request
 
 
 def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> frozenset[int]:
@@ -231,44 +231,6 @@ class LocalSamplingEngine(SamplingEngine):
 
     def _validate(self, req: SampleRequest) -> None:
         """Raise UserInputError naming the first bad field of `req`."""
-        vocab, context = self._card.vocab_size, self._card.max_context_length
-        if not req.prompt:
-            raise UserInputError("prompt", "must contain at least one token")
-        for i, token in enumerate(req.prompt):
-            if token < 0:
-                raise UserInputError(f"prompt.tokens[{i}]", f"token id {token} is negative")
-            if token >= vocab:
-                raise UserInputError(
-                    f"prompt.tokens[{i}]", f"token id {token} >= vocab size {vocab}"
-                )
-        if req.num_samples < 1:
-            raise UserInputError("num_samples", f"must be >= 1, got {req.num_samples}")
-        p = req.params
-        if p.max_tokens < 0:
-            raise UserInputError("sampling_params.max_tokens", f"must be >= 0, got {p.max_tokens}")
-        if len(req.prompt) + p.max_tokens > context:
-            raise UserInputError(
-                "sampling_params.max_tokens",
-                f"prompt length {len(req.prompt)} + max_tokens {p.max_tokens} exceeds the "
-                f"model's context length {context}",
-            )
-        if not math.isfinite(p.temperature) or p.temperature < 0:
-            raise UserInputError(
-                "sampling_params.temperature", f"must be >= 0, got {p.temperature}"
-            )
-        if p.top_k < -1:
-            raise UserInputError("sampling_params.top_k", f"must be -1 or >= 0, got {p.top_k}")
-        if not math.isfinite(p.top_p) or not 0.0 < p.top_p <= 1.0:
-            raise UserInputError("sampling_params.top_p", f"must be in (0, 1], got {p.top_p}")
-        for name, k in (
-            ("topk_prompt_logprobs", req.topk_prompt_logprobs),
-            ("topk_sample_logprobs", req.topk_sample_logprobs),
-        ):
-            if not 0 <= k <= vocab:
-                raise UserInputError(name, f"must be in [0, {vocab}], got {k}")
-        if req.prompt_logprobs_last_n is not None and req.prompt_logprobs_last_n < 0:
-            raise UserInputError(
-                "prompt_logprobs_last_n", f"must be >= 0, got {req.prompt_logprobs_last_n}"
-            )
+        validate_sample_request(req, self._card)  # shared with the vLLM / SGLang engines
         if req.adapter_id is not None and req.adapter_id not in self._directories:
             raise UserInputError("adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)")

@@ -1,0 +1,259 @@
+"""Shared machinery of the sampling engines that drive an inference server over HTTP.
+
+`RemoteSamplingEngine` keeps what vLLM and SGLang engines have in common:
+
+* validation (the same 4xx messages as the local sampler, before anything reaches the server);
+* adapter paging: every adapter ever published is remembered by directory, at most
+  `max_adapters` are loaded on the server (an LRU); loading one more unloads the least recently
+  used, and a sample for an unloaded adapter loads it again first, so eviction never fails a sample;
+* batching: a batch is cut into chunks of at most `max_adapters` distinct adapters, and each
+  chunk's requests are sent concurrently so the server batches them.
+
+Subclasses implement the server's own verbs (`_load`, `_unload`, `_generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from abc import abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from cachetools import LRUCache
+
+from lockstep.engine.interface import SamplingEngine, UserInputError
+from lockstep.engine.types import ModelCard, SampleRequest, SampleResult
+from lockstep.rollout.validation import validate_sample_request
+from lockstep.workers.process import EngineDied
+
+log = logging.getLogger(__name__)
+
+
+def card_from_config(model_dir: Path, served_name: str) -> ModelCard:
+    """A ModelCard read from `config.json` alone (no torch, no weights: the server holds them)."""
+    model_dir = Path(model_dir).resolve()
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") or config
+    eos = text.get("eos_token_id", config.get("eos_token_id"))
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return ModelCard(
+        name=served_name,
+        directory=str(model_dir),
+        arch=str(config.get("model_type", "unknown")),
+        vocab_size=int(text["vocab_size"]),
+        max_context_length=int(text.get("max_position_embeddings", 2048)),
+        eos_token_id=None if eos is None else int(eos),
+    )
+
+
+class _Slots(LRUCache[str, Path]):
+    """The adapters loaded on the server, least recently used first; remembers what it evicts."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self.evicted: list[str] = []
+
+    def popitem(self) -> tuple[str, Path]:
+        key, value = super().popitem()
+        self.evicted.append(key)
+        return key, value
+
+
+class ServerError(RuntimeError):
+    """The inference server refused or failed a call that is not the user's fault."""
+
+
+class RemoteSamplingEngine(SamplingEngine):
+    def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
+                 timeout_s: float = 600.0, max_concurrency: int = 64) -> None:
+        if max_adapters < 1:
+            raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
+        self._card = card
+        self.base_url = base_url.rstrip("/")
+        self.max_adapters = max_adapters
+        self._timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self._concurrency = max_concurrency
+        self._directories: dict[str, Path] = {}  # every published adapter -> its PEFT directory
+        self._slots = _Slots(max_adapters)
+        self._lock = threading.RLock()  # one engine call at a time (the lane serializes anyway)
+        self.loads = 0  # server-side adapter loads (publishes + reloads after eviction)
+        self.evictions = 0
+
+    # -- server verbs (subclasses) -----------------------------------------------------------
+
+    @abstractmethod
+    async def _load(self, client: httpx.AsyncClient, adapter_id: str, directory: Path) -> None:
+        """Load a PEFT directory on the server under `adapter_id`. Raise UserInputError if the
+        directory is not a usable adapter."""
+
+    @abstractmethod
+    async def _unload(self, client: httpx.AsyncClient, adapter_id: str) -> None:
+        """Unload `adapter_id` from the server (unknown ids are ignored)."""
+
+    @abstractmethod
+    async def _generate(self, client: httpx.AsyncClient, req: SampleRequest) -> SampleResult:
+        """Serve one (validated) request whose adapter is loaded."""
+
+    def _alive(self) -> bool:
+        """Whether the server process (when this engine owns one) still runs."""
+        return True
+
+    # -- SamplingEngine ----------------------------------------------------------------------
+
+    def card(self) -> ModelCard:
+        return self._card
+
+    def load_adapter(self, adapter_id: str, directory: Path) -> None:
+        """Publish `adapter_id` (load it now so its first sample does not wait)."""
+        self.load_adapters([(adapter_id, Path(directory))])
+
+    def load_adapters(self, adapters: Sequence[tuple[str, Path]]) -> None:
+        """Publish several adapters in one call (every adapter one clock cycle changed)."""
+        with self._lock:
+            self._run(self._publish(adapters))
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        with self._lock:
+            self._directories.pop(adapter_id, None)
+            if adapter_id in self._slots:
+                del self._slots[adapter_id]
+                self._run(self._with_client(lambda c: self._unload(c, adapter_id)))
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        with self._lock:
+            return self._run(self._sample(requests))
+
+    def resident_adapters(self) -> list[str]:
+        """Adapters loaded on the server, least recently used first."""
+        with self._lock:
+            return list(self._slots.keys())
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _run(self, coro: Any) -> Any:
+        # Engine calls come from a worker thread (asyncio.to_thread): no loop is running here.
+        try:
+            return asyncio.run(coro)
+        except httpx.TransportError as exc:
+            if not self._alive():
+                raise EngineDied(f"the sampling server at {self.base_url} exited") from exc
+            raise ServerError(f"sampling server {self.base_url}: {exc!r}") from exc
+
+    async def _with_client(self, fn: Any) -> Any:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
+            return await fn(client)
+
+    async def _publish(self, adapters: Sequence[tuple[str, Path]]) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
+            for adapter_id, directory in adapters[-self.max_adapters:]:
+                if self._directories.get(adapter_id) == directory and adapter_id in self._slots:
+                    self._slots[adapter_id]  # touch: most recently used
+                    continue
+                if adapter_id in self._slots:  # replaced under the same id
+                    del self._slots[adapter_id]
+                    await self._unload(client, adapter_id)
+                self._directories[adapter_id] = directory
+                try:
+                    await self._make_resident(client, [adapter_id])
+                except UserInputError:
+                    self._directories.pop(adapter_id, None)
+                    raise
+            for adapter_id, directory in adapters[:-self.max_adapters]:
+                self._directories[adapter_id] = directory  # more than fit: loaded on demand
+
+    async def _make_resident(self, client: httpx.AsyncClient, wanted: Sequence[str]) -> None:
+        """Load every adapter of `wanted` (at most max_adapters), evicting LRU others."""
+        for adapter_id in wanted:  # touch the resident ones first so they are not evicted
+            if adapter_id in self._slots:
+                self._slots[adapter_id]
+        for adapter_id in wanted:
+            if adapter_id in self._slots:
+                continue
+            directory = self._directories[adapter_id]
+            self._slots[adapter_id] = directory
+            for victim in self._slots.evicted:
+                self.evictions += 1
+                await self._unload(client, victim)
+            self._slots.evicted.clear()
+            try:
+                await self._load(client, adapter_id, directory)
+            except BaseException:
+                self._slots.pop(adapter_id, None)
+                raise
+            self.loads += 1
+
+    async def _sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        results: list[SampleResult | None] = [None] * len(requests)
+        valid: list[int] = []
+        for i, req in enumerate(requests):
+            try:
+                validate_sample_request(req, self._card)
+                if req.adapter_id is not None and req.adapter_id not in self._directories:
+                    raise UserInputError("adapter_id",
+                                         f"unknown adapter {req.adapter_id!r} (not loaded)")
+                valid.append(i)
+            except UserInputError as exc:
+                results[i] = SampleResult(req.request_id, [], error=str(exc))
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
+            for chunk in self._chunks(requests, valid):
+                adapters = sorted({a for i in chunk if (a := requests[i].adapter_id) is not None})
+                runnable = []
+                failed: dict[str, str] = {}
+                for adapter_id in adapters:  # touch the resident ones: they must stay
+                    if adapter_id in self._slots:
+                        self._slots[adapter_id]
+                for adapter_id in adapters:
+                    try:
+                        await self._make_resident(client, [adapter_id])
+                    except UserInputError as exc:  # a directory that vanished: its rows fail
+                        failed[adapter_id] = f"adapter_id: cannot reload {adapter_id!r}: {exc}"
+                for i in chunk:
+                    message = failed.get(requests[i].adapter_id or "")
+                    if message is None:
+                        runnable.append(i)
+                    else:
+                        results[i] = SampleResult(requests[i].request_id, [], error=message)
+                outs = await self._generate_batch(client, [requests[i] for i in runnable])
+                for i, out in zip(runnable, outs, strict=True):
+                    results[i] = out
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    async def _generate_batch(self, client: httpx.AsyncClient,
+                              requests: list[SampleRequest]) -> list[SampleResult]:
+        """Every request of a chunk at once, so the server batches them."""
+        gate = asyncio.Semaphore(self._concurrency)
+
+        async def one(req: SampleRequest) -> SampleResult:
+            async with gate:
+                return await self._generate(client, req)
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    def _chunks(self, requests: Sequence[SampleRequest], indices: list[int]) -> list[list[int]]:
+        """Consecutive runs of requests using at most max_adapters distinct adapters."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        adapters: set[str] = set()
+        for i in indices:
+            adapter = requests[i].adapter_id
+            grown = adapters | ({adapter} if adapter is not None else set())
+            if current and len(grown) > self.max_adapters:
+                chunks.append(current)
+                current, grown = [], ({adapter} if adapter is not None else set())
+            current.append(i)
+            adapters = grown
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _forget_server_state(self) -> None:
+        """After the server restarted: nothing is loaded there any more."""
+        self._slots.clear()
+        self._slots.evicted.clear()

@@ -1,0 +1,5 @@
+"""SGLang sampling engine: Lockstep's SamplingEngine over SGLang's native HTTP API."""
+
+from lockstep.rollout.sglang.engine import SglangLaunchConfig, SglangSamplingEngine
+
+__all__ = ["SglangLaunchConfig", "SglangSamplingEngine"]

@@ -1,0 +1,287 @@
+"""`SglangSamplingEngine`: Lockstep's SamplingEngine over SGLang's native HTTP API.
+
+Request/response shapes follow SGLang's `python/sglang/srt/entrypoints/http_server.py` and
+`python/sglang/srt/managers/io_struct.py` (GenerateReqInput, LoadLoRAAdapterReqInput,
+UnloadLoRAAdapterReqInput, LoadLoRAAdapterFromTensorsReqInput,
+Release/ResumeMemoryOccupationReqInput) and docs.sglang.io "Sampling Parameters" / "LoRA Serving":
+
+* `POST /generate` {input_ids: [[...]] (one row per sample), lora_path: [name, ...],
+  sampling_params: [{max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
+  ignore_eos, sampling_seed, skip_special_tokens, no_stop_trim}, ...], return_logprob,
+  logprob_start_len, top_logprobs_num} -> a list of {output_ids, meta_info: {finish_reason:
+  {type: "stop"|"length"}, input_token_logprobs: [[logprob|null, token_id, text|null], ...],
+  output_token_logprobs, input_top_logprobs, output_top_logprobs}}.
+* `POST /load_lora_adapter` {lora_name, lora_path}; `POST /unload_lora_adapter` {lora_name};
+  `POST /load_lora_adapter_from_tensors` {lora_name, config_dict, serialized_tensors} (tensors
+  in SGLang's own MultiprocessingSerializer format: only when the sglang package imports here).
+* `POST /release_memory_occupation` / `/resume_memory_occupation` {tags: null} (colocated mode;
+  the server needs --enable-memory-saver). After a resume the LoRA memory pool is re-filled by
+  loading the resident adapters again.
+
+Logprobs must be the model's raw ones (before temperature): a managed server is started with
+SGLANG_RETURN_ORIGINAL_LOGPROB=1; an attached one must be too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lockstep.engine.interface import UserInputError
+from lockstep.engine.types import (
+    ModelCard,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+    StopReason,
+)
+from lockstep.rollout.launcher import ServerProcess
+from lockstep.rollout.remote import RemoteSamplingEngine, ServerError, card_from_config
+from lockstep.rollout.validation import prompt_logprob_start
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SglangLaunchConfig:
+    """How Lockstep starts `python -m sglang.launch_server` (GPU machines only)."""
+
+    python: Path
+    model_dir: Path
+    served_name: str
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    port: int = 0
+    memory_saver: bool = False  # --enable-memory-saver: release/resume around training
+    log_file: Path = Path("sglang.log")
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, port: int) -> list[str]:
+        args = [str(self.python), "-m", "sglang.launch_server",
+                "--model-path", str(self.model_dir), "--served-model-name", self.served_name,
+                "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32",  # the trainer's precision: logprobs comparable
+                "--enable-lora", "--max-loras-per-batch", str(self.max_loras),
+                "--max-loaded-loras", str(self.max_loras),
+                "--max-lora-rank", str(self.max_lora_rank),
+                "--lora-target-modules", "all"]
+        if self.memory_saver:
+            args.append("--enable-memory-saver")
+        return [*args, *self.extra_args]
+
+    def env(self) -> dict[str, str]:
+        return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": "", "VIRTUAL_ENV": ""}
+
+
+class SglangSamplingEngine(RemoteSamplingEngine):
+    def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
+                 server: ServerProcess | None = None, timeout_s: float = 600.0,
+                 publish_tensors: bool = False) -> None:
+        super().__init__(card, base_url, max_adapters, timeout_s)
+        self.server = server
+        self.process = server
+        self.publish_tensors = publish_tensors and _serializer() is not None
+        self._released = False
+
+    @classmethod
+    def launch(cls, config: SglangLaunchConfig) -> SglangSamplingEngine:
+        from lockstep.supervisor import free_port
+
+        port = config.port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = ServerProcess("sglang", config.argv(port), url, "/health", config.env(),
+                               config.log_file)
+        server.start()
+        return cls(card_from_config(config.model_dir, config.served_name), url,
+                   config.max_loras, server, publish_tensors=True)
+
+    @classmethod
+    def attach(cls, url: str, model_dir: Path, served_name: str,
+               max_adapters: int) -> SglangSamplingEngine:
+        httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
+        return cls(card_from_config(model_dir, served_name), url, max_adapters)
+
+    def _alive(self) -> bool:
+        return self.server is None or self.server.alive()
+
+    def restart(self) -> None:
+        if self.server is None:
+            raise ServerError(f"the SGLang server at {self.base_url} is unreachable")
+        self.server.stop()
+        self.server.start()
+        self._forget_server_state()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    # -- phases (colocated mode) -------------------------------------------------------------
+
+    def release(self) -> None:
+        """Free the server's GPU memory (weights and KV cache) before a training phase."""
+        with self._lock:
+            if self._released:
+                return
+            _check(httpx.post(self.base_url + "/release_memory_occupation",
+                              json={"tags": None}, timeout=120), "release_memory_occupation")
+            self._released = True
+
+    def resume(self) -> None:
+        """Take the memory back; re-send the resident adapters (the LoRA pool was released)."""
+        with self._lock:
+            if not self._released:
+                return
+            _check(httpx.post(self.base_url + "/resume_memory_occupation",
+                              json={"tags": None}, timeout=120), "resume_memory_occupation")
+            self._released = False
+            resident = [(a, self._directories[a]) for a in self._slots if a in self._directories]
+            self._slots.clear()
+            self._run(self._reload(resident))
+
+    async def _reload(self, adapters: list[tuple[str, Path]]) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
+            for adapter_id, _ in adapters:
+                await self._unload(client, adapter_id)
+            await self._make_resident(client, [a for a, _ in adapters])
+
+    # -- server verbs ------------------------------------------------------------------------
+
+    async def _load(self, client: httpx.AsyncClient, adapter_id: str, directory: Path) -> None:
+        if self.publish_tensors:
+            response = await client.post("/load_lora_adapter_from_tensors",
+                                         json=_tensor_payload(adapter_id, directory))
+        else:
+            response = await client.post("/load_lora_adapter",
+                                         json={"lora_name": adapter_id,
+                                               "lora_path": str(directory)})
+        if response.status_code == 400:
+            raise UserInputError("path", f"SGLang refused adapter {directory}: "
+                                 f"{_message(response)}")
+        _check(response, "load_lora_adapter")
+
+    async def _unload(self, client: httpx.AsyncClient, adapter_id: str) -> None:
+        response = await client.post("/unload_lora_adapter", json={"lora_name": adapter_id})
+        if response.status_code not in (200, 400):  # 400: not loaded
+            _check(response, "unload_lora_adapter")
+
+    async def _generate(self, client: httpx.AsyncClient, req: SampleRequest) -> SampleResult:
+        p = req.params
+        want_prompt = req.prompt_logprobs or req.topk_prompt_logprobs > 0
+        n = req.num_samples
+        params = []
+        for j in range(n):
+            sp: dict[str, Any] = {
+                "max_new_tokens": p.max_tokens, "temperature": p.temperature,
+                "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
+                "stop": list(p.stop_strings), "stop_token_ids": list(p.stop_tokens),
+                "ignore_eos": not p.stop_at_eos, "skip_special_tokens": False,
+                "no_stop_trim": True,
+            }
+            if p.seed is not None:
+                sp["sampling_seed"] = p.seed + j  # one row per sample: distinct streams
+            params.append(sp)
+        body = {
+            "input_ids": [list(req.prompt)] * n,
+            "lora_path": [req.adapter_id] * n,
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": 0 if want_prompt else -1,
+            "top_logprobs_num": max(req.topk_sample_logprobs, req.topk_prompt_logprobs),
+            "return_text_in_logprobs": False,
+        }
+        response = await client.post("/generate", json=body)
+        if response.status_code == 400:
+            return SampleResult(req.request_id, [],
+                                error=f"sampling_params: {_message(response)}")
+        _check(response, "generate")
+        outs = response.json()
+        outs = outs if isinstance(outs, list) else [outs]
+        result = SampleResult(req.request_id, [_sequence(o, req) for o in outs])
+        if want_prompt:
+            _prompt_logprobs(result, req, outs[0]["meta_info"])
+        return result
+
+
+def _serializer() -> Any:
+    try:  # SGLang's own wire format for tensors; only importable where sglang is installed
+        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return MultiprocessingSerializer
+
+
+def _tensor_payload(adapter_id: str, directory: Path) -> dict[str, Any]:
+    """Publish from memory: the adapter's tensors in SGLang's serialized form (no disk read on
+    the server side; same host only, as SGLang passes tensors by shared-memory handle)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    config = json.loads((directory / "adapter_config.json").read_text())
+    serialized = _serializer().serialize(tensors, output_str=True)
+    return {"lora_name": adapter_id, "config_dict": config, "serialized_tensors": serialized}
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text
+    if isinstance(data, dict):
+        return str(data.get("error_message") or data.get("message") or data.get("error")
+                   or data)
+    return str(data)
+
+
+def _check(response: httpx.Response, what: str) -> None:
+    ok = response.status_code == 200
+    if ok:
+        try:
+            data = response.json()
+            ok = not (isinstance(data, dict) and data.get("success") is False)
+        except ValueError:
+            pass
+    if not ok:
+        raise ServerError(f"SGLang {what} failed ({response.status_code}): {_message(response)}")
+
+
+def _sequence(out: dict[str, Any], req: SampleRequest) -> SampledSequence:
+    meta = out["meta_info"]
+    entries = meta.get("output_token_logprobs") or []
+    tokens = [int(e[1]) for e in entries] or [int(t) for t in out.get("output_ids") or []]
+    logprobs = [float(e[0]) for e in entries]
+    finish = meta.get("finish_reason") or {}
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    stop_reason: StopReason = "stop" if kind == "stop" else "length"
+    seq = SampledSequence(tokens, logprobs, stop_reason)
+    k = req.topk_sample_logprobs
+    if k > 0:
+        rows = meta.get("output_top_logprobs") or []
+        seq.topk_ids = [[int(e[1]) for e in (row or [])[:k]] for row in rows]
+        seq.topk_logprobs = [[float(e[0]) for e in (row or [])[:k]] for row in rows]
+    return seq
+
+
+def _prompt_logprobs(result: SampleResult, req: SampleRequest, meta: dict[str, Any]) -> None:
+    """input_token_logprobs[i] is prompt position i (logprob_start_len=0; position 0: null)."""
+    n = len(req.prompt)
+    start = prompt_logprob_start(req)
+    values = meta.get("input_token_logprobs") or []
+    tops = meta.get("input_top_logprobs") or []
+    if req.prompt_logprobs:
+        result.prompt_logprobs = [math.nan] * n
+        for pos in range(start, min(n, len(values))):
+            if values[pos][0] is not None:
+                result.prompt_logprobs[pos] = float(values[pos][0])
+    k = req.topk_prompt_logprobs
+    if k > 0:
+        result.topk_prompt = [None] * n
+        for pos in range(start, min(n, len(tops))):
+            if tops[pos]:
+                result.topk_prompt[pos] = [(int(e[1]), float(e[0])) for e in tops[pos][:k]]

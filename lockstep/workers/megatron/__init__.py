@@ -1,0 +1,1 @@
+"""Megatron-core training engine: TP / PP / DP worker groups on Ray (docs/megatron.md)."""
