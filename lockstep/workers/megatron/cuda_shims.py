@@ -1,0 +1,73 @@
+"""The ONE place where megatron-core is taught to run on CPU (gloo) — nothing else patches it.
+
+megatron-core assumes CUDA in a few spots that CPU tests (and CPU serving) reach:
+
+1. RNG: attention always enters `get_cuda_rng_tracker().fork()`, and
+   `model_parallel_cuda_manual_seed` seeds through `torch.cuda.manual_seed`. On CPU both are
+   mapped to the CPU generator (`torch.{get,set}_rng_state`, `torch.manual_seed`); dropout is 0 in
+   our configs, so the tracked states never change any number.
+2. `torch.cuda.current_device()` / `synchronize()` / `current_stream()`: p2p communication
+   allocates receive buffers on `current_device()`; on CPU that is "cpu".
+3. `pipeline_parallel/schedules.py` allocates its token counter with `device="cuda"`: the module
+   sees a `torch` whose `zeros` maps a CUDA device to the CPU.
+
+`apply()` is idempotent and does nothing when CUDA is available, so GPU runs use megatron as is.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+_applied = False
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is not None and torch.device(device).type == "cuda":
+        return "cpu"
+    return device
+
+
+class _CpuZerosTorch(types.ModuleType):
+    """`torch`, except that `zeros(..., device="cuda")` allocates on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return torch.zeros(*args, **kwargs)
+
+
+def apply() -> None:
+    """Install the CPU shims (no-op with CUDA, and on the second call)."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> Any:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    mp_random._get_cuda_rng_state = get_state  # type: ignore[assignment]
+    mp_random._set_cuda_rng_state = set_state  # type: ignore[assignment]
+    cuda: Any = torch.cuda
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by torch.manual_seed
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda device=None: None
+    cuda.current_stream = lambda device=None: None
+    schedules.torch = _CpuZerosTorch()  # type: ignore[attr-defined]
+    _applied = True

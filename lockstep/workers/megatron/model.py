@@ -1,0 +1,133 @@
+"""Build a megatron-core GPTModel (this rank's TP shard of this rank's PP stage) from a HF
+Qwen3 / Llama-family config, with the settings that keep fp32 numbers equal to transformers'."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("qwen3", "llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """What the conversion needs from config.json."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    qkv_bias: bool  # Qwen2
+    tie_embeddings: bool
+    max_positions: int
+
+    @staticmethod
+    def from_dir(model_dir: Path) -> HFArch:
+        cfg: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+        model_type = str(cfg.get("model_type"))
+        if model_type not in SUPPORTED:
+            raise ValueError(f"the megatron engine converts {SUPPORTED} models, not {model_type!r}")
+        if cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {}).get(
+            "rope_type", "default"
+        ) != "default":
+            raise ValueError("the megatron engine supports plain RoPE only (no rope scaling)")
+        heads = int(cfg["num_attention_heads"])
+        rope = cfg.get("rope_parameters") or {}
+        return HFArch(
+            model_type=model_type,
+            hidden=int(cfg["hidden_size"]),
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate=int(cfg["intermediate_size"]),
+            vocab=int(cfg["vocab_size"]),
+            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2",
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_positions=int(cfg.get("max_position_embeddings", 2048)),
+        )
+
+
+def transformer_config(arch: HFArch, tp: int, pp: int, cp: int = 1,
+                       sequence_parallel: bool = False) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.layers,
+        hidden_size=arch.hidden,
+        ffn_hidden_size=arch.intermediate,
+        num_attention_heads=arch.heads,
+        num_query_groups=arch.kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.eps,
+        qk_layernorm=arch.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is loaded from the HF checkpoint
+        # Fused CUDA kernels off: the same code runs on CPU and GPU, in plain fp32.
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        # Losses are token sums (Tinker's convention): the schedule must not average them.
+        calculate_per_token_loss=True,
+        # gloo has no batched isend/irecv.
+        batch_p2p_comm=torch.cuda.is_available(),
+    )
+
+
+def build_stage(arch: HFArch, tp: int, pp: int, cp: int = 1,
+                sequence_parallel: bool = False) -> Any:
+    """This rank's GPTModel: embedding on the first stage, norm + LM head on the last; logits are
+    gathered over TP (parallel_output=False) so the shared torch losses see the full vocab."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(arch, tp, pp, cp, sequence_parallel)
+    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab,
+        max_sequence_length=arch.max_positions,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+    )
+    model.eval()  # no dropout anywhere; gradients flow only into the adapters
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model

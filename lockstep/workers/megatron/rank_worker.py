@@ -1,0 +1,323 @@
+"""What one rank of a Megatron worker group does.
+
+Every rank receives the same calls with the same arguments (the engine broadcasts them); each
+keeps only its share: its TP shard of its PP stage, and its DP slice of the batch's rows. Only
+global rank 0 returns results (the rest return None).
+
+- `run_passes`: the cycle's rows are split over DP, packed into equal micro-batches and run with
+  megatron's pipeline schedule (1F1B when PP > 1). Losses are token sums computed by the shared
+  torch losses on the last stage from full-vocab logits.
+- `optim_step`: DP-sum each tenant's adapter grads, take the global grad norm over TP x PP, clip,
+  then the same batched AdamW as the local engine, on this rank's shards only.
+- `gather_adapter` / `set_adapter`: adapters (and Adam moments) travel unsharded in PEFT keys;
+  ranks slice their shards on the way in and rank 0 merges them on the way out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lockstep.engine.types import Datum, LoraSpec, OptimRequest, PassRequest, PassResult
+from lockstep.workers.local.losses import datum_loss
+from lockstep.workers.local.optim import AdamGroup, AdamState, batched_adamw_step
+from lockstep.workers.megatron.convert import load_stage
+from lockstep.workers.megatron.lora import MegatronLora, ParamInfo, merge_shards
+from lockstep.workers.megatron.model import HFArch, build_stage
+from lockstep.workers.megatron.parallel import ParallelConfig, init_parallel, shutdown_parallel
+
+PAD_MULTIPLE = 8  # as the local engine: padded length is a multiple of 8
+
+
+@dataclass
+class _Row:
+    request: int
+    index: int  # datum index within its request
+    datum: Datum
+    length: int
+    model_id: str
+
+
+@dataclass
+class _MicroBatch:
+    rows: list[_Row | None]  # None: padding row (no adapter, no loss)
+    tokens: torch.Tensor  # [rows, seq]
+
+
+def _load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+class RankWorker:
+    def __init__(self, model_dir: str, parallel: ParallelConfig, rank: int, master_addr: str,
+                 master_port: int, micro_batch: int = 8) -> None:
+        from megatron.core import parallel_state as ps
+
+        init_parallel(parallel, rank, master_addr, master_port)
+        self.parallel = parallel
+        self.rank = rank
+        self.micro_batch = micro_batch
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.first = ps.is_pipeline_first_stage()
+        self.last = ps.is_pipeline_last_stage()
+        self.arch = arch = HFArch.from_dir(Path(model_dir))
+        parallel.check_model(arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
+        model = build_stage(arch, parallel.tp, parallel.pp, parallel.cp,
+                            parallel.sequence_parallel)
+        load_stage(model, _load_hf_weights(Path(model_dir)), arch, parallel.tp, self.tp_rank,
+                   parallel.pp, self.pp_rank)
+        self.model = model.to(self.device)
+        self.lora = MegatronLora(self.model, arch, parallel.tp, self.tp_rank)
+        self.adam: dict[str, AdamState] = {}
+        # Added (as exact zeros) to a stage output that no adapter touched, so the schedule's
+        # backward has a graph on every stage even when a tenant trains only the LM head.
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+
+    def ping(self) -> int:
+        return self.rank
+
+    def close(self) -> None:
+        shutdown_parallel()
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def set_adapter(self, aid: str, state: dict[str, torch.Tensor], spec: LoraSpec,
+                    moments: dict[str, torch.Tensor] | None, step: int) -> None:
+        """Create or replace `aid` from its full PEFT state (+ full Adam moments, if any)."""
+        self.lora.load_adapter(aid, state, spec)
+        adam = AdamState(step=step)
+        if moments:
+            for _, info in self.lora.params(aid):
+                adam.exp_avg.append(self._shard(moments[f"{info.key}.exp_avg"], info))
+                adam.exp_avg_sq.append(self._shard(moments[f"{info.key}.exp_avg_sq"], info))
+        self.adam[aid] = adam
+
+    def _shard(self, full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+        if info.cat_dim is not None:
+            full = torch.chunk(full, self.parallel.tp, dim=info.cat_dim)[self.tp_rank]
+        return full.to(self.device, torch.float32).contiguous().clone()
+
+    def delete_adapter(self, aid: str) -> None:
+        self.lora.remove_adapter(aid)
+        self.adam.pop(aid, None)
+
+    def gather_adapter(self, aid: str, include_optimizer: bool) -> Any:
+        """Rank 0: (full PEFT state, full moments or None, Adam step); others: None."""
+        mine = None
+        if self.dp_rank == 0:
+            adam = self.adam[aid]
+            params = [(p.detach().cpu(), info) for p, info in self.lora.params(aid)]
+            moments = None
+            if include_optimizer and adam.exp_avg:
+                moments = [
+                    [(m.detach().cpu(), dataclasses.replace(info, key=f"{info.key}.{kind}"))
+                     for m, (_, info) in zip(ms, params, strict=True)]
+                    for kind, ms in (("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq))
+                ]
+            mine = (self.pp_rank, self.tp_rank, params, moments, adam.step)
+        parts = self._gather(mine)
+        if parts is None:
+            return None
+        parts = sorted((p for p in parts if p is not None), key=lambda p: (p[0], p[1]))
+        state: dict[str, torch.Tensor] = {}
+        full_moments: dict[str, torch.Tensor] = {}
+        for stage in range(self.parallel.pp):
+            shards = [p for p in parts if p[0] == stage]
+            state |= merge_shards([p[2] for p in shards])
+            if shards[0][3] is not None:
+                for k in range(2):
+                    full_moments |= merge_shards([p[3][k] for p in shards])
+        step = max(p[4] for p in parts)
+        return state, (full_moments if include_optimizer else None), step
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        world = self.parallel.world_size
+        out: list[Any] | None = [None] * world if self.rank == 0 else None
+        torch.distributed.gather_object(obj, out, dst=0)
+        return out
+
+    # -- passes ---------------------------------------------------------------------------
+
+    def run_passes(self, requests: list[PassRequest],
+                   configs: list[dict[str, float]]) -> list[PassResult] | None:
+        outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
+        train = [i for i, r in enumerate(requests) if not r.forward_only]
+        evals = [i for i, r in enumerate(requests) if r.forward_only]
+        if train:
+            self._schedule(requests, train, configs, outs, forward_only=False)
+        if evals:
+            with torch.no_grad():
+                self._schedule(requests, evals, configs, outs, forward_only=True)
+        mine = outs if self.last and self.tp_rank == 0 else {}
+        parts = self._gather(mine)
+        if parts is None:
+            return None
+        merged: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
+        for part in parts:
+            merged |= part
+        results = []
+        for i, req in enumerate(requests):
+            per = [merged[(i, j)] for j in range(len(req.data))]
+            total = torch.tensor([p[2] for p in per], dtype=torch.float32).sum()
+            results.append(PassResult(
+                request_id=req.request_id,
+                outputs=[{"logprobs": p[0], "elementwise_loss": p[1]} for p in per],
+                metrics={"loss:sum": float(total)},
+            ))
+        return results
+
+    def _schedule(self, requests: list[PassRequest], indices: list[int],
+                  configs: list[dict[str, float]],
+                  outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]],
+                  forward_only: bool) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows = [_Row(i, j, d, int(np.asarray(d.tokens).shape[0]), requests[i].model_id)
+                for i in indices for j, d in enumerate(requests[i].data)]
+        seq = -(-max(r.length for r in rows) // PAD_MULTIPLE) * PAD_MULTIPLE
+        dp, k = self.parallel.dp, self.dp_rank
+        mine = rows[k * len(rows) // dp:(k + 1) * len(rows) // dp]  # this replica's rows
+        if not mine:
+            return
+        mbs = min(self.micro_batch, len(mine))
+        batches = []
+        for start in range(0, len(mine), mbs):
+            chunk: list[_Row | None] = list(mine[start:start + mbs])
+            chunk += [None] * (mbs - len(chunk))  # p2p needs equal micro-batch shapes
+            tokens = torch.zeros(mbs, seq, dtype=torch.long)
+            for b, row in enumerate(chunk):
+                if row is not None:
+                    tokens[b, :row.length] = torch.from_numpy(
+                        np.asarray(row.datum.tokens, np.int64))
+            batches.append(_MicroBatch(chunk, tokens.to(self.device)))
+        positions = torch.arange(seq, device=self.device).expand(mbs, seq)
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=self.device), 1)
+        mask = mask[None, None]  # True = masked: causal
+
+        def forward_step(data_iterator: Any, model: Any) -> Any:
+            mb: _MicroBatch = next(data_iterator)
+            with self.lora.route([None if r is None else r.model_id for r in mb.rows]):
+                output = model(mb.tokens, positions, mask)
+            if not forward_only and not output.requires_grad:
+                output = output + self._anchor
+            return output, functools.partial(self._loss, mb, requests, configs, outs)
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=self.model,
+            num_microbatches=len(batches),
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+
+    def _loss(self, mb: _MicroBatch, requests: list[PassRequest],
+              configs: list[dict[str, float]],
+              outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]],
+              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        sums = []
+        for b, row in enumerate(mb.rows):
+            if row is None:
+                continue
+            req = requests[row.request]
+            logp, loss = datum_loss(logits[b, :row.length], row.datum, req.loss_fn,
+                                    configs[row.request])
+            total = loss.sum()
+            sums.append(total)
+            outs[(row.request, row.index)] = (_np(logp), _np(loss), float(total.detach()))
+        loss_sum = torch.stack(sums).sum()
+        tokens = torch.tensor(sum(r.length for r in mb.rows if r is not None), dtype=torch.int)
+        return loss_sum, tokens, {}
+
+    # -- optimizer ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]] | None:
+        from megatron.core import parallel_state as ps
+
+        dist = torch.distributed
+        tenants = [r.model_id for r in requests]
+        params = {t: self.lora.params(t) for t in tenants}
+        # A tenant steps when ANY replica has its grads (rows go to one DP replica only).
+        has = torch.tensor([float(any(p.grad is not None for p, _ in params[t]))
+                            for t in tenants])
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        live = [t for t, h in zip(tenants, has.tolist(), strict=True) if h > 0]
+        grads = []
+        for t in live:
+            for p, _ in params[t]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        if self.parallel.dp > 1 and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        # Global norm per tenant: TP shards add up, TP-replicated tensors count once.
+        sq = torch.zeros(len(tenants), dtype=torch.float64)
+        for n, t in enumerate(tenants):
+            if t in live:
+                sq[n] = sum(
+                    (float((_grad(p).double() ** 2).sum()) for p, info in params[t]
+                     if info.cat_dim is not None or self.tp_rank == 0), 0.0)
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        norms = sq.sqrt().tolist()
+        groups = []
+        for n, req in enumerate(requests):
+            t = req.model_id
+            if t not in live:
+                continue
+            max_norm = req.adam.grad_clip_norm
+            if max_norm > 0:
+                total = torch.tensor(norms[n], dtype=torch.float32)
+                coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # as the local one
+                torch._foreach_mul_([_grad(p) for p, _ in params[t]], coef)
+            plist = [p for p, _ in params[t]]
+            if not plist:
+                self.adam[t].step += 1  # this stage holds none of its layers: count the step
+            groups.append(AdamGroup(plist, self.adam[t],
+                                    dataclasses.replace(req.adam, grad_clip_norm=0.0)))
+        batched_adamw_step(groups)
+        if self.rank != 0:
+            return None
+        return {
+            req.model_id: {
+                "grad_norm:mean": norms[n] if req.model_id in live else 0.0,
+                "learning_rate:mean": req.adam.learning_rate,
+                "step:max": float(self.adam[req.model_id].step),
+            }
+            for n, req in enumerate(requests)
+        }
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None  # filled with zeros for every live tenant
+    return p.grad
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32).numpy().copy()
