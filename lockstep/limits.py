@@ -15,6 +15,8 @@ WEEK_S = 7 * 24 * 3600
 # Not a scheduler flag: the body size is the gateway's; --max-lora-rank is the sampler's
 # (lockstep/rollout/config.py: the rank a vLLM/SGLang server reserves per adapter).
 _NOT_SCHEDULER_FLAGS = ("max_body_bytes", "max_lora_rank")
+_OPTIONAL = ("max_tokens_per_datum", "max_tenants", "max_tenants_per_key",
+             "max_tokens_per_cycle_per_key")  # 0 = no limit
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class Limits:
             The gateway's client config tells the SDK to chunk its batches below it.
         max_tenants: training runs (LoRA adapters) this server holds, over all keys; 0: no limit.
         max_tenants_per_key: training runs one API key may create; 0: no limit.
+        max_tokens_per_cycle_per_key: pass tokens all models of one API key may run in one
+            clock cycle; the rest waits for the next cycle (never an error); 0: no limit. A
+            quota, so it lives here beside the tenant quotas rather than in ClockConfig.
         future_ttl_s: how long a finished request's result stays retrievable.
         max_pending_per_model: queued requests of one model before submissions get 429.
         max_pending_samples: queued sample requests (all tenants) before samples get 429.
@@ -41,6 +46,7 @@ class Limits:
     max_datums_per_request: int = 4096
     max_tenants: int = 0
     max_tenants_per_key: int = 0
+    max_tokens_per_cycle_per_key: int = 0
     future_ttl_s: int = WEEK_S
     max_pending_per_model: int = 4096
     max_pending_samples: int = 20000
@@ -50,7 +56,7 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            optional = f.name in ("max_tokens_per_datum", "max_tenants", "max_tenants_per_key")
+            optional = f.name in _OPTIONAL
             if value < 0 or (value == 0 and not optional):
                 raise ValueError(f"{f.name} must be {'>= 0' if optional else '> 0'}, got {value}")
 
@@ -89,6 +95,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="training runs this server holds, all keys together (0: no limit)")
     p.add_argument("--max-tenants-per-key", type=int, default=d.max_tenants_per_key,
                    help="training runs one API key may create (0: no limit)")
+    p.add_argument("--max-tokens-per-cycle-per-key", type=int,
+                   default=d.max_tokens_per_cycle_per_key,
+                   help="pass tokens of one API key's models in one clock cycle; the rest "
+                   "waits for the next cycle (0: no limit)")
     p.add_argument("--future-ttl", type=int, default=d.future_ttl_s, metavar="SECONDS",
                    help="how long a finished request's result stays retrievable (default a week)")
 
@@ -98,4 +108,5 @@ def from_serve_args(a: argparse.Namespace) -> Limits:
         max_body_bytes=max(1, int(a.max_body_mb * MIB)),
         max_tokens_per_datum=a.max_tokens_per_datum,
         max_datums_per_request=a.max_datums_per_request, max_tenants=a.max_tenants,
-        max_tenants_per_key=a.max_tenants_per_key, future_ttl_s=a.future_ttl)
+        max_tenants_per_key=a.max_tenants_per_key,
+        max_tokens_per_cycle_per_key=a.max_tokens_per_cycle_per_key, future_ttl_s=a.future_ttl)

@@ -48,12 +48,16 @@ class Clock:
         board: FutureBoard,
         lane: SamplingLane,
         config: ClockConfig,
+        key_token_cap: int = 0,
     ) -> None:
         self.store = store
         self.dispatcher = dispatcher
         self.board = board
         self.lane = lane
         self.config = config
+        # Limits.max_tokens_per_cycle_per_key: a per-key quota, so it is configured with the
+        # other quotas (Limits), not with how cycles are started (ClockConfig).
+        self.key_token_cap = key_token_cap
         self.wake = asyncio.Event()
         self.cycles_run = 0
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
@@ -64,7 +68,7 @@ class Clock:
         """What a waiting request of `model_id` is told (TryAgain.queue_state and reason)."""
         if model_id in self.deficits:
             return "paused_capacity", "waiting for room in a clock cycle (token budget shared " \
-                "fairly between tenants)"
+                "fairly between tenants, or this API key's tokens-per-cycle quota)"
         return "active", ""
 
     def stop(self) -> None:
@@ -88,7 +92,9 @@ class Clock:
     async def cycle(self) -> CyclePlan:
         span = self.meter.begin()
         queues, next_seq = await self.store.queued_ops()
-        plan = plan_cycle(queues, next_seq, self.config.token_budget, self.deficits)
+        owners = await self.store.owners(list(queues)) if self.key_token_cap else None
+        plan = plan_cycle(queues, next_seq, self.config.token_budget, self.deficits,
+                          owners=owners, key_cap=self.key_token_cap)
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
         runs = not plan.empty or self.config.policy != "triggered"
         await self.meter.planned(span, queues, plan, runs)

@@ -159,11 +159,36 @@ def _cut(work: ModelWork, before_seq: int) -> ModelWork:
                      keep(work.rejected))
 
 
+class _KeySpend:
+    """Pass tokens each API key spent in the cycle being planned, against the per-key cap."""
+
+    def __init__(self, owners: dict[str, str], cap: int) -> None:
+        self.owners = owners
+        self.cap = cap
+        self.used: dict[str, int] = {}
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a unit this size can ever fit one cycle of one key."""
+        return not self.cap or tokens <= self.cap
+
+    def room(self, model_id: str, tokens: int) -> bool:
+        """Whether `model_id`'s key may spend `tokens` more. A key that spent nothing yet may
+        take one request larger than its cap: it then runs alone among that key's work."""
+        used = self.used.get(self.owners.get(model_id, model_id), 0)
+        return not self.cap or used == 0 or used + tokens <= self.cap
+
+    def spend(self, model_id: str, tokens: int) -> None:
+        key = self.owners.get(model_id, model_id)
+        self.used[key] = self.used.get(key, 0) + tokens
+
+
 def plan_cycle(
     queues: dict[str, list[QueuedOp]],
     next_seq: dict[str, int],
     token_budget: int,
     deficits: dict[str, int] | None = None,
+    owners: dict[str, str] | None = None,
+    key_cap: int = 0,
 ) -> CyclePlan:
     """Pack every model's ready work into one cycle under `token_budget` pass tokens.
 
@@ -173,6 +198,12 @@ def plan_cycle(
     has work (work-conserving). A unit bigger than the whole budget is split across cycles, and
     if nothing at all fits, the most-owed model's next unit runs alone: a huge batch is delayed,
     never starved, and cannot starve others.
+
+    `key_cap` (0 = off) caps the pass tokens of all models of one API key (`owners`: model ->
+    key; a model missing there is a key of its own) in this cycle; the rest waits, owed as
+    usual, so the models of one key take turns by deficit round robin too. A call larger than
+    the cap is admitted op by op, and a single request larger than the cap still runs, alone
+    among its key's work in its cycle: nothing starves, and other keys are not held back.
     The plan's `deficits` are what each model is owed next cycle.
     """
     owed = dict(deficits or {})
@@ -184,10 +215,12 @@ def plan_cycle(
     taken: dict[str, int] = {m: 0 for m in works}  # pass ops admitted per model
     allowance = {m: owed.get(m, 0) + quantum for m in active}
     room = token_budget
+    keyspend = _KeySpend(owners or {}, key_cap)
 
     def admit(m: str, limit: int) -> int:
-        """Admit m's next units while they cost at most `limit`; returns tokens spent. A unit
-        larger than the whole budget can never fit, so it is admitted op by op instead."""
+        """Admit m's next units while they cost at most `limit` and fit its key's cap; returns
+        tokens spent. A unit that can never fit (bigger than the whole budget or the key's
+        cap) is admitted op by op instead."""
         spent = 0
         done = taken[m]
         for unit in units[m]:
@@ -197,18 +230,20 @@ def plan_cycle(
             rest = unit[done:]
             done = 0
             size = sum(o.tokens for o in rest)
-            if sum(o.tokens for o in unit) <= token_budget:
-                if spent + size > limit:
+            whole = sum(o.tokens for o in unit)
+            if whole <= token_budget and keyspend.fits(whole):
+                if spent + size > limit or not keyspend.room(m, size):
                     break
                 spent += size
                 taken[m] += len(rest)
+                keyspend.spend(m, size)
                 continue
             for o in rest:  # an oversized call: split it across cycles
-                if spent + o.tokens > limit:
+                if spent + o.tokens > limit or not keyspend.room(m, o.tokens):
                     return spent
                 spent += o.tokens
                 taken[m] += 1
-            continue
+                keyspend.spend(m, o.tokens)
         return spent
 
     for m in active:  # round one: each model spends what it is owed

@@ -81,7 +81,8 @@ async def serve(cfg: SchedulerConfig) -> None:
              card.max_context_length, card.directory)
     board = FutureBoard(store)
     lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
-    clock = Clock(store, Dispatcher(store, trainer, cfg.data_dir), board, lane, cfg.clock)
+    clock = Clock(store, Dispatcher(store, trainer, cfg.data_dir), board, lane, cfg.clock,
+                  key_token_cap=cfg.limits.max_tokens_per_cycle_per_key)
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
     submissions = Submissions(store, catalog, card, cfg.data_dir,
                               on_training=clock.wake.set, on_sample=lane.wake.set,

@@ -69,6 +69,14 @@ class ClaimConflict(Exception):
     """A different payload was submitted under an already used (model, seq_id)."""
 
 
+class TenantLimitReached(Exception):
+    """A new training run would pass a tenant quota (Limits.max_tenants[_per_key])."""
+
+    def __init__(self, limit: str, count: int, most: int) -> None:
+        super().__init__(f"{limit}: {count} runs, at most {most}")
+        self.limit, self.count, self.most = limit, count, most
+
+
 class Store:
     def __init__(self, client: aioredis.Redis, result_ttl_s: int = RESULT_TTL_SECONDS) -> None:
         # redis-py types every reply as a bytes|str|int union; with decode_responses=False it is
@@ -165,6 +173,8 @@ class Store:
         new_model: ModelRecord | None = None,
         rejection: str | None = None,
         identity: bytes | None = None,
+        max_runs_per_key: int = 0,
+        max_runs: int = 0,
     ) -> tuple[str, bool]:
         """Enqueue a training request exactly once.
 
@@ -175,13 +185,20 @@ class Store:
         with created=False; a different payload under the same key raises ClaimConflict.
         `new_model` is written in the same transaction (create_model / create-via-load).
         `identity` (default: the payload) is what a retry must repeat to count as the same request.
+        A `new_model` is refused with TenantLimitReached when its key already has
+        `max_runs_per_key` runs or the server `max_runs` (0 = no limit). The counts are read
+        under the same WATCH as the claim, so concurrent creations cannot overshoot: if another
+        run is created between the read and the write, the transaction retries and re-counts.
         """
         claim = keys.seq_claim(model_id, seq_id)
         want = digest(payload if identity is None else identity)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    await pipe.watch(claim)
+                    if new_model is None:
+                        await pipe.watch(claim)
+                    else:
+                        await pipe.watch(claim, keys.owner_runs(owner), keys.ALL_MODELS)
                     existing = await pipe.get(claim)
                     if existing is not None:
                         rid = existing.decode()
@@ -189,6 +206,8 @@ class Store:
                         if old is not None and old.decode() != want:
                             raise ClaimConflict(rid)
                         return rid, False
+                    if new_model is not None:
+                        await self._check_run_quota(pipe, owner, max_runs_per_key, max_runs)
                     rid = new_request_id()
                     pipe.multi()
                     pipe.set(claim, rid)
@@ -209,6 +228,14 @@ class Store:
                     return rid, True
                 except WatchError:
                     continue
+
+    @staticmethod
+    async def _check_run_quota(pipe: Any, owner: str, per_key: int, total: int) -> None:
+        """Inside claim_training's WATCH (the pipeline still runs commands immediately)."""
+        if per_key and (mine := int(await pipe.zcard(keys.owner_runs(owner)))) >= per_key:
+            raise TenantLimitReached("max_tenants_per_key", mine, per_key)
+        if total and (everyone := int(await pipe.scard(keys.ALL_MODELS))) >= total:
+            raise TenantLimitReached("max_tenants", everyone, total)
 
     async def claim_sample(
         self, *, owner: str, sampler_id: str, seq_id: int, payload: bytes
@@ -310,6 +337,15 @@ class Store:
             next_seq[model_id] = (await self.progress(model_id))[0]
         return queues, next_seq
 
+    async def owners(self, model_ids: list[str]) -> dict[str, str]:
+        """The API key (owner) of each model that still exists (the per-key cycle quota)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model_id in model_ids:
+                pipe.get(keys.model(model_id))
+            raw = await pipe.execute()
+        return {m: decode(r, ModelRecord).owner for m, r in zip(model_ids, raw, strict=True)
+                if r is not None}
+
     async def next_cycle(self) -> int:
         return int(await self.redis.incr(keys.CLOCK))
 
@@ -378,14 +414,6 @@ class Store:
     async def last_request_time(self, model_id: str) -> float | None:
         raw = await self.redis.hget(keys.progress(model_id), "last_request_time")
         return None if raw is None else float(raw)
-
-    async def run_counts(self, owner: str) -> tuple[int, int]:
-        """(training runs of `owner`, training runs on this server) for the tenant limits."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zcard(keys.owner_runs(owner))
-            pipe.scard(keys.ALL_MODELS)
-            mine, everyone = await pipe.execute()
-        return int(mine), int(everyone)
 
     async def pending_count(self, model_id: str) -> int:
         return int(await self.redis.zcard(keys.pending(model_id)))

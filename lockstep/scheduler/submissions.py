@@ -20,7 +20,7 @@ from lockstep.scheduler import translate
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler.records import LoraRecord, ModelRecord
-from lockstep.scheduler.store import ClaimConflict, Store
+from lockstep.scheduler.store import ClaimConflict, Store, TenantLimitReached
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.wire.v1 import tinker_pb2 as wire
 
@@ -90,8 +90,12 @@ class Submissions:
             rid, created = await self.store.claim_training(
                 owner=req.owner, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
                 tokens=tokens, new_model=new_model, identity=retry_identity(req),
+                max_runs_per_key=self.limits.max_tenants_per_key,
+                max_runs=self.limits.max_tenants,
             )
             metrics.submitted(req.owner, model_id, kind, created)
+        except TenantLimitReached as exc:
+            raise self._tenant_error(exc) from exc
         except ClaimConflict as exc:
             raise UserInputError(
                 "seq_id", f"this seq_id was already used by request {exc} with a different "
@@ -145,7 +149,6 @@ class Submissions:
                 raise UserInputError("optimizer_config.type",
                                      f"{c.optimizer_type!r} is not supported; use adamw")
             model_id = f"{session.session_id}:train:{c.model_seq_id}"
-            await self._check_tenants(owner, model_id)
             lc = c.lora_config
             now = time.time()
             record = ModelRecord(
@@ -216,7 +219,6 @@ class Submissions:
         if source is None:
             raise NotFound(f"training run {path.model_id} does not exist")
         model_id = f"{session.session_id}:train:{load.model_seq_id}"
-        await self._check_tenants(owner, model_id)
         now = time.time()
         record = ModelRecord(
             model_id=model_id, owner=owner, session_id=session.session_id,
@@ -282,21 +284,15 @@ class Submissions:
                 raise UserInputError(f"data[{i}].model_input", f"has {n} tokens; this server "
                                      f"accepts at most {per_datum} (max_tokens_per_datum)")
 
-    async def _check_tenants(self, owner: str, model_id: str) -> None:
-        """The tenant quotas, checked before a new training run is claimed. A retried
-        create_model (its run already exists) passes; concurrent creations of one key may
-        overshoot by the number in flight."""
-        if await self.store.model(model_id) is not None:
-            return
-        mine, everyone = await self.store.run_counts(owner)
-        if self.limits.max_tenants_per_key and mine >= self.limits.max_tenants_per_key:
-            raise UserInputError("create_model", f"this API key already has {mine} training "
-                                 f"runs, its quota (max_tenants_per_key "
-                                 f"{self.limits.max_tenants_per_key})")
-        if self.limits.max_tenants and everyone >= self.limits.max_tenants:
-            raise UserInputError("create_model", f"this server already holds {everyone} "
-                                 f"training runs, its limit (max_tenants "
-                                 f"{self.limits.max_tenants})")
+    @staticmethod
+    def _tenant_error(exc: TenantLimitReached) -> UserInputError:
+        """The tenant quotas are checked atomically with the run's creation (Store.claim_training);
+        a retried create_model (its run already exists) passes."""
+        if exc.limit == "max_tenants_per_key":
+            return UserInputError("create_model", f"this API key already has {exc.count} "
+                                  f"training runs, its quota (max_tenants_per_key {exc.most})")
+        return UserInputError("create_model", f"this server already holds {exc.count} training "
+                              f"runs, its limit (max_tenants {exc.most})")
 
     async def _owned_model(self, owner: str, model_id: str) -> ModelRecord:
         return await self.catalog.owned_model(owner, model_id)

@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -21,9 +22,10 @@ from .conftest import Server, start_server, stop_server
 pytestmark = pytest.mark.e2e
 PROTO = {"content-type": "application/x-protobuf"}
 BASE = "Lockstep/tiny-qwen3"
-MAX_TOKENS, MAX_DATUMS, PER_KEY, POOL, TTL = 16, 4, 2, 5, 3
-KEYS = [f"tml-limits-{i}" for i in range(10)]
-OWNER, SDK_KEY, *SPARE = KEYS
+MAX_TOKENS, MAX_DATUMS, PER_KEY, POOL, TTL = 16, 4, 2, 7, 3
+CYCLE_CAP = 8  # --max-tokens-per-cycle-per-key: one 2-datum batch of 4 tokens
+KEYS = [f"tml-limits-{i}" for i in range(11)]
+OWNER, SDK_KEY, RACER, *SPARE = KEYS
 
 
 @dataclass
@@ -71,7 +73,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("limits") / "data", *keys,
                        "--max-body-mb", "0.25", "--max-tokens-per-datum", str(MAX_TOKENS),
                        "--max-datums-per-request", str(MAX_DATUMS), "--max-tenants", str(POOL),
-                       "--max-tenants-per-key", str(PER_KEY), "--future-ttl", str(TTL))
+                       "--max-tenants-per-key", str(PER_KEY), "--future-ttl", str(TTL),
+                       "--max-tokens-per-cycle-per-key", str(CYCLE_CAP))
     yield srv
     stop_server(srv)
 
@@ -134,6 +137,38 @@ def test_future_ttl(tenant: Tenant) -> None:
     assert wait(tenant.http, rid).status_code == 200
     time.sleep(TTL + 1.5)
     refused(tenant.http.post("/api/v1/retrieve_future", json={"request_id": rid}), 404, rid)
+
+
+def test_concurrent_creations_stop_at_the_key_quota_and_share_its_cycle_cap(
+    limited: Server,
+) -> None:
+    """Eight creations of one key at once: exactly PER_KEY succeed (the check and the insert
+    are one Redis transaction), the rest get a 400 naming the quota. The two runs' batches
+    (CYCLE_CAP tokens each) then never share a clock cycle: the key's cap allows one."""
+    client = tinker.ServiceClient(base_url=limited.base_url, api_key=RACER)
+
+    def created(future: Any) -> tinker.TrainingClient | Exception:
+        try:
+            return cast(tinker.TrainingClient, future.result())
+        except tinker.BadRequestError as exc:
+            return exc
+
+    # The SDK returns each creation's future at once: all eight are in flight together.
+    pending = [client.create_lora_training_client(base_model=BASE, rank=4) for _ in range(8)]
+    results = [created(f) for f in pending]
+    trainers = [r for r in results if isinstance(r, tinker.TrainingClient)]
+    errors = [r for r in results if not isinstance(r, tinker.TrainingClient)]
+    assert len(trainers) == PER_KEY and len(errors) == 8 - PER_KEY, results
+    assert all("max_tenants_per_key" in str(e) for e in errors), errors
+    assert _runs(limited.base_url, RACER) == PER_KEY
+
+    batch = [types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, i + 4]),
+                         loss_fn_inputs={"target_tokens": types.TensorData(
+                             data=[2, 3, 4, i + 5], dtype="int64", shape=[4])})
+             for i in range(CYCLE_CAP // 4)]
+    futures = [t.forward_backward(batch, "cross_entropy") for t in trainers]
+    cycles = {f.result().metrics["clock_cycle:unique"] for f in futures}
+    assert len(cycles) == PER_KEY, cycles
 
 
 def _runs(base_url: str, key: str) -> int:

@@ -220,6 +220,10 @@ def test_values_schema_accepts_the_shipped_values() -> None:
     {"sglang": {"enabled": True}},
     {"sglang": {"enabled": True, "modelPath": "/models/m"}},  # no pinned image tag
     {"persistence": {"accessModes": ["ReadMostly"]}},
+    {"scheduler": {"limits": {"maxTenants": -1}}},
+    {"scheduler": {"limits": {"maxTenantz": 3}}},
+    {"scheduler": {"sampler": {"kind": "triton"}}},
+    {"workers": {"engine": {"tp": 0}}},
 ])
 def test_values_schema_refuses_bad_values(bad: dict[str, Any]) -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
@@ -250,3 +254,62 @@ def test_generated_secrets_and_shell_quoting() -> None:
     assert key.startswith("tml-") and len(key) == 52
     redis = find(docs, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
     assert shlex.split(redis["command"][2])[:2] == ["exec", "valkey-server"]
+
+
+SERVE_VALUES: dict[str, Any] = {
+    "scheduler": {
+        "limits": {"maxTokensPerDatum": 0, "maxDatumsPerRequest": 64, "maxTenants": 40,
+                   "maxTenantsPerKey": 3, "maxTokensPerCyclePerKey": 8192,
+                   "futureTtlSeconds": 86400, "maxPendingPerModel": 100,
+                   "maxPendingSamples": 500, "maxSamplesPerRequest": 16, "maxLoraRank": 32},
+        "sampler": {"kind": "sglang", "url": "http://lockstep-sglang:30000", "maxAdapters": 6,
+                    "colocate": True},
+    },
+    "workers": {"engine": {"kind": "megatron", "tp": 2, "pp": 2, "dp": 3, "cp": 1,
+                           "rayAddress": "ray://ray-head:10001"}},
+}
+
+
+def _scheduler_config(docs: list[dict[str, Any]]) -> Any:
+    container = find(docs, "StatefulSet", "scheduler")["spec"]["template"]["spec"]["containers"][0]
+    return scheduler_args([a.replace("$(LOCKSTEP_REDIS_URL)", "redis://r:6379/0")
+                           for a in container["args"]]), container["args"]
+
+
+def test_limit_sampler_and_engine_values_render_to_their_flags() -> None:
+    """Every value set reaches the real scheduler CLI as its flag; the gateway gets the datum
+    limit too (it tells the SDK to chunk below it)."""
+    docs = render(SERVE_VALUES)
+    cfg, _ = _scheduler_config(docs)
+    lim = cfg.limits
+    assert (lim.max_tokens_per_datum, lim.max_datums_per_request, lim.max_tenants,
+            lim.max_tenants_per_key, lim.max_tokens_per_cycle_per_key, lim.future_ttl_s,
+            lim.max_pending_per_model, lim.max_pending_samples,
+            lim.max_samples_per_request) == (0, 64, 40, 3, 8192, 86400, 100, 500, 16)
+    s = cfg.sampler
+    assert (s.kind, s.url, s.max_adapters, s.colocate, s.max_lora_rank) == \
+        ("sglang", "http://lockstep-sglang:30000", 6, True, 32)
+    e = cfg.engine
+    assert (e.engine, e.parallel.tp, e.parallel.pp, e.parallel.dp, e.parallel.cp,
+            e.ray_address) == ("megatron", 2, 2, 3, 1, "ray://ray-head:10001")
+    gw = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert gateway_parser().parse_args(gw["args"]).max_datums_per_request == 64
+    for doc in pod_specs(docs):  # still valid workloads
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_unset_values_render_no_flag() -> None:
+    """null (the default) renders nothing: the CLI's own defaults apply."""
+    docs = render({})
+    cfg, args = _scheduler_config(docs)
+    flags = {a.split("=")[0] for a in args}
+    assert not flags & {"--max-tenants", "--max-tokens-per-cycle-per-key", "--future-ttl-s",
+                        "--sampler", "--sampler-url", "--max-adapters", "--colocate",
+                        "--engine", "--tp", "--pp", "--dp", "--cp", "--ray-address",
+                        "--max-lora-rank", "--max-datums-per-request"}
+    assert cfg.limits == type(cfg.limits)() and cfg.sampler == type(cfg.sampler)()
+    gw = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--max-datums-per-request") for a in gw["args"])
+    # one set value among nulls renders alone (0 counts as set: it means "no limit")
+    _, args = _scheduler_config(render({"scheduler": {"limits": {"maxTenants": 0}}}))
+    assert [a for a in args if a.startswith("--max-")] == ["--max-tenants=0"]

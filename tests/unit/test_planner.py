@@ -139,3 +139,69 @@ def test_a_rejected_request_holds_its_seq_without_changing_the_phase() -> None:
     assert kinds(plan.passes) == [("m", 1), ("m", 3)]
     assert kinds(plan.optims) == [("m", 4)]
     assert kinds(plan.models[0].rejected) == [("m", 2)]
+
+
+# ---------------------------------------------------------------- the per-key tokens-per-cycle cap
+def key_tokens(plan_passes: list[QueuedOp], owners: dict[str, str], key: str) -> int:
+    return sum(o.tokens for o in plan_passes if owners[o.model_id] == key)
+
+
+def test_the_key_cap_bounds_one_keys_tokens_and_the_rest_waits() -> None:
+    owners = {"a": "k1", "b": "k1", "c": "k2"}
+    queues = {"a": [op("a", 1, "forward_backward", 60)], "b": [op("b", 1, "forward_backward", 60)],
+              "c": [op("c", 1, "forward_backward", 60)]}
+    plan = plan_cycle(queues, {"a": 1, "b": 1, "c": 1}, 1000, owners=owners, key_cap=100)
+    assert key_tokens(plan.passes, owners, "k1") == 60  # a and b together would be 120 > 100
+    assert kinds(plan.passes) == [("a", 1), ("c", 1)]
+    assert set(plan.deficits) == {"b"}  # b waits, owed, and is no error
+    # without the cap all three fit the budget: the cap alone held b back
+    assert len(plan_cycle(queues, {"a": 1, "b": 1, "c": 1}, 1000).passes) == 3
+
+
+def test_the_key_cap_leaves_other_keys_alone() -> None:
+    owners = {"a": "k1", "c": "k2"}
+    queues = {"a": [op("a", s, "forward", 40) for s in range(1, 6)],
+              "c": [op("c", 1, "forward_backward", 300), op("c", 2, "optim_step")]}
+    plan = plan_cycle(queues, {"a": 1, "c": 1}, 1000, owners=owners, key_cap=100)
+    assert key_tokens(plan.passes, owners, "k1") <= 100
+    assert kinds(plan.passes)[-1] == ("c", 1) and kinds(plan.optims) == [("c", 2)]
+    # k2 gets the same as with no cap at all
+    free = plan_cycle(queues, {"a": 1, "c": 1}, 1000)
+    assert [o for o in free.passes if o.model_id == "c"] == \
+        [o for o in plan.passes if o.model_id == "c"]
+
+
+def test_a_request_larger_than_the_key_cap_runs_alone_for_its_key() -> None:
+    owners = {"a": "k1", "b": "k1", "c": "k2"}
+    queues = {"a": [op("a", 1, "forward_backward", 500)], "b": [op("b", 1, "forward_backward", 10)],
+              "c": [op("c", 1, "forward_backward", 10)]}
+    owed: dict[str, int] = {}
+    seen: list[set[str]] = []
+    next_seq = {"a": 1, "b": 1, "c": 1}
+    for _ in range(3):
+        plan = plan_cycle(queues, next_seq, 1000, owed, owners=owners, key_cap=100)
+        ran = {o.model_id for o in plan.passes}
+        seen.append(ran)
+        assert not {"a", "b"} <= ran  # the oversize request never shares its key's cycle
+        assert "c" in ran or next_seq["c"] == 2  # the other key is never held back
+        for m in ran:
+            queues[m] = []
+            next_seq[m] = 2
+        owed = plan.deficits
+    assert set().union(*seen) == {"a", "b", "c"}  # everyone ran: nothing starves
+
+
+def test_models_of_one_capped_key_take_turns() -> None:
+    owners = {"a": "k", "b": "k"}
+    next_seq = {"a": 1, "b": 1}
+    owed: dict[str, int] = {}
+    ran: dict[str, int] = {"a": 0, "b": 0}
+    for _ in range(10):
+        queues = {m: [op(m, next_seq[m], "forward_backward", 60)] for m in ("a", "b")}
+        plan = plan_cycle(queues, next_seq, 1000, owed, owners=owners, key_cap=100)
+        assert plan.tokens <= 100 and len(plan.passes) == 1
+        (done,) = plan.passes
+        ran[done.model_id] += 1
+        next_seq[done.model_id] += 1
+        owed = plan.deficits
+    assert ran == {"a": 5, "b": 5}

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from lockstep.scheduler import keys
 from lockstep.scheduler.records import LoraRecord, ModelRecord
-from lockstep.scheduler.store import ClaimConflict, Store
+from lockstep.scheduler.store import ClaimConflict, Store, TenantLimitReached
 
 
 def model_record(model_id: str = "sess-1:train:0") -> ModelRecord:
@@ -182,5 +183,44 @@ def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> N
             await store.claim_training(  # type: ignore[arg-type]
                 payload=save(None, "b").SerializeToString(), **kw)
         await store.close()
+
+    run(go())
+
+
+def _new_run(n: int, owner: str) -> ModelRecord:
+    now = time.time()
+    return ModelRecord(model_id=f"sess-{owner}:train:{n}", owner=owner, session_id=f"sess-{owner}",
+                       base_model="m", lora=LoraRecord(rank=4), created=now, last_request_time=now)
+
+
+async def _create(store: Store, n: int, owner: str, per_key: int, total: int) -> bool:
+    run = _new_run(n, owner)
+    try:
+        await store.claim_training(owner=owner, model_id=run.model_id, seq_id=0,
+                                   kind="create_model", payload=f"{owner}{n}".encode(), tokens=0,
+                                   new_model=run, max_runs_per_key=per_key, max_runs=total)
+    except TenantLimitReached as exc:
+        assert exc.limit == ("max_tenants_per_key" if per_key else "max_tenants")
+        assert exc.count == exc.most == (per_key or total)
+        return False
+    return True
+
+
+def test_concurrent_creations_never_pass_the_tenant_quotas(clean_redis: str) -> None:
+    """Eight creations at once, each on its own connection: the count is read under the claim's
+    WATCH, so exactly the quota succeeds (a read-then-write check lets several through)."""
+    async def go() -> None:
+        stores = [Store.from_url(clean_redis) for _ in range(8)]
+        made = await asyncio.gather(*[_create(s, n, "k", 3, 0) for n, s in enumerate(stores)])
+        assert sum(made) == 3
+        assert await stores[0].redis.zcard(keys.owner_runs("k")) == 3
+        # a retried creation of an existing run is not a new tenant: it passes at the quota
+        first = made.index(True)
+        assert await _create(stores[0], first, "k", 3, 0)
+        # the server-wide limit, across keys
+        made = await asyncio.gather(*[_create(s, 0, f"o{n}", 0, 5) for n, s in enumerate(stores)])
+        assert sum(made) == 2  # 3 runs of "k" already held
+        for s in stores:
+            await s.close()
 
     run(go())

@@ -137,3 +137,21 @@ app.kubernetes.io/part-of: lockstep
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* Optional command-line flags: "- --<flag>=<value>" for each key of .values that is set
+(not null), flag names from the .flags dict (value key -> flag). true renders the bare flag and
+false nothing; numbers print as integers (values.yaml numbers reach templates as float64). */}}
+{{- define "lockstep.optionalFlags" -}}
+{{- range $key, $flag := .flags }}
+{{- $v := index $.values $key }}
+{{- if kindIs "bool" $v }}
+{{- if $v }}
+- --{{ $flag }}
+{{- end }}
+{{- else if kindIs "string" $v }}
+- --{{ $flag }}={{ $v }}
+{{- else if not (kindIs "invalid" $v) }}
+- --{{ $flag }}={{ int64 $v }}
+{{- end }}
+{{- end }}
+{{- end }}
