@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters resident in the sampler at once; the least recently used "
                    "is evicted and reloaded on demand (default: 64 local, 4 vllm/sglang)")
     g.add_argument("--max-lora-rank", type=int, default=64,
-                   help="largest adapter rank the vLLM / SGLang server accepts")
+                   help="largest adapter rank the vLLM / SGLang server accepts (with those "
+                   "samplers, also the largest rank a training run may ask for)")
     g.add_argument("--colocate", action="store_true",
                    help="trainer and sampler share one accelerator: the sampler releases its "
                    "memory before each training phase and resumes after it")

@@ -9,7 +9,7 @@ import functools
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -155,6 +155,12 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     rollout_config.add_arguments(p)
     engine_options.add_arguments(p)
     a = p.parse_args(argv)
+    sampler = rollout_config.from_args(a)
+    limits = limits_mod.from_scheduler_args(a)
+    if sampler.kind != "local":
+        # A run whose rank the vLLM/SGLang server cannot hold would fail at its first sample:
+        # refuse it when it is created instead.
+        limits = replace(limits, max_lora_rank=min(limits.max_lora_rank, sampler.max_lora_rank))
     return SchedulerConfig(
         listen=a.listen, redis_url=a.redis_url, data_dir=a.data_dir.resolve(),
         model_dir=a.model_dir.resolve(), served_names=tuple(a.served_name),
@@ -162,8 +168,7 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
                           gather_s=a.clock_gather, token_budget=a.token_budget),
         metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         metrics_max_tenants=a.metrics_max_tenants, engine=engine_options.from_args(a),
-        limits=limits_mod.from_scheduler_args(a),
-        sampler=rollout_config.from_args(a),
+        limits=limits, sampler=sampler,
     )
 
 
