@@ -145,6 +145,9 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
             probe = service.create_lora_training_client(base_model=DEFAULT_MODEL_NAME, rank=4
                                                         ).result()
             vocab = probe.get_tokenizer().vocab_size
+            # A throw-away run first: the first steps after start-up are slow (lazy imports,
+            # allocator growth), and K=1 is the baseline every ratio divides by.
+            run_tenants(server.base_url, DEFAULT_MODEL_NAME, 1, args, vocab, f"{mode} warm-up")
             out[mode] = {k: run_tenants(server.base_url, DEFAULT_MODEL_NAME, k, args, vocab, mode)
                          for k in args.tenants}
         finally:
