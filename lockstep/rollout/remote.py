@@ -28,6 +28,7 @@ from cachetools import LRUCache
 
 from lockstep.engine.interface import SamplingEngine, UserInputError
 from lockstep.engine.types import ModelCard, SampleRequest, SampleResult
+from lockstep.rollout.launcher import ServerProcess
 from lockstep.rollout.validation import validate_sample_request
 from lockstep.workers.process import EngineDied
 
@@ -71,7 +72,8 @@ class ServerError(RuntimeError):
 
 class RemoteSamplingEngine(SamplingEngine):
     def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
-                 timeout_s: float = 600.0, max_concurrency: int = 64) -> None:
+                 timeout_s: float = 600.0, max_concurrency: int = 64,
+                 server: ServerProcess | None = None) -> None:
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         self._card = card
@@ -84,6 +86,8 @@ class RemoteSamplingEngine(SamplingEngine):
         self._lock = threading.RLock()  # one engine call at a time (the lane serializes anyway)
         self.loads = 0  # server-side adapter loads (publishes + reloads after eviction)
         self.evictions = 0
+        self.server = server  # None: attached to a server someone else runs
+        self.process = server  # what the scheduler's health check looks at
 
     # -- server verbs (subclasses) -----------------------------------------------------------
 
@@ -102,7 +106,19 @@ class RemoteSamplingEngine(SamplingEngine):
 
     def _alive(self) -> bool:
         """Whether the server process (when this engine owns one) still runs."""
-        return True
+        return self.server is None or self.server.alive()
+
+    def restart(self) -> None:
+        """Relaunch a managed server that died; adapters are loaded again on demand."""
+        if self.server is None:
+            raise ServerError(f"the sampling server at {self.base_url} is unreachable")
+        self.server.stop()
+        self.server.start()
+        self._forget_server_state()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
 
     # -- SamplingEngine ----------------------------------------------------------------------
 

@@ -28,8 +28,7 @@ SL_SAVE_EVERY = 4
 
 
 def _rest(cookbook: Cookbook) -> tinker.RestClient:
-    return tinker.ServiceClient(base_url=cookbook.server.base_url,
-                                api_key=API_KEY).create_rest_client()
+    return tinker.RestClient(base_url=cookbook.server.base_url, api_key=API_KEY)
 
 
 def _metric_rows(log_path: Path) -> dict[int, dict[str, Any]]:

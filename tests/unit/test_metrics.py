@@ -306,7 +306,8 @@ def test_alert_rules_name_declared_metrics() -> None:
 
 def test_labels_stay_bounded() -> None:
     allowed = {"owner", "kind", "outcome", "phase", "engine", "component", "category",
-               "method", "route", "status", "le", "version", "lockstep_engine_phase"}
+               "method", "route", "status", "le", "version", "lockstep_engine_phase",
+               "action"}  # action: release | resume (sampler memory transitions)
     for registry in (metrics.SCHEDULER, metrics.GATEWAY):
         for family in registry.collect():
             if not family.name.startswith("lockstep_"):

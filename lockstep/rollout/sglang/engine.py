@@ -84,9 +84,7 @@ class SglangSamplingEngine(RemoteSamplingEngine):
     def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
                  server: ServerProcess | None = None, timeout_s: float = 600.0,
                  publish_tensors: bool = False) -> None:
-        super().__init__(card, base_url, max_adapters, timeout_s)
-        self.server = server
-        self.process = server
+        super().__init__(card, base_url, max_adapters, timeout_s, server=server)
         self.publish_tensors = publish_tensors and _serializer() is not None
         self._released = False
 
@@ -107,20 +105,6 @@ class SglangSamplingEngine(RemoteSamplingEngine):
                max_adapters: int) -> SglangSamplingEngine:
         httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
         return cls(card_from_config(model_dir, served_name), url, max_adapters)
-
-    def _alive(self) -> bool:
-        return self.server is None or self.server.alive()
-
-    def restart(self) -> None:
-        if self.server is None:
-            raise ServerError(f"the SGLang server at {self.base_url} is unreachable")
-        self.server.stop()
-        self.server.start()
-        self._forget_server_state()
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
 
     # -- phases (colocated mode) -------------------------------------------------------------
 

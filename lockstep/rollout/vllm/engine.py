@@ -33,7 +33,7 @@ from lockstep.engine.types import (
     StopReason,
 )
 from lockstep.rollout.launcher import ServerProcess
-from lockstep.rollout.remote import RemoteSamplingEngine, ServerError, card_from_config
+from lockstep.rollout.remote import RemoteSamplingEngine, card_from_config
 from lockstep.rollout.validation import prompt_logprob_start
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,7 @@ class VllmLaunchConfig:
 class VllmSamplingEngine(RemoteSamplingEngine):
     def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
                  server: ServerProcess | None = None, timeout_s: float = 600.0) -> None:
-        super().__init__(card, base_url, max_adapters, timeout_s)
-        self.server = server  # None: attached to a server someone else runs
-        self.process = server  # what the scheduler's health check looks at
+        super().__init__(card, base_url, max_adapters, timeout_s, server=server)
         self._sleep_supported: bool | None = None
         self._sleeping = False
 
@@ -113,21 +111,6 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         """Use a running server (started with --enable-lora and runtime LoRA updating on)."""
         httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
         return cls(card_from_config(model_dir, served_name), url, max_adapters)
-
-    def _alive(self) -> bool:
-        return self.server is None or self.server.alive()
-
-    def restart(self) -> None:
-        """Relaunch a managed server that died; adapters are loaded again on demand."""
-        if self.server is None:
-            raise ServerError(f"the vLLM server at {self.base_url} is unreachable")
-        self.server.stop()
-        self.server.start()
-        self._forget_server_state()
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
 
     # -- phases (colocated mode) -------------------------------------------------------------
 
