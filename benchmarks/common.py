@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks: a real `lockstep serve`, result files, tables.
 
-`start_server` / `stop_server` are the minimal logic of tests/integration/conftest.py (a real
-`lockstep serve` on a free port, ready once `/api/v1/healthz` answers 200), without pytest.
+`start_server` / `stop_server` (lockstep.devserver, shared with the tests): a real `lockstep
+serve` on a free port, ready once `/api/v1/healthz` answers 200.
 """
 
 from __future__ import annotations
@@ -9,77 +9,18 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lockstep.devserver import Server, start_server, stop_server  # noqa: F401 - the benchmarks' API
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 API_KEY = "tml-benchmark"
-
-
-@dataclass
-class Server:
-    base_url: str
-    data_dir: Path
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
-    """Start `lockstep serve --data-dir data_dir *extra` and wait until it is healthy."""
-    port = free_port()
-    log_path = data_dir.parent / f"{data_dir.name}-serve.log"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port),
-             "--data-dir", str(data_dir), *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-        )
-    server = Server(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lockstep serve exited early:\n{server.log()[-5000:]}")
-        try:
-            with urllib.request.urlopen(server.base_url + "/api/v1/healthz", timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.3)
-    stop_server(server)
-    raise RuntimeError(f"lockstep serve not ready in {timeout}s:\n{server.log()[-5000:]}")
-
-
-def stop_server(server: Server) -> int:
-    """SIGTERM (graceful drain), then kill after 90 s. Returns the exit code."""
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(10)
-    return server.proc.returncode
 
 
 def environment() -> dict[str, Any]:

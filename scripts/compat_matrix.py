@@ -24,14 +24,9 @@ import inspect
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import traceback
-import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -187,43 +182,17 @@ def render(methods: dict[str, dict[str, Outcome]], features: dict[str, dict[str,
 # ------------------------------------------------------------------------------ server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def serve() -> Iterator[str]:
     """A throwaway `lockstep serve` on a free port (its own data dir, removed afterwards)."""
+    from lockstep.devserver import start_server, stop_server
+
     data = Path(tempfile.mkdtemp(prefix="lockstep-compat-"))
-    port = _free_port()
-    log = (data / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port), "--data-dir",
-         str(data / "data")],
-        stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
+    server = start_server(data / "data")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((data / "serve.log").read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(url + "/api/v1/healthz", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        yield url
+        yield server.base_url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(server)
         shutil.rmtree(data, ignore_errors=True)
 
 

@@ -3,7 +3,6 @@ the gateway's and the scheduler's /metrics, the Grafana dashboard and the alert 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from tinker import types
 
 from lockstep.gateway.deps import owner_of
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME
+from lockstep.supervisor import free_port
 from tests.promql import (
     alert_rules,
     dashboard,
@@ -44,12 +44,6 @@ class Scrapes:
     @property
     def both(self) -> list[Metric]:
         return self.gateway + self.scheduler
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _datum(n: int = 48) -> types.Datum:
@@ -98,7 +92,7 @@ def _retry_and_errors(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrapes]:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     server = start_server(tmp_path_factory.mktemp("metrics") / "data",
                           "--metrics-port", str(metrics_port))
     try:

@@ -1,0 +1,72 @@
+"""A real `lockstep serve` in a child process, for tests, benchmarks and scripts.
+
+`start_server` runs `python -m lockstep.cli serve` on a free loopback port with its own data dir
+and returns once `/api/v1/healthz` answers 200; `stop_server` drains it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from lockstep.supervisor import free_port
+
+
+@dataclass
+class Server:
+    base_url: str
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
+    """Start `lockstep serve --data-dir data_dir *extra` and wait until it is healthy.
+
+    Its output goes to `<data_dir>-serve.log` beside the data dir (`Server.log()`).
+    """
+    port = free_port()
+    log_path = data_dir.parent / f"{data_dir.name}-serve.log"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port),
+             "--data-dir", str(data_dir), *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    server = Server(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"lockstep serve exited early:\n{server.log()[-5000:]}")
+        try:
+            with urllib.request.urlopen(server.base_url + "/api/v1/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        time.sleep(0.3)
+    stop_server(server)
+    raise RuntimeError(f"lockstep serve not ready in {timeout}s:\n{server.log()[-5000:]}")
+
+
+def stop_server(server: Server) -> int:
+    """SIGTERM (graceful drain), then kill after 90 s. Returns the exit code."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait(10)
+    return server.proc.returncode
