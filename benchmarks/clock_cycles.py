@@ -114,7 +114,9 @@ def pipelined(tc: Any, b: Bench) -> list[Step]:
 
 
 RUNNERS: dict[str, Callable[[Any, Bench], list[Step]]] = {
-    "naive": naive, "submit-both": submit_both, "pipelined": pipelined,
+    "naive": naive,
+    "submit-both": submit_both,
+    "pipelined": pipelined,
 }
 
 
@@ -155,11 +157,13 @@ def run_policy(policy: str, args: argparse.Namespace, root: Path) -> dict[str, A
     server = start_server(root / policy, *extra)
     services: list[Any] = []
     try:
+
         def client(key: str = API_KEY) -> Any:
             service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
             services.append(service)
             return service.create_lora_training_client(
-                base_model=args.base_model, rank=args.rank, seed=0).result()
+                base_model=args.base_model, rank=args.rank, seed=0
+            ).result()
 
         warm = client()
         vocab = len(warm.get_tokenizer())
@@ -180,8 +184,9 @@ def run_policy(policy: str, args: argparse.Namespace, root: Path) -> dict[str, A
                 bench = Bench(datum, args.steps, args.lr, bar)
 
                 async def both() -> list[list[Step]]:
-                    return list(await asyncio.gather(
-                        pipelined_async(a, bench), pipelined_async(b, bench)))
+                    return list(
+                        await asyncio.gather(pipelined_async(a, bench), pipelined_async(b, bench))
+                    )
 
                 runs = asyncio.run(both())
             ids = [{s.cycle for s in r} for r in runs]
@@ -189,11 +194,15 @@ def run_policy(policy: str, args: argparse.Namespace, root: Path) -> dict[str, A
                 "tenants": [summarize(r) for r in runs],
                 "shared_cycle_fraction": len(ids[0] & ids[1]) / len(ids[0] | ids[1]),
                 "same_step_same_cycle_fraction": statistics.fmean(
-                    float(x.cycle == y.cycle) for x, y in zip(*runs, strict=True)),
+                    float(x.cycle == y.cycle) for x, y in zip(*runs, strict=True)
+                ),
             }
     except Exception as exc:
-        log = "\n".join(line for line in server.log().splitlines()
-                        if "heartbeat" not in line and "retrieve_future" not in line)
+        log = "\n".join(
+            line
+            for line in server.log().splitlines()
+            if "heartbeat" not in line and "retrieve_future" not in line
+        )
         raise RuntimeError(f"{policy}: {exc!r}; serve log tail:\n{log[-3000:]}") from exc
     finally:
         for service in services:  # stop their heartbeats before the server goes away
@@ -212,20 +221,51 @@ def report(results: dict[str, Any]) -> None:
         named = [*res["loops"].items(), *((f"two-tenant {'AB'[i]}", s) for i, s in enumerate(two))]
         for name, s in named:
             mean = s["cycles_per_step_mean"]
-            target = {"pipelined": check(mean <= PIPELINED_TARGET) + " (≤1.05)",
-                      "naive": check(mean >= NAIVE_TARGET) + " (≥2)"}.get(name, "")
-            rows.append([policy, name, s["total_time_s"], s["total_cycles"], mean,
-                         s["cycles_per_step_median"], " ".join(map(str, s["deltas"])), target])
-    print_table("Clock cycles per step (clock_cycle:unique of each forward_backward)",
-                ["policy", "loop", "total s", "total cycles", "cycles/step mean",
-                 "median", "deltas", "target"], rows)
-    share = [[p, r["two_tenant"]["shared_cycle_fraction"],
-              r["two_tenant"]["same_step_same_cycle_fraction"]]
-             for p, r in results.items() if r.get("two_tenant")]
+            target = {
+                "pipelined": check(mean <= PIPELINED_TARGET) + " (≤1.05)",
+                "naive": check(mean >= NAIVE_TARGET) + " (≥2)",
+            }.get(name, "")
+            rows.append(
+                [
+                    policy,
+                    name,
+                    s["total_time_s"],
+                    s["total_cycles"],
+                    mean,
+                    s["cycles_per_step_median"],
+                    " ".join(map(str, s["deltas"])),
+                    target,
+                ]
+            )
+    print_table(
+        "Clock cycles per step (clock_cycle:unique of each forward_backward)",
+        [
+            "policy",
+            "loop",
+            "total s",
+            "total cycles",
+            "cycles/step mean",
+            "median",
+            "deltas",
+            "target",
+        ],
+        rows,
+    )
+    share = [
+        [
+            p,
+            r["two_tenant"]["shared_cycle_fraction"],
+            r["two_tenant"]["same_step_same_cycle_fraction"],
+        ]
+        for p, r in results.items()
+        if r.get("two_tenant")
+    ]
     if share:
-        print_table("Two pipelined tenants at once",
-                    ["policy", "shared cycle ids |A∩B|/|A∪B|", "step k in the same cycle"],
-                    share)
+        print_table(
+            "Two pipelined tenants at once",
+            ["policy", "shared cycle ids |A∩B|/|A∪B|", "step k in the same cycle"],
+            share,
+        )
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -246,8 +286,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
             series.append((f"two-tenant {'AB'[i]}", s, "tab:blue", ":", "x+"[i]))
         for name, s, color, style, marker in series:
             cyc = [st["cycle"] - s["steps"][0]["cycle"] for st in s["steps"]]
-            ax.plot(range(len(cyc)), cyc, style, marker=marker, color=color, label=name, ms=6,
-                    mfc="none")
+            ax.plot(
+                range(len(cyc)),
+                cyc,
+                style,
+                marker=marker,
+                color=color,
+                label=name,
+                ms=6,
+                mfc="none",
+            )
         ax.set_title(f"--clock-policy {policy}")
         ax.set_xlabel("step")
         ax.set_ylabel("cycles since the first step")
@@ -277,15 +325,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", choices=["both", "triggered", "periodic"], default="both")
     p.add_argument("--clock-period", type=float, default=0.5, help="periodic policy, seconds")
-    p.add_argument("--clock-gather", type=float, default=None,
-                   help="triggered policy: seconds from work arriving to a cycle")
+    p.add_argument(
+        "--clock-gather",
+        type=float,
+        default=None,
+        help="triggered policy: seconds from work arriving to a cycle",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256, help="tokens in the one datum")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--base-model", default="Lockstep/tiny-qwen3")
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="parent of the servers' data dirs (default: a temporary directory)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="parent of the servers' data dirs (default: a temporary directory)",
+    )
     p.add_argument("--no-two-tenant", action="store_true")
     p.add_argument("--name", default=NAME, help="results file stem (benchmarks/results/NAME.*)")
     args = p.parse_args()
@@ -295,10 +351,15 @@ def main() -> None:
         results = {policy: run_policy(policy, args, root) for policy in policies}
     report(results)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    path = write_json(args.name, {"config": config, "environment": environment(),
-                             "targets": {"pipelined_max": PIPELINED_TARGET,
-                                         "naive_min": NAIVE_TARGET},
-                             "policies": results})
+    path = write_json(
+        args.name,
+        {
+            "config": config,
+            "environment": environment(),
+            "targets": {"pipelined_max": PIPELINED_TARGET, "naive_min": NAIVE_TARGET},
+            "policies": results,
+        },
+    )
     png = figure_path(args.name)
     plot(results, png)
     print(f"wrote {path} and {png}")

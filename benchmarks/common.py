@@ -29,8 +29,9 @@ def environment() -> dict[str, Any]:
 
     def git(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  check=False).stdout.rstrip()
+            return subprocess.run(
+                ["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+            ).stdout.rstrip()
         except OSError:
             return ""
 

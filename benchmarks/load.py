@@ -69,23 +69,29 @@ def batch(rng: np.random.Generator, size: int, tokens: int) -> list[Any]:
     out = []
     for _ in range(size):
         ids = rng.integers(1, 1000, tokens + 1).tolist()
-        out.append(types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1]),
-            loss_fn_inputs={"target_tokens": types.TensorData(
-                data=ids[1:], dtype="int64", shape=[tokens])}))
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData(data=ids[1:], dtype="int64", shape=[tokens])
+                },
+            )
+        )
     return out
 
 
-def client_loop(i: int, a: argparse.Namespace, base_url: str, t0: float, stop: threading.Event,
-                tally: Tally) -> None:
+def client_loop(
+    i: int, a: argparse.Namespace, base_url: str, t0: float, stop: threading.Event, tally: Tally
+) -> None:
     import tinker
     from tinker import types
 
     rng = np.random.default_rng(i)
     try:
         service = tinker.ServiceClient(base_url=base_url, api_key=f"tml-load-{i:03d}")
-        trainer = service.create_lora_training_client(base_model=BASE_MODEL, rank=4,
-                                                      seed=i).result()
+        trainer = service.create_lora_training_client(
+            base_model=BASE_MODEL, rank=4, seed=i
+        ).result()
     except Exception as exc:
         tally.error(i, exc)
         return
@@ -102,8 +108,11 @@ def client_loop(i: int, a: argparse.Namespace, base_url: str, t0: float, stop: t
             if a.sample_every and step % a.sample_every == 0:
                 start = time.monotonic()
                 sampler = trainer.save_weights_and_get_sampling_client().result()
-                sampler.sample(types.ModelInput.from_ints([1, 2, 3, 4]), num_samples=1,
-                               sampling_params=types.SamplingParams(max_tokens=8)).result()
+                sampler.sample(
+                    types.ModelInput.from_ints([1, 2, 3, 4]),
+                    num_samples=1,
+                    sampling_params=types.SamplingParams(max_tokens=8),
+                ).result()
                 tally.add(Op("sample", i, time.monotonic() - t0, time.monotonic() - start))
         except Exception as exc:  # counted, and the client goes on
             tally.error(i, exc)
@@ -142,8 +151,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def summarize(a: argparse.Namespace, tally: Tally, rss: list[dict[str, Any]],
-              elapsed: float) -> dict[str, Any]:
+def summarize(
+    a: argparse.Namespace, tally: Tally, rss: list[dict[str, Any]], elapsed: float
+) -> dict[str, Any]:
     steps = [o.latency_s for o in tally.ops if o.kind == "step"]
     samples = [o.latency_s for o in tally.ops if o.kind == "sample"]
     warm = a.duration * a.warmup_fraction
@@ -181,13 +191,21 @@ def plot(name: str, a: argparse.Namespace, tally: Tally, rss: list[dict[str, Any
     fig, (lat, mem) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
     for kind, color in (("step", "tab:blue"), ("sample", "tab:orange")):
         ops = [o for o in tally.ops if o.kind == kind]
-        lat.scatter([o.t_end for o in ops], [o.latency_s for o in ops], s=3, alpha=0.4,
-                    color=color, label=f"{kind} latency")
+        lat.scatter(
+            [o.t_end for o in ops],
+            [o.latency_s for o in ops],
+            s=3,
+            alpha=0.4,
+            color=color,
+            label=f"{kind} latency",
+        )
     lat.set_ylabel("latency (s)")
     lat.set_yscale("log")
     lat.legend(loc="upper right")
-    lat.set_title(f"{a.clients} SDK clients, batch {a.batch} x {a.tokens} tokens, "
-                  f"sample every {a.sample_every} steps")
+    lat.set_title(
+        f"{a.clients} SDK clients, batch {a.batch} x {a.tokens} tokens, "
+        f"sample every {a.sample_every} steps"
+    )
     roles = sorted({k for r in rss for k in r["by_role"]})
     ts = [r["t"] for r in rss]
     for role in roles:
@@ -210,8 +228,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="datums per forward_backward")
     p.add_argument("--tokens", type=int, default=32, help="tokens per datum")
     p.add_argument("--sample-every", type=int, default=10, help="steps between samples (0: off)")
-    p.add_argument("--warmup-fraction", type=float, default=0.2,
-                   help="memory growth is measured from this fraction of the run on")
+    p.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=0.2,
+        help="memory growth is measured from this fraction of the run on",
+    )
     p.add_argument("--name", default=NAME)
     a = p.parse_args()
 
@@ -221,21 +243,28 @@ def main() -> None:
     rss: list[dict[str, Any]] = []
     try:
         t0 = time.monotonic()
-        threads = [threading.Thread(target=client_loop, args=(i, a, server.base_url, t0, stop,
-                                                              tally), daemon=True)
-                   for i in range(a.clients)]
+        threads = [
+            threading.Thread(
+                target=client_loop, args=(i, a, server.base_url, t0, stop, tally), daemon=True
+            )
+            for i in range(a.clients)
+        ]
         for t in threads:
             t.start()
         with tqdm(total=int(a.duration), unit="s", desc=f"{a.clients} clients") as bar:
             while (now := time.monotonic() - t0) < a.duration:
                 by_role = server_rss(server.proc.pid)
                 total = sum(by_role.values())
-                rss.append({"t": round(now, 2), "total_mib": round(total, 1),
-                            "by_role": {k: round(v, 1) for k, v in by_role.items()}})
+                rss.append(
+                    {
+                        "t": round(now, 2),
+                        "total_mib": round(total, 1),
+                        "by_role": {k: round(v, 1) for k, v in by_role.items()},
+                    }
+                )
                 bar.n = int(now)
                 steps = sum(1 for o in tally.ops if o.kind == "step")
-                bar.set_postfix(steps=steps, errors=len(tally.errors),
-                                rss_mib=int(total))
+                bar.set_postfix(steps=steps, errors=len(tally.errors), rss_mib=int(total))
                 time.sleep(RSS_PERIOD_S)
         stop.set()
         for t in threads:
@@ -247,27 +276,49 @@ def main() -> None:
     summary = summarize(a, tally, rss, elapsed)
     summary["server_exit_code"] = code
     png = plot(a.name, a, tally, rss)
-    payload = {"config": vars(a), "environment": environment(), "summary": summary,
-               "errors": tally.errors[:50], "rss": rss,
-               "ops": [{k: round(v, 4) if isinstance(v, float) else v
-                        for k, v in asdict(o).items()} for o in tally.ops]}
+    payload = {
+        "config": vars(a),
+        "environment": environment(),
+        "summary": summary,
+        "errors": tally.errors[:50],
+        "rss": rss,
+        "ops": [
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(o).items()}
+            for o in tally.ops
+        ],
+    }
     path = write_json(a.name, payload)
     growth = summary["rss_growth_after_warmup"]
-    print_table(f"load: {a.clients} clients for {a.duration:.0f} s", ["metric", "value", ""], [
-        ("steps/s (fb + optim)", summary["steps_per_s"], ""),
-        ("tokens/s trained", summary["tokens_per_s"], ""),
-        ("step latency p50 / p99 (s)",
-         f"{summary['step_latency_p50_s']:.3g} / {summary['step_latency_p99_s']:.3g}", ""),
-        ("sample latency p50 / p99 (s)",
-         f"{summary['sample_latency_p50_s'] or 0:.3g} / {summary['sample_latency_p99_s'] or 0:.3g}",
-         ""),
-        ("errors", summary["errors"], check(summary["errors"] == 0)),
-        ("clients that trained", summary["clients_with_steps"],
-         check(summary["clients_with_steps"] == a.clients)),
-        ("RSS after warm-up -> end (MiB)",
-         f"{summary['rss_after_warmup_mib'] or 0:.0f} -> {summary['rss_end_mib'] or 0:.0f}",
-         check(growth is not None and growth < GROWTH_LIMIT)),
-    ])
+    print_table(
+        f"load: {a.clients} clients for {a.duration:.0f} s",
+        ["metric", "value", ""],
+        [
+            ("steps/s (fb + optim)", summary["steps_per_s"], ""),
+            ("tokens/s trained", summary["tokens_per_s"], ""),
+            (
+                "step latency p50 / p99 (s)",
+                f"{summary['step_latency_p50_s']:.3g} / {summary['step_latency_p99_s']:.3g}",
+                "",
+            ),
+            (
+                "sample latency p50 / p99 (s)",
+                f"{summary['sample_latency_p50_s'] or 0:.3g}"
+                f" / {summary['sample_latency_p99_s'] or 0:.3g}",
+                "",
+            ),
+            ("errors", summary["errors"], check(summary["errors"] == 0)),
+            (
+                "clients that trained",
+                summary["clients_with_steps"],
+                check(summary["clients_with_steps"] == a.clients),
+            ),
+            (
+                "RSS after warm-up -> end (MiB)",
+                f"{summary['rss_after_warmup_mib'] or 0:.0f} -> {summary['rss_end_mib'] or 0:.0f}",
+                check(growth is not None and growth < GROWTH_LIMIT),
+            ),
+        ],
+    )
     print(f"wrote {path} and {png}")
 
 

@@ -64,6 +64,8 @@ def _common():  # type: ignore[no-untyped-def]
     sys.modules["bench_common"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
 RANKS = (8, 16, 32)  # one tenant per rank
 LAYOUTS = {
     "tp1": ParallelConfig(),
@@ -90,9 +92,13 @@ def flops_per_token(arch: HFArch, rank: int, ctx: float) -> float:
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     per_layer = arch.hidden * (q + 2 * kv) + q * arch.hidden + 3 * arch.hidden * arch.intermediate
     n = arch.layers * per_layer + arch.hidden * arch.vocab
-    lora_layer = rank * ((arch.hidden + q) + 2 * (arch.hidden + kv) + (q + arch.hidden)
-                         + 2 * (arch.hidden + arch.intermediate)
-                         + (arch.intermediate + arch.hidden))
+    lora_layer = rank * (
+        (arch.hidden + q)
+        + 2 * (arch.hidden + kv)
+        + (q + arch.hidden)
+        + 2 * (arch.hidden + arch.intermediate)
+        + (arch.intermediate + arch.hidden)
+    )
     n_lora = arch.layers * lora_layer + rank * (arch.hidden + arch.vocab)
     attention = 6 * arch.layers * arch.heads * arch.head_dim * ctx
     return 4 * n + 6 * n_lora + attention
@@ -117,15 +123,20 @@ def workload(rows: int, seq: int, vocab: int, seed: int) -> list[PassRequest]:
     rng = np.random.default_rng(seed)
     out = []
     for i, _ in enumerate(RANKS):
-        data = [Datum(rng.integers(0, vocab, seq),
-                      {"target_tokens": rng.integers(0, vocab, seq),
-                       "weights": np.ones(seq, np.float32)}) for _ in range(rows)]
+        data = [
+            Datum(
+                rng.integers(0, vocab, seq),
+                {"target_tokens": rng.integers(0, vocab, seq), "weights": np.ones(seq, np.float32)},
+            )
+            for _ in range(rows)
+        ]
         out.append(PassRequest(f"r{i}", f"tenant{i}", "cross_entropy", {}, False, data))
     return out
 
 
-def run_layout(engine: TrainingEngine, cycles: int, rows: int, seq: int, vocab: int,
-               label: str) -> float:
+def run_layout(
+    engine: TrainingEngine, cycles: int, rows: int, seq: int, vocab: int, label: str
+) -> float:
     """Seconds per cycle (median after one warm-up cycle)."""
     for i, r in enumerate(RANKS):
         engine.create_model(f"tenant{i}", LoraSpec(rank=r, alpha=r, seed=i))
@@ -148,9 +159,13 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8, help="rows per tenant per cycle")
     p.add_argument("--seq", type=int, default=128, help="tokens per row")
     p.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny Qwen3)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads per rank (and for the local engine); 1 keeps timings "
-                   "stable on a shared box, where oversubscribed OpenMP threads stall")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads per rank (and for the local engine); 1 keeps timings "
+        "stable on a shared box, where oversubscribed OpenMP threads stall",
+    )
     a = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the spawned ranks read it
     torch.set_num_threads(a.threads)
@@ -189,15 +204,32 @@ def main() -> None:
     peak = max(peak, measured_peak(device))
     for r in results:
         r.lora_mfu = r.tokens_per_s * r.flops_per_token / (peak * r.world_size)  # per rank
-    common.print_table(f"training throughput ({device_name}, measured fp32 GEMM peak "
-                f"{peak / 1e9:.1f} GFLOP/s)",
-                ["layout", "ranks", "s/cycle", "tokens/s", "LoRA-MFU"],
-                [[r.layout, r.world_size, f"{r.seconds_per_cycle:.3f}", f"{r.tokens_per_s:.0f}",
-                  f"{100 * r.lora_mfu:.2f}%"] for r in results])
-    payload = {"environment": common.environment(), "device": device_name, "peak_flops": peak,
-               "model": str(model_dir), "arch": asdict(arch), "tenant_ranks": list(RANKS),
-               "rows_per_tenant": a.rows, "seq": a.seq, "cycles": a.cycles,
-               "results": [asdict(r) for r in results]}
+    common.print_table(
+        f"training throughput ({device_name}, measured fp32 GEMM peak {peak / 1e9:.1f} GFLOP/s)",
+        ["layout", "ranks", "s/cycle", "tokens/s", "LoRA-MFU"],
+        [
+            [
+                r.layout,
+                r.world_size,
+                f"{r.seconds_per_cycle:.3f}",
+                f"{r.tokens_per_s:.0f}",
+                f"{100 * r.lora_mfu:.2f}%",
+            ]
+            for r in results
+        ],
+    )
+    payload = {
+        "environment": common.environment(),
+        "device": device_name,
+        "peak_flops": peak,
+        "model": str(model_dir),
+        "arch": asdict(arch),
+        "tenant_ranks": list(RANKS),
+        "rows_per_tenant": a.rows,
+        "seq": a.seq,
+        "cycles": a.cycles,
+        "results": [asdict(r) for r in results],
+    }
     print(f"wrote {common.write_json(NAME, payload)}")
     plot(results, device_name, common.figure_path(NAME))
 

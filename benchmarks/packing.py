@@ -46,16 +46,23 @@ def tenant_data(i: int, batch: int, tokens: int, vocab: int) -> list[Datum]:
     data = []
     for _ in range(batch):
         seq = rng.integers(0, vocab, tokens + 1, dtype=np.int64)
-        data.append(Datum(seq[:-1], {"target_tokens": seq[1:],
-                                     "weights": np.ones(tokens, np.float32)}))
+        data.append(
+            Datum(seq[:-1], {"target_tokens": seq[1:], "weights": np.ones(tokens, np.float32)})
+        )
     return data
 
 
 class Tenants:
     """K adapters of one mode ("p" packed / "s" sequential) and their per-step losses."""
 
-    def __init__(self, engine: LocalTrainingEngine, mode: str, k: int, data: list[list[Datum]],
-                 adam: AdamConfig) -> None:
+    def __init__(
+        self,
+        engine: LocalTrainingEngine,
+        mode: str,
+        k: int,
+        data: list[list[Datum]],
+        adam: AdamConfig,
+    ) -> None:
         self.engine, self.data, self.adam = engine, data, adam
         self.ids = [f"{mode}{k}-{i}" for i in range(k)]
         for i, model_id in enumerate(self.ids):
@@ -63,8 +70,10 @@ class Tenants:
         self.losses: list[list[float]] = [[] for _ in self.ids]
 
     def requests(self, idx: list[int]) -> list[PassRequest]:
-        return [PassRequest(f"fb-{self.ids[i]}", self.ids[i], "cross_entropy", {}, False,
-                            self.data[i]) for i in idx]
+        return [
+            PassRequest(f"fb-{self.ids[i]}", self.ids[i], "cross_entropy", {}, False, self.data[i])
+            for i in idx
+        ]
 
     def step(self, idx: list[int]) -> tuple[float, float]:
         """One cycle over tenants `idx`: (pass seconds, optimizer seconds)."""
@@ -103,9 +112,11 @@ def measure(engine: LocalTrainingEngine, k: int, args: argparse.Namespace) -> di
                     if rep >= args.warmup:
                         t_seq.append(sum(solo))
                         t_solo.extend(solo)
-        diffs = [abs(a - b) / max(1.0, abs(b)) for lp, ls in zip(packed.losses, seq.losses,
-                                                                   strict=True)
-                 for a, b in zip(lp, ls, strict=True)]
+        diffs = [
+            abs(a - b) / max(1.0, abs(b))
+            for lp, ls in zip(packed.losses, seq.losses, strict=True)
+            for a, b in zip(lp, ls, strict=True)
+        ]
     finally:
         packed.close()
         seq.close()
@@ -137,30 +148,64 @@ def report(rows: list[dict[str, Any]]) -> None:
     print_table(
         "Packed (one run_passes + one optim_step) vs sequential (per tenant); medians; "
         f"LoRA ranks cycle {'/'.join(map(str, RANKS))}",
-        ["K", "tokens/cycle", "packed tok/s", "seq tok/s", "throughput ×",
-         "packed cycle ms", "(pass / optim)", "solo step ms", "per-tenant ×", "loss rel diff"],
-        [[r["tenants"], r["tokens_per_cycle"],
-          r["packed_tokens_per_s"], r["sequential_tokens_per_s"], r["throughput_ratio"],
-          1e3 * r["packed_cycle_s"],
-          f"{1e3 * r['packed_pass_s']:.1f} / {1e3 * r['packed_optim_s']:.1f}",
-          1e3 * r["solo_step_s"], r["per_tenant_latency_ratio"],
-          f"{r['loss_max_rel_diff']:.1e}"] for r in rows],
+        [
+            "K",
+            "tokens/cycle",
+            "packed tok/s",
+            "seq tok/s",
+            "throughput ×",
+            "packed cycle ms",
+            "(pass / optim)",
+            "solo step ms",
+            "per-tenant ×",
+            "loss rel diff",
+        ],
+        [
+            [
+                r["tenants"],
+                r["tokens_per_cycle"],
+                r["packed_tokens_per_s"],
+                r["sequential_tokens_per_s"],
+                r["throughput_ratio"],
+                1e3 * r["packed_cycle_s"],
+                f"{1e3 * r['packed_pass_s']:.1f} / {1e3 * r['packed_optim_s']:.1f}",
+                1e3 * r["solo_step_s"],
+                r["per_tenant_latency_ratio"],
+                f"{r['loss_max_rel_diff']:.1e}",
+            ]
+            for r in rows
+        ],
     )
     k = last["tenants"]
-    print_table(f"Targets at K={k} (reported, not asserted)", ["target", "measured", ""], [
-        [f"throughput packed/sequential ≥ {THROUGHPUT_TARGET}×", last["throughput_ratio"],
-         check(last["throughput_ratio"] >= THROUGHPUT_TARGET)],
-        [f"per-tenant step packed/solo ≤ {LATENCY_TARGET}×", last["per_tenant_latency_ratio"],
-         check(last["per_tenant_latency_ratio"] <= LATENCY_TARGET)],
-        [f"loss:sum packed == sequential (rel ≤ {LOSS_RTOL:g})",
-         max(r["loss_max_rel_diff"] for r in rows), "[green]asserted[/green]"],
-    ])
+    print_table(
+        f"Targets at K={k} (reported, not asserted)",
+        ["target", "measured", ""],
+        [
+            [
+                f"throughput packed/sequential ≥ {THROUGHPUT_TARGET}×",
+                last["throughput_ratio"],
+                check(last["throughput_ratio"] >= THROUGHPUT_TARGET),
+            ],
+            [
+                f"per-tenant step packed/solo ≤ {LATENCY_TARGET}×",
+                last["per_tenant_latency_ratio"],
+                check(last["per_tenant_latency_ratio"] <= LATENCY_TARGET),
+            ],
+            [
+                f"loss:sum packed == sequential (rel ≤ {LOSS_RTOL:g})",
+                max(r["loss_max_rel_diff"] for r in rows),
+                "[green]asserted[/green]",
+            ],
+        ],
+    )
 
 
 def last_missed(rows: list[dict[str, Any]]) -> bool:
     last = rows[-1]
-    return (last["throughput_ratio"] < THROUGHPUT_TARGET
-            or last["per_tenant_latency_ratio"] > LATENCY_TARGET)
+    return (
+        last["throughput_ratio"] < THROUGHPUT_TARGET
+        or last["per_tenant_latency_ratio"] > LATENCY_TARGET
+    )
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -178,10 +223,22 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax1.set_title("throughput")
     ax1.legend(loc="lower right")
     panels = [
-        (ax2, "throughput_ratio", "tab:green", "packed / sequential tokens/s",
-         f"target ≥ {THROUGHPUT_TARGET}× at K={ks[-1]}", THROUGHPUT_TARGET),
-        (ax3, "per_tenant_latency_ratio", "tab:red", "packed cycle / solo step",
-         f"target ≤ {LATENCY_TARGET}×", LATENCY_TARGET),
+        (
+            ax2,
+            "throughput_ratio",
+            "tab:green",
+            "packed / sequential tokens/s",
+            f"target ≥ {THROUGHPUT_TARGET}× at K={ks[-1]}",
+            THROUGHPUT_TARGET,
+        ),
+        (
+            ax3,
+            "per_tenant_latency_ratio",
+            "tab:red",
+            "packed cycle / solo step",
+            f"target ≤ {LATENCY_TARGET}×",
+            LATENCY_TARGET,
+        ),
     ]
     for ax, key, color, label, target_label, target in panels:
         vals = [r[key] for r in rows]
@@ -189,8 +246,14 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.plot(ks, ks, ":", color="grey", lw=1, label="K")
         ax.axhline(target, color=color, ls="--", lw=1, label=target_label)
         for k, v in zip(ks, vals, strict=True):
-            ax.annotate(f"{v:.2f}", (k, v), textcoords="offset points", xytext=(0, 7),
-                        ha="center", fontsize=8)
+            ax.annotate(
+                f"{v:.2f}",
+                (k, v),
+                textcoords="offset points",
+                xytext=(0, 7),
+                ha="center",
+                fontsize=8,
+            )
         ax.set_ylim(bottom=0)
         ax.set_ylabel("ratio")
         ax.legend(fontsize=8, loc="upper left")
@@ -217,8 +280,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--name", default=NAME, help="results file stem (benchmarks/results/NAME.*)")
-    p.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "lockstep-bench",
-                   help="where the default tiny model is built")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "lockstep-bench",
+        help="where the default tiny model is built",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -227,18 +294,32 @@ def main() -> None:
     rows = [measure(engine, k, args) for k in args.tenants]
     report(rows)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    path = write_json(args.name, {
-        "config": config, "environment": environment(),
-        "targets": {"throughput_min": THROUGHPUT_TARGET, "latency_max": LATENCY_TARGET,
-                    "loss_rtol": LOSS_RTOL},
-        "results": rows})
+    path = write_json(
+        args.name,
+        {
+            "config": config,
+            "environment": environment(),
+            "targets": {
+                "throughput_min": THROUGHPUT_TARGET,
+                "latency_max": LATENCY_TARGET,
+                "loss_rtol": LOSS_RTOL,
+            },
+            "results": rows,
+        },
+    )
     png = figure_path(args.name)
-    plot(rows, png, f"Lockstep packing: {DEFAULT_MODEL_NAME}, B={args.batch} × T={args.tokens} "
-                    f"per tenant, CPU × {torch.get_num_threads()} threads")
+    plot(
+        rows,
+        png,
+        f"Lockstep packing: {DEFAULT_MODEL_NAME}, B={args.batch} × T={args.tokens} "
+        f"per tenant, CPU × {torch.get_num_threads()} threads",
+    )
     print(f"wrote {path} and {png}")
     if last_missed(rows):
-        print("targets missed: `python benchmarks/packing_profile.py` shows where a packed cycle "
-              "spends its time, op by op, against K solo steps")
+        print(
+            "targets missed: `python benchmarks/packing_profile.py` shows where a packed cycle "
+            "spends its time, op by op, against K solo steps"
+        )
     worst = max(r["loss_max_rel_diff"] for r in rows)
     assert worst <= LOSS_RTOL, f"packing changed a tenant's loss:sum (max rel diff {worst:.2e})"
 

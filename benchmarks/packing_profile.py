@@ -37,8 +37,9 @@ def op_times(fn: Callable[[], Any], steps: int) -> dict[str, tuple[float, float]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             fn()
-    return {e.key: (e.self_cpu_time_total / 1e3 / steps, e.count / steps)
-            for e in prof.key_averages()}
+    return {
+        e.key: (e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in prof.key_averages()
+    }
 
 
 def python_profile(fn: Callable[[], Any], steps: int, top: int) -> str:
@@ -60,8 +61,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="profiled steps of each kind")
     p.add_argument("--top", type=int, default=18, help="rows in the tables")
     p.add_argument("--name", default=NAME, help="results file stem (benchmarks/results/NAME.*)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: no OpenMP barriers, so other load skews less)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: no OpenMP barriers, so other load skews less)",
+    )
     p.add_argument("--data-dir", type=Path, default=Path.home() / ".cache" / "lockstep-bench")
     args = p.parse_args()
     k = args.tenants
@@ -87,9 +92,16 @@ def main() -> None:
     for name in set(solo_ops) | set(packed_ops):
         s_ms, s_n = solo_ops.get(name, (0.0, 0.0))
         p_ms, p_n = packed_ops.get(name, (0.0, 0.0))
-        rows.append({"op": name, "solo_x_k_ms": s_ms, "packed_ms": p_ms,
-                     "growth": p_ms / s_ms if s_ms > 0 else None,
-                     "solo_x_k_calls": s_n, "packed_calls": p_n})
+        rows.append(
+            {
+                "op": name,
+                "solo_x_k_ms": s_ms,
+                "packed_ms": p_ms,
+                "growth": p_ms / s_ms if s_ms > 0 else None,
+                "solo_x_k_calls": s_n,
+                "packed_calls": p_n,
+            }
+        )
     rows.sort(key=lambda r: -r["packed_ms"])
     total_s = sum(r["solo_x_k_ms"] for r in rows)
     total_p = sum(r["packed_ms"] for r in rows)
@@ -98,18 +110,43 @@ def main() -> None:
         f"Self CPU per step: one packed cycle of K={k} vs K solo steps "
         f"(B={args.batch}, T={args.tokens}); total {total_p:.1f} vs {total_s:.1f} ms",
         ["op", "packed ms", "K×solo ms", "growth", "packed calls", "K×solo calls"],
-        [[r["op"], r["packed_ms"], r["solo_x_k_ms"], r["growth"], r["packed_calls"],
-          r["solo_x_k_calls"]] for r in rows[: args.top]])
-    print_table("Ops that packing makes MORE expensive (packed − K×solo, ms per step)",
-                ["op", "extra ms", "growth", "packed calls", "K×solo calls"],
-                [[r["op"], r["packed_ms"] - r["solo_x_k_ms"], r["growth"], r["packed_calls"],
-                  r["solo_x_k_calls"]] for r in extra[:8]])
+        [
+            [
+                r["op"],
+                r["packed_ms"],
+                r["solo_x_k_ms"],
+                r["growth"],
+                r["packed_calls"],
+                r["solo_x_k_calls"],
+            ]
+            for r in rows[: args.top]
+        ],
+    )
+    print_table(
+        "Ops that packing makes MORE expensive (packed − K×solo, ms per step)",
+        ["op", "extra ms", "growth", "packed calls", "K×solo calls"],
+        [
+            [
+                r["op"],
+                r["packed_ms"] - r["solo_x_k_ms"],
+                r["growth"],
+                r["packed_calls"],
+                r["solo_x_k_calls"],
+            ]
+            for r in extra[:8]
+        ],
+    )
     print(py)
-    path = write_json(args.name, {
-        "config": {k_: (str(v) if isinstance(v, Path) else v) for k_, v in vars(args).items()},
-        "environment": environment(),
-        "total_self_cpu_ms": {"packed": total_p, "solo_x_k": total_s},
-        "ops": rows, "python_profile_top": py})
+    path = write_json(
+        args.name,
+        {
+            "config": {k_: (str(v) if isinstance(v, Path) else v) for k_, v in vars(args).items()},
+            "environment": environment(),
+            "total_self_cpu_ms": {"packed": total_p, "solo_x_k": total_s},
+            "ops": rows,
+            "python_profile_top": py,
+        },
+    )
     text = RESULTS_DIR / f"{args.name}.txt"
     text.write_text(py)
     print(f"wrote {path} and {text}")

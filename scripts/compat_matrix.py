@@ -33,14 +33,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import compat.endpoint_probes  # noqa: E402,F401  (registers the endpoint probes)
 import compat.method_probes  # noqa: E402,F401  (registers the method probes)
 from compat.context import API_KEY, DEFAULT_OUTPUT, PROBES, REPO, Caller, ClientSide, Ctx, Outcome  # noqa: E402
 from compat.feature_probes import FEATURES  # noqa: E402
 
 # ------------------------------------------------------------------------------ running
 
-_ID = re.compile(r"(sess|req|samp|run)-[0-9a-f]{6,}(:[a-z]+:\d+)?|tinker://[^\s'\"]+|"
-                 r"\b[0-9a-f]{16,}\b|\d{4}-\d\d-\d\dT?[\d:. +]*")
+_ID = re.compile(
+    r"(sess|req|samp|run)-[0-9a-f]{6,}(:[a-z]+:\d+)?|tinker://[^\s'\"]+|"
+    r"\b[0-9a-f]{16,}\b|\d{4}-\d\d-\d\dT?[\d:. +]*"
+)
 
 
 def _reason(exc: BaseException) -> str:
@@ -54,9 +57,11 @@ def _reason(exc: BaseException) -> str:
 
 
 # Hosted-service features with no counterpart in a self-hosted server (see the end of the doc).
-HOSTED_ONLY = {"copy_weights", "assign_session_project", "export_session_trace", "get_audit_log",
-               "get_billing_usage", "get_current_checkpoint_storage_usage", "search_sessions",
-               "whoami"}
+HOSTED_ONLY = {
+    "copy_weights",
+    "assign_session_project",
+    "whoami",
+}
 
 
 def run_one(fn: Callable[[], str | None]) -> Outcome:
@@ -74,18 +79,22 @@ def run_one(fn: Callable[[], str | None]) -> Outcome:
 
 
 def public_methods(cls: type) -> list[str]:
-    return sorted(n for n, v in inspect.getmembers(cls)
-                  if not n.startswith("_") and callable(v))
+    return sorted(n for n, v in inspect.getmembers(cls) if not n.startswith("_") and callable(v))
 
 
-def probe_all(base_url: str, base_model: str, only: set[str] | None = None
-              ) -> tuple[dict[str, dict[str, Outcome]], dict[str, dict[str, Outcome]]]:
+def probe_all(
+    base_url: str, base_model: str, only: set[str] | None = None
+) -> tuple[dict[str, dict[str, Outcome]], dict[str, dict[str, Outcome]]]:
     import tinker
 
     ctx = Ctx(base_url, base_model)
     loop = asyncio.new_event_loop()
-    classes = [tinker.ServiceClient, tinker.TrainingClient, tinker.SamplingClient,
-               tinker.RestClient]
+    classes = [
+        tinker.ServiceClient,
+        tinker.TrainingClient,
+        tinker.SamplingClient,
+        tinker.RestClient,
+    ]
     methods: dict[str, dict[str, Outcome]] = {}
     for cls in classes:
         rows: dict[str, Outcome] = {}
@@ -118,8 +127,11 @@ def probe_all(base_url: str, base_model: str, only: set[str] | None = None
 
 # ------------------------------------------------------------------------------ output
 
-_MARK = {"supported": "✅ supported", "unsupported": "❌ unsupported",
-         "client-side": "➖ client-side"}
+_MARK = {
+    "supported": "✅ supported",
+    "unsupported": "❌ unsupported",
+    "client-side": "➖ client-side",
+}
 
 
 def _table(rows: dict[str, Outcome], first: str) -> list[str]:
@@ -130,10 +142,15 @@ def _table(rows: dict[str, Outcome], first: str) -> list[str]:
     return out
 
 
-def render(methods: dict[str, dict[str, Outcome]], features: dict[str, dict[str, Outcome]],
-           sdk_version: str, cookbook_pin: str) -> str:
-    counts = {s: sum(o.status == s for rows in methods.values() for o in rows.values())
-              for s in _MARK}
+def render(
+    methods: dict[str, dict[str, Outcome]],
+    features: dict[str, dict[str, Outcome]],
+    sdk_version: str,
+    cookbook_pin: str,
+) -> str:
+    counts = {
+        s: sum(o.status == s for rows in methods.values() for o in rows.values()) for s in _MARK
+    }
     lines = [
         "# Compatibility with the tinker SDK",
         "",
@@ -152,11 +169,29 @@ def render(methods: dict[str, dict[str, Outcome]], features: dict[str, dict[str,
     ]
     for cls, rows in methods.items():
         lines += [f"## {cls}", "", *_table(rows, "method"), ""]
-    titles = {"loss": "Loss functions (`forward_backward` / `forward`)",
-              "sampling": "Sampling options", "datum": "Datum features"}
+    titles = {
+        "loss": "Loss functions (`forward_backward` / `forward`)",
+        "sampling": "Sampling options",
+        "datum": "Datum features",
+        "endpoints": "OpenAI- and Anthropic-compatible endpoints (official `openai` / `anthropic`"
+        " clients)",
+    }
     for table, rows in features.items():
         lines += [f"## {titles[table]}", "", *_table(rows, "feature"), ""]
     lines += [
+        "## Sampled logprobs",
+        "",
+        "A sampled token's logprob (and its `topk_sample_logprobs`) is the log-probability under",
+        "the distribution the token was drawn from, as hosted Tinker returns it: at temperature T",
+        "that is log p_T = log_softmax(logits / T), so pairwise differences are those of T = 1",
+        "divided by T (tinker-cookbook's `validate_temperature_logprobs`). With top-k / top-p the",
+        "distribution is truncated and renormalised: a kept token's logprob rises by",
+        "-log(kept mass), truncated tokens have probability 0 (logprob -inf in top-k lists; the",
+        "compatible endpoints leave them out). At temperature 0 (greedy) the logprobs are the",
+        "model's own (T = 1). Prompt logprobs are always the model's own (T = 1), equal to the",
+        "trainer's `forward`. Every engine does the same: the local sampler, vLLM",
+        "(`--logprobs-mode processed_logprobs`), SGLang (`SGLANG_RETURN_ORIGINAL_LOGPROB=0`).",
+        "",
         "## Why the unsupported ones are unsupported",
         "",
         "- **stable_reinforce**: Tinker documents what a client sends (sampling with",
@@ -165,12 +200,12 @@ def render(methods: dict[str, dict[str, Outcome]], features: dict[str, dict[str,
         "  records, so it cannot be reproduced faithfully. The server refuses it with a 400 that",
         "  says so; `record_stability_info` and provenance spans are accepted (and ignored) so",
         "  recipes that always send them keep working with the other losses.",
-        "- **server-side custom losses** (`loss_fn=\"custom\"` with a `loss_id`): the server",
+        '- **server-side custom losses** (`loss_fn="custom"` with a `loss_id`): the server',
         "  advertises `custom_loss_server_side=false`, so `create_custom_loss` handles run",
         "  client-side through `forward_backward_custom` (a forward pass, then a cross_entropy",
         "  backward with the loss's gradient as weights).",
         "- **hosted-service accounting** (billing, audit log, storage usage, projects, session",
-        "  search and traces, whoami, weight copies): features of the hosted console with no",
+        "  search, whoami, weight copies): features of the hosted console with no",
         "  counterpart in a self-hosted server; the routes answer 404.",
         "- **multimodal inputs** (image chunks) and alternative-token prompt scoring: the served",
         "  models are text-only causal LMs.",
@@ -218,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", help="a running server (default: start one)")
     p.add_argument("--base-model", default="Lockstep/tiny-qwen3")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    p.add_argument("--check", action="store_true",
-                   help="do not write; exit 1 if --output differs from the generated matrix")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="do not write; exit 1 if --output differs from the generated matrix",
+    )
     a = p.parse_args(argv)
     with contextlib.ExitStack() as stack:
         url = a.base_url or stack.enter_context(serve())

@@ -21,9 +21,22 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),
-         "--appendonly", "yes", "--save", ""],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        [
+            redis_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dir",
+            str(directory),
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     client = redis.Redis.from_url(url)
     for _ in range(100):

@@ -1,4 +1,5 @@
-"""Helpers for the metrics tests: scrape and read an exposition, list the metrics PromQL names."""
+"""Helpers for the metrics tests: scrape and read an exposition, read the dashboard and the alert
+rules, and list the metrics a PromQL expression selects (parsed by promql-parser)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import promql_parser
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,25 +20,18 @@ ALERTS = REPO / "deploy" / "helm" / "lockstep" / "files" / "alerts.yaml"
 
 # Sample names a family of each type is exported under (text exposition).
 _SUFFIXES = {
-    "counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-    "summary": ("", "_sum", "_count"), "info": ("_info",), "gauge": ("",),
-    "stateset": ("",), "gaugehistogram": ("_bucket", "_gsum", "_gcount"), "unknown": ("",),
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+    "info": ("_info",),
+    "gauge": ("",),
+    "stateset": ("",),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "unknown": ("",),
 }
 
-# PromQL words that are not metric names.
-_FUNCTIONS = {
-    "abs", "absent", "absent_over_time", "avg", "avg_over_time", "bottomk", "ceil", "changes",
-    "clamp", "clamp_max", "clamp_min", "count", "count_over_time", "count_values", "delta",
-    "deriv", "exp", "floor", "group", "histogram_quantile", "histogram_count", "histogram_sum",
-    "histogram_fraction", "holt_winters", "idelta", "increase", "irate", "label_join",
-    "label_replace", "last_over_time", "ln", "log2", "log10", "max", "max_over_time", "min",
-    "min_over_time", "predict_linear", "present_over_time", "quantile", "quantile_over_time",
-    "rate", "resets", "round", "scalar", "sgn", "sort", "sort_desc", "sqrt", "stddev",
-    "stddev_over_time", "stdvar", "stdvar_over_time", "sum", "sum_over_time", "time",
-    "timestamp", "topk", "vector", "day_of_week", "hour", "minute", "month", "year",
-}
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
-             "and", "or", "unless", "inf", "nan"}
+# What Grafana substitutes before a query reaches Prometheus (values for a 1 s scrape interval).
+GRAFANA_VARIABLES = {"$__rate_interval": "4s", "$owner": ".*"}
 
 
 def scrape(url: str) -> list[Metric]:
@@ -46,8 +41,12 @@ def scrape(url: str) -> list[Metric]:
 
 def samples(families: Iterable[Metric], name: str, **labels: str) -> list[Any]:
     """Every sample called `name` whose labels include `labels`."""
-    return [s for f in families for s in f.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return [
+        s
+        for f in families
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
 
 
 def total(families: Iterable[Metric], name: str, **labels: str) -> float:
@@ -63,20 +62,41 @@ def exported_names(families: Iterable[Metric]) -> set[str]:
     return names
 
 
+def grafana_to_promql(expr: str) -> str:
+    """The query Prometheus receives once Grafana has filled in the dashboard's variables."""
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, f"unknown Grafana variable in {expr!r}"
+    return expr
+
+
 def promql_metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (Grafana $variables allowed)."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
-    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors and subqueries
-    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    expr = re.sub(r"\$\{?\w+\}?", "", expr)  # Grafana variables
-    expr = re.sub(r"\b\d+(\.\d+)?(e[+-]?\d+)?\b", "", expr)  # numbers
-    names = set()
-    for match in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
-        word = match.group(0)
-        if word in _FUNCTIONS or word.lower() in _KEYWORDS:
-            continue
-        names.add(word)
+    """The metric names a PromQL expression selects, from Prometheus' grammar (promql-parser)."""
+    names: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            if node.name:
+                names.add(node.name)
+            return
+        if isinstance(node, promql_parser.MatrixSelector):
+            walk(node.vector_selector)
+        elif isinstance(node, promql_parser.BinaryExpr):
+            walk(node.lhs)
+            walk(node.rhs)
+        elif isinstance(node, promql_parser.Call):
+            for arg in node.args:
+                walk(arg)
+        elif isinstance(node, promql_parser.AggregateExpr):
+            walk(node.expr)
+            if node.param is not None:
+                walk(node.param)
+        elif isinstance(node, promql_parser.ParenExpr | promql_parser.SubqueryExpr):
+            walk(node.expr)
+        elif isinstance(node, promql_parser.UnaryExpr):
+            walk(node.expr)
+
+    walk(promql_parser.parse(grafana_to_promql(expr)))
     return names
 
 
@@ -92,7 +112,7 @@ def dashboard() -> dict[str, Any]:
 
 
 def dashboard_queries(board: dict[str, Any]) -> dict[str, str]:
-    """"panel title #n" -> PromQL, for every panel target and every query variable."""
+    """ "panel title #n" -> PromQL, for every panel target and every query variable."""
     queries = {}
     for panel in _panels(board.get("panels", [])):
         for i, target in enumerate(panel.get("targets", [])):

@@ -6,11 +6,18 @@ local torch engine, a Megatron worker group or an SGLang fleet are interchangeab
 
 The training verbs are batch-shaped on purpose: one clock cycle is one `run_passes` call over the
 packed work of every tenant, then one `optim_step` call over every adapter that asked for a step.
+
+Lifecycle verbs (`alive`, `restart`, `close`) are part of the contract too: an engine hosted in
+another process (a child process, a Ray worker group, an inference server) can die on its own;
+it then raises `EngineDied` from any verb, and the scheduler calls `restart` and restores what it
+needs from its durable state. An in-process engine never dies alone, so the defaults suffice.
 """
 
 from __future__ import annotations
 
+import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 from lockstep.engine.types import (
@@ -38,6 +45,12 @@ class UserInputError(ValueError):
     def __reduce__(self) -> tuple[type[UserInputError], tuple[str, str]]:
         # Engines run in child processes: the error must survive the trip back.
         return (UserInputError, (self.field, self.detail))
+
+
+class EngineDied(RuntimeError):
+    """The engine's process (or one of its workers) exited: its in-memory state (adapters,
+    optimizer moments, accumulated gradients) is gone. Not the request's fault: the caller
+    restarts the engine and runs the same work again from its recorded state."""
 
 
 class TrainingEngine(ABC):
@@ -71,6 +84,10 @@ class TrainingEngine(ABC):
         accumulate into each model's adapter until its next `optim_step`. A model's numbers do not
         depend on the other requests in the batch.
 
+        Atomic: if the call raises, no request of it has left any gradient behind (every model's
+        accumulated gradients are as they were before the call), so the caller may run the same
+        requests again, together or one by one.
+
         Returns:
             One result per request, in order: per-datum "logprobs" and "elementwise_loss", and
             metrics including "loss:sum".
@@ -90,10 +107,30 @@ class TrainingEngine(ABC):
     def save_state(self, model_id: str, directory: Path, include_optimizer: bool) -> int:
         """Write the adapter (PEFT layout) and, if asked, the Adam state. Returns bytes written."""
 
+    def snapshot(self, model_id: str, directory: Path) -> bool:
+        """Snapshot the model (adapter + optimizer state, as `save_state` with the optimizer)
+        into `directory`, which appears complete or not at all (written under another name,
+        flushed, renamed).
+
+        Returns True if the snapshot is durable on return; False if the state was only copied
+        and is being written in the background: `durable_snapshots` reports it once it is.
+        Default: written before returning.
+        """
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.save_state(model_id, tmp, True)
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+        return True
+
+    def durable_snapshots(self) -> list[tuple[str, Path]]:
+        """Background snapshots (`snapshot` returned False) now complete on disk, each reported
+        once. One in flight when the engine dies is lost: the caller keeps the previous
+        snapshot and the ops since, and replays them."""
+        return []
+
     @abstractmethod
-    def load_state(
-        self, model_id: str, directory: Path, include_optimizer: bool
-    ) -> LoraSpec:
+    def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
         """Create or replace `model_id` from a `save_state` directory.
 
         Without `include_optimizer` the Adam state starts fresh.
@@ -104,6 +141,14 @@ class TrainingEngine(ABC):
     @abstractmethod
     def export_adapter(self, model_id: str, directory: Path) -> int:
         """Write PEFT `adapter_model.safetensors` + `adapter_config.json`. Returns bytes."""
+
+    def alive(self) -> bool:
+        """Whether the engine can serve calls (its processes are up). In-process: always."""
+        return True
+
+    def restart(self) -> None:  # noqa: B027 - in-process engines never die on their own
+        """Replace a dead engine by a fresh one. Every adapter is gone afterwards: the caller
+        restores the models it needs (snapshot + replay log)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (child processes, GPU memory)."""
@@ -119,6 +164,12 @@ class SamplingEngine(ABC):
     @abstractmethod
     def load_adapter(self, adapter_id: str, directory: Path) -> None:
         """Make a PEFT adapter directory available under `adapter_id` (idempotent)."""
+
+    def load_adapters(self, adapters: Sequence[tuple[str, Path]]) -> None:
+        """Load several adapters in one call (what one cycle published). Engines that can load
+        them concurrently override this; by default, one `load_adapter` each."""
+        for adapter_id, directory in adapters:
+            self.load_adapter(adapter_id, directory)
 
     @abstractmethod
     def unload_adapter(self, adapter_id: str) -> None:
@@ -139,6 +190,13 @@ class SamplingEngine(ABC):
     def resume(self) -> None:  # noqa: B027 - optional hook
         """Colocated mode: take the memory back after the training phase and re-send whatever
         the release dropped (e.g. loaded adapters)."""
+
+    def alive(self) -> bool:
+        """Whether the engine can serve calls (its process or server is up)."""
+        return True
+
+    def restart(self) -> None:  # noqa: B027 - in-process engines never die on their own
+        """Replace a dead engine by a fresh one; adapters are loaded again on demand."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

@@ -1,7 +1,7 @@
 """The built-in loss functions: what each needs, and the submission-time check of a request.
 
 Pure Python + numpy (no torch) so the scheduler can reject a bad request with a 400 before it is
-queued. The torch implementations (`lockstep.workers.local.losses`) read the same table, so the
+queued. The torch implementations (`lockstep.training.losses`) read the same table, so the
 two cannot drift apart.
 
 Conventions (Tinker's): position i of a datum's `tokens` predicts `target_tokens[i]`; every 1-D
@@ -124,7 +124,20 @@ def validate_datum(
                 f"{where}.loss_fn_inputs.{key}", f"required by loss_fn {ldef.name!r}"
             )
     targets = np.asarray(inputs["target_tokens"])
-    tfield = f"{where}.loss_fn_inputs.target_tokens"
+    _check_targets(targets, f"{where}.loss_fn_inputs.target_tokens", n, ldef, vocab_size)
+    for key in ldef.required_inputs[1:] + ldef.optional_inputs:
+        if key in inputs:
+            _check_aligned(np.asarray(inputs[key]), f"{where}.loss_fn_inputs.{key}", n, targets)
+    if ldef.nonempty_mask is not None and not np.any(np.asarray(inputs[ldef.nonempty_mask])):
+        raise UserInputError(
+            f"{where}.loss_fn_inputs.{ldef.nonempty_mask}",
+            f"must mark at least one token (loss_fn {ldef.name!r} averages over the marked tokens)",
+        )
+
+
+def _check_targets(
+    targets: np.ndarray, tfield: str, n: int, ldef: LossDef, vocab_size: int
+) -> None:
     if targets.ndim not in ((1, 2) if ldef.allows_2d_targets else (1,)):
         raise UserInputError(
             tfield,
@@ -136,28 +149,18 @@ def validate_datum(
     if targets.ndim == 2 and targets.shape[1] == 0:
         raise UserInputError(tfield, "second dimension (K) must be >= 1")
     _check_ids(targets, tfield, vocab_size)
-    for key in ldef.required_inputs[1:] + ldef.optional_inputs:
-        if key not in inputs:
-            continue
-        value = np.asarray(inputs[key])
-        vfield = f"{where}.loss_fn_inputs.{key}"
-        if value.ndim >= 1 and value.shape[0] != n:
-            raise UserInputError(vfield, f"length {value.shape[0]} != model_input length {n}")
-        if value.shape != targets.shape:
-            raise UserInputError(
-                vfield, f"shape {value.shape} != target_tokens shape {targets.shape}"
-            )
-        if not np.issubdtype(value.dtype, np.number) or np.issubdtype(
-            value.dtype, np.complexfloating
-        ):
-            raise UserInputError(vfield, f"must be real numbers, got dtype {value.dtype}")
-        if not np.all(np.isfinite(value)):
-            raise UserInputError(vfield, "must be finite (found NaN or inf)")
-    if ldef.nonempty_mask is not None and not np.any(np.asarray(inputs[ldef.nonempty_mask])):
-        raise UserInputError(
-            f"{where}.loss_fn_inputs.{ldef.nonempty_mask}",
-            f"must mark at least one token (loss_fn {ldef.name!r} averages over the marked tokens)",
-        )
+
+
+def _check_aligned(value: np.ndarray, vfield: str, n: int, targets: np.ndarray) -> None:
+    """A per-token loss input: the shape of target_tokens, real and finite."""
+    if value.ndim >= 1 and value.shape[0] != n:
+        raise UserInputError(vfield, f"length {value.shape[0]} != model_input length {n}")
+    if value.shape != targets.shape:
+        raise UserInputError(vfield, f"shape {value.shape} != target_tokens shape {targets.shape}")
+    if not np.issubdtype(value.dtype, np.number) or np.issubdtype(value.dtype, np.complexfloating):
+        raise UserInputError(vfield, f"must be real numbers, got dtype {value.dtype}")
+    if not np.all(np.isfinite(value)):
+        raise UserInputError(vfield, "must be finite (found NaN or inf)")
 
 
 def _check_ids(ids: np.ndarray, where: str, vocab_size: int) -> None:

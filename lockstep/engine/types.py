@@ -7,13 +7,23 @@ request into these, an engine never sees protobuf or JSON.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 LossConfig = dict[str, float | str]
 StopReason = Literal["stop", "length"]
+
+
+class Dtype(StrEnum):
+    """Base-weight dtypes a training engine runs in (`--dtype`); adapters and Adam stay fp32."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,26 @@ class ModelCard:
     vocab_size: int  # size of the embedding table: valid token ids are [0, vocab_size)
     max_context_length: int
     eos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, served_name: str) -> ModelCard:
+        """The card of a local Hugging Face model directory, from its `config.json` alone (no
+        torch, no weights), the same for every engine. Multimodal configs keep the language
+        model's settings in `text_config`."""
+        directory = Path(model_dir).resolve()
+        config = json.loads((directory / "config.json").read_text())
+        text = config.get("text_config") or config
+        eos = text.get("eos_token_id", config.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            name=served_name,
+            directory=str(directory),
+            arch=str(config.get("model_type", "unknown")),
+            vocab_size=int(text["vocab_size"]),
+            max_context_length=int(text.get("max_position_embeddings", 2048)),
+            eos_token_id=None if eos is None else int(eos),
+        )
 
 
 @dataclass
@@ -108,6 +138,9 @@ class SampleRequest:
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
+    # KV-cache namespace (the sampling session): engines may reuse cached prompt prefixes only
+    # within one namespace. None: no reuse.
+    cache_namespace: str | None = None
 
 
 @dataclass

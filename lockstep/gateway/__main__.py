@@ -1,87 +1,72 @@
-"""`python -m lockstep.gateway --scheduler ADDR [--host H] [--port P] ...`"""
+"""`python -m lockstep.gateway --scheduler ADDR [--host H] [--port P] ...` or `--config FILE`.
+
+The flags are generated from the root config (lockstep/config); `lockstep serve` starts the
+gateway with `--config FILE` only.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
+from lockstep import config
+from lockstep.config import LockstepConfig
 from lockstep.gateway.app import run_gateway
 from lockstep.gateway.settings import GatewaySettings
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(base: LockstepConfig | None = None) -> argparse.ArgumentParser:
+    return config.build_parser(
+        "gateway",
+        base or LockstepConfig(),
         prog="python -m lockstep.gateway",
         description="Serve the Tinker HTTP API in front of a Lockstep scheduler.",
     )
-    p.add_argument("--scheduler", required=True, help="gRPC address of the scheduler, host:port")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
-    p.add_argument(
-        "--api-keys-file",
-        type=Path,
-        help="file with accepted API keys, one per line ('#' comments)",
-    )
-    p.add_argument(
-        "--allow-any-tml-key",
-        action="store_true",
-        help="with no keys configured, accept any key starting with 'tml-'",
-    )
-    p.add_argument(
-        "--file-url-secret-file", type=Path, help="file holding the download-URL signing secret"
-    )
-    p.add_argument("--public-base-url", help="base URL clients use to reach this gateway")
-    p.add_argument(
-        "--long-poll-seconds", type=float, default=25.0, help="retrieve_future wait (default 25)"
-    )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=256 * 1024 * 1024, help="largest request body"
-    )
-    p.add_argument(
-        "--max-datums-per-request", type=int, default=4096,
-        help="the scheduler's datum limit; the SDK is told to chunk below it",
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
 
 
-def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    keys = set(args.api_key)
-    if args.api_keys_file is not None:
-        for line in args.api_keys_file.read_text().splitlines():
+def settings_from_config(cfg: LockstepConfig) -> GatewaySettings:
+    """The gateway's settings; reads the key file and the URL-signing secret file."""
+    g = cfg.gateway
+    keys = set(g.api_keys)
+    if g.api_keys_file is not None:
+        for line in g.api_keys_file.read_text().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 keys.add(line)
     secret = b""
-    if args.file_url_secret_file is not None:
-        secret = args.file_url_secret_file.read_bytes().strip()
+    if g.file_url_secret_file is not None:
+        secret = g.file_url_secret_file.read_bytes().strip()
         if not secret:
-            raise SystemExit(f"{args.file_url_secret_file} is empty")
+            raise SystemExit(f"{g.file_url_secret_file} is empty")
+    assert g.scheduler_address is not None  # a required flag (lockstep.config.sections)
     return GatewaySettings(
-        scheduler_address=args.scheduler,
+        scheduler_address=g.scheduler_address,
         api_keys=frozenset(keys),
-        allow_any_tml_key=args.allow_any_tml_key,
-        long_poll_seconds=args.long_poll_seconds,
-        max_body_bytes=args.max_body_bytes,
-        max_datums_per_request=args.max_datums_per_request,
+        allow_any_tml_key=g.allow_any_tml_key,
+        long_poll_seconds=g.long_poll_seconds,
+        max_body_bytes=cfg.limits.max_body_bytes,
+        max_datums_per_request=cfg.limits.max_datums_per_request,
         file_url_secret=secret,
-        public_base_url=args.public_base_url,
+        public_base_url=g.public_base_url,
+        tokenizer_dir=g.tokenizer_dir,
+        keys_file=g.keys_file,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = list(argv) if argv is not None else None
+    base = config.base_config(args)
+    parser = build_parser(base)
+    cfg = config.resolve(parser, base, parser.parse_args(args), "gateway")
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        settings = settings_from_args(args)
+        settings = settings_from_config(cfg)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
-    run_gateway(settings, args.host, args.port, log_level=args.log_level)
+    run_gateway(settings, cfg.gateway.host, cfg.gateway.port, log_level=cfg.log_level)
 
 
 if __name__ == "__main__":

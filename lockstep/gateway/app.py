@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -11,27 +13,20 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
+from lockstep import grpc_options
 from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.errors import install_error_handlers
+from lockstep.gateway.inference.lane import new_sessions
 from lockstep.gateway.openapi import install_openapi
 from lockstep.gateway.routes import api_router
+from lockstep.gateway.seqhold import hold_seq_of_request
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.gateway.wire.requests import ForwardBackwardJsonRequest
+from lockstep.keyring import KeyRing
 from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
 from lockstep.v1 import scheduler_pb2_grpc
 
 log = logging.getLogger("lockstep.gateway")
-
-
-def _channel_options(settings: GatewaySettings) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", settings.grpc_max_message_bytes),
-        ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -40,19 +35,36 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         channel = grpc.aio.insecure_channel(
-            settings.scheduler_address, options=_channel_options(settings)
+            settings.scheduler_address,
+            options=grpc_options.channel_options(settings.grpc_max_message_bytes),
         )
         app.state.scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
         log.info("gateway: scheduler channel open to %s", settings.scheduler_address)
+        if settings.keys_file is not None:  # SIGHUP: re-read the keys file (add, revoke)
+            try:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys)
+            except (RuntimeError, ValueError):  # not the main thread (an in-process test app)
+                log.warning("gateway: no SIGHUP handler here; keys file reload disabled")
         try:
             yield
         finally:
             await channel.close()
             log.info("gateway: scheduler channel to %s closed", settings.scheduler_address)
 
+    def reload_keys() -> None:
+        assert settings.keys_file is not None
+        try:
+            app.state.keyring = KeyRing.load(settings.keys_file)
+        except ValueError as exc:  # a typo must not lock everyone out: keep the old keys
+            log.error("gateway: keys file not reloaded: %s", exc)
+            return
+        log.info(
+            "gateway: %d keys loaded from %s", len(app.state.keyring.entries), settings.keys_file
+        )
+
     if settings.api_keys and settings.allow_any_tml_key:
         log.warning("gateway: API keys are configured, so --allow-any-tml-key is ignored")
-    if not settings.api_keys and not settings.allow_any_tml_key:
+    if not settings.api_keys and not settings.allow_any_tml_key and not settings.keys_file:
         log.warning(
             "gateway: no API keys configured and --allow-any-tml-key off: all calls get 401"
         )
@@ -69,8 +81,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.reload_keys = reload_keys
+    app.state.keyring = None
+    if settings.keys_file is not None:
+        app.state.keyring = KeyRing.load(settings.keys_file)  # a bad file stops the start
     app.state.file_url_secret = secret
-    install_error_handlers(app)
+    app.state.text_codec = None  # loaded on the first compatible-route request
+    app.state.text_codec_lock = asyncio.Lock()
+    app.state.compat_sessions = new_sessions()
+    install_error_handlers(app, on_invalid=hold_seq_of_request)
     app.include_router(api_router)
     install_openapi(app, [ForwardBackwardJsonRequest])  # bodies read by hand (protobuf/JSON)
     app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers

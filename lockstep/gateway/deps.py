@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from typing import Annotated, Any
 
@@ -10,20 +9,28 @@ from fastapi import Depends, Header, Query, Request
 
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
+from lockstep.keyring import KeyRing, owner_of
+
+__all__ = ["owner_of"]  # the owner id rule lives in lockstep.keyring
 
 # Deadline of an ordinary (non-long-poll) scheduler call. The SDK's own read timeout is 60 s.
 CALL_TIMEOUT_S = 30.0
 
 
-def owner_of(api_key: str) -> str:
-    """The stable owner id the scheduler scopes everything to: sha256(key) hex, 16 chars."""
-    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
-
-
-def authenticate(settings: GatewaySettings, api_key: str | None) -> str:
-    """Check an `X-API-Key` against the settings; the caller's owner id, else a 401."""
+def authenticate(
+    settings: GatewaySettings, api_key: str | None, keyring: KeyRing | None = None
+) -> str:
+    """Check an `X-API-Key` against the keys file and the settings; the caller's owner id,
+    else a 401 (which the SDK does not retry)."""
     if not api_key:
         raise ApiError(401, "missing API key: send it in the X-API-Key header")
+    entry = keyring.lookup(api_key) if keyring is not None else None
+    if entry is not None:
+        if entry.revoked:
+            raise ApiError(401, f"API key {entry.name!r} is revoked")
+        return owner_of(api_key)
+    if keyring is not None and not settings.api_keys:
+        raise ApiError(401, "invalid API key")
     if settings.api_keys:
         # Compare against every key so the time taken does not depend on which one matched.
         matched = False
@@ -51,10 +58,20 @@ def get_scheduler(request: Request) -> Any:
 async def require_owner(
     request: Request, x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None
 ) -> str:
-    return authenticate(get_settings(request), x_api_key)
+    return authenticate(get_settings(request), x_api_key, request.app.state.keyring)
+
+
+async def key_quota(
+    request: Request, x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None
+) -> int:
+    """The caller's training-run quota from the keys file (0: none)."""
+    keyring: KeyRing | None = request.app.state.keyring
+    entry = keyring.lookup(x_api_key or "") if keyring is not None else None
+    return entry.max_training_runs if entry is not None else 0
 
 
 Owner = Annotated[str, Depends(require_owner)]
+KeyQuota = Annotated[int, Depends(key_quota)]
 Scheduler = Annotated[Any, Depends(get_scheduler)]
 Settings = Annotated[GatewaySettings, Depends(get_settings)]
 
@@ -70,3 +87,21 @@ def get_file_url_secret(request: Request) -> bytes:
 
 
 FileUrlSecret = Annotated[bytes, Depends(get_file_url_secret)]
+
+
+async def require_bearer_owner(
+    request: Request,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None,
+) -> str:
+    """The OpenAI- and Anthropic-compatible routes: the same keys, sent as `Authorization:
+    Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic clients, and the Tinker header)."""
+    key = x_api_key
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            key = token.strip()
+    return authenticate(get_settings(request), key)
+
+
+BearerOwner = Annotated[str, Depends(require_bearer_owner)]

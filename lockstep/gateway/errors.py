@@ -7,8 +7,9 @@ problems are 429 (backpressure) and an unreachable scheduler is 503.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -76,7 +77,7 @@ def rpc_error_to_api_error(err: grpc.aio.AioRpcError) -> ApiError:
     return ApiError(status, details, headers)
 
 
-def _describe_validation_error(err: dict[str, Any]) -> str:
+def describe_validation_error(err: dict[str, Any]) -> str:
     """One pydantic error as `field.path: message`, with the `body`/`query` prefix dropped."""
     kind = err.get("type", "")
     ctx = err.get("ctx") or {}
@@ -102,6 +103,8 @@ def _describe_validation_error(err: dict[str, Any]) -> str:
         message = f"must be <= {ctx.get('le')}"
     elif kind == "less_than":
         message = f"must be < {ctx.get('lt')}"
+    elif kind == "value_error":
+        message = str(ctx.get("error", err.get("msg", "invalid value")))
     elif kind == "finite_number":
         message = "must be a finite number"
     else:
@@ -119,12 +122,17 @@ async def _rpc_error_handler(request: Request, exc: Exception) -> JSONResponse:
     return await _api_error_handler(request, rpc_error_to_api_error(exc))
 
 
-async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    detail = "; ".join(_describe_validation_error(e) for e in exc.errors()) or "invalid request"
-    from lockstep.gateway.seqhold import hold_seq_of_request  # deps imports this module
+# Called with (request, parsed body, detail) before a validation 400 goes out: the gateway
+# records the refused seq_id there (seqhold). A hook, so this module does no gRPC I/O.
+OnInvalid = Callable[[Request, Any, str], Awaitable[None]]
 
-    await hold_seq_of_request(request, exc.body, detail)
+
+async def _validation_error_handler(
+    on_invalid: OnInvalid, request: Request, exc: Exception
+) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    detail = "; ".join(describe_validation_error(e) for e in exc.errors()) or "invalid request"
+    await on_invalid(request, exc.body, detail)
     return JSONResponse({"detail": detail}, status_code=400)
 
 
@@ -136,9 +144,11 @@ async def _http_exception_handler(request: Request, exc: Exception) -> JSONRespo
     )
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_invalid: OnInvalid) -> None:
     """Every error leaves as JSON `{"detail": ...}`; validation errors are 400, not 422."""
     app.add_exception_handler(ApiError, _api_error_handler)
     app.add_exception_handler(grpc.aio.AioRpcError, _rpc_error_handler)
-    app.add_exception_handler(RequestValidationError, _validation_error_handler)
+    app.add_exception_handler(
+        RequestValidationError, functools.partial(_validation_error_handler, on_invalid)
+    )
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)

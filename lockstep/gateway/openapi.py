@@ -18,10 +18,12 @@ _REF = "#/components/schemas/{model}"
 def body_ref(model: type[BaseModel], *, protobuf: str | None = None) -> dict[str, Any]:
     """`openapi_extra` for a route whose JSON body is `model` (and, optionally, protobuf)."""
     content: dict[str, Any] = {
-        "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}
+        "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}
+    }
     if protobuf is not None:
         content["application/x-protobuf"] = {
-            "schema": {"type": "string", "format": "binary", "description": protobuf}}
+            "schema": {"type": "string", "format": "binary", "description": protobuf}
+        }
     return {"requestBody": {"required": True, "content": content}}
 
 

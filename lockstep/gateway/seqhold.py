@@ -20,11 +20,16 @@ from lockstep.v1 import scheduler_pb2 as pb
 
 log = logging.getLogger("lockstep.gateway")
 
-SEQUENCED_PATHS = frozenset({
-    "/api/v1/forward_backward", "/api/v1/optim_step", "/api/v1/save_weights",
-    "/api/v1/save_weights_for_sampler", "/api/v1/save_weights_external",
-    "/api/v1/load_weights",
-})
+SEQUENCED_PATHS = frozenset(
+    {
+        "/api/v1/forward_backward",
+        "/api/v1/optim_step",
+        "/api/v1/save_weights",
+        "/api/v1/save_weights_for_sampler",
+        "/api/v1/save_weights_external",
+        "/api/v1/load_weights",
+    }
+)
 
 
 async def hold_seq(stub: Any, owner: str, model_id: Any, seq_id: Any, reason: str) -> None:
@@ -47,5 +52,6 @@ async def hold_seq_of_request(request: Request, body: Any, reason: str) -> None:
         owner = authenticate(request.app.state.settings, request.headers.get("x-api-key"))
     except Exception:
         return  # unauthenticated: nothing of theirs to hold
-    await hold_seq(request.app.state.scheduler, owner, body.get("model_id"),
-                   body.get("seq_id"), reason)
+    await hold_seq(
+        request.app.state.scheduler, owner, body.get("model_id"), body.get("seq_id"), reason
+    )

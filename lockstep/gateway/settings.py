@@ -1,12 +1,18 @@
-"""Gateway settings: one frozen dataclass, filled by the CLI (`python -m lockstep.gateway`)."""
+"""Gateway settings: what the running gateway holds, built from the root config
+(`lockstep.gateway.__main__.settings_from_config`), whose defaults it shares."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+
+from lockstep.config import GatewayConfig, Limits
 
 # The SDK's retrieve_future client timeout is 45 s; a long-poll must answer well before it.
 MAX_LONG_POLL_SECONDS = 40.0
+_CONFIG = GatewayConfig()
+_LIMITS = Limits()
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,7 @@ class GatewaySettings:
             answers `try_again`. Must stay under the SDK's 45 s client timeout.
         max_body_bytes: largest accepted request body, after decompression (413 above it).
         max_datums_per_request: the scheduler's datum limit per fwd/bwd request
-            (lockstep.limits); the client config tells the SDK to chunk below it.
+            (lockstep.config.Limits); the client config tells the SDK to chunk below it.
         file_url_secret: HMAC key that signs the checkpoint download URLs this gateway hands
             out (`external_weights_urls`) and later serves (`/api/v1/checkpoint_files/...`).
         public_base_url: base URL clients reach this gateway at (e.g. behind a proxy), used to
@@ -30,18 +36,24 @@ class GatewaySettings:
         file_url_ttl_seconds: lifetime of a signed download URL.
         grpc_max_message_bytes: max gRPC message size in both directions (fwd/bwd requests
             and their outputs can be far larger than gRPC's 4 MiB default).
+        tokenizer_dir: the served model's directory (its tokenizer and chat template), for the
+            OpenAI- and Anthropic-compatible routes, which take and return text. None: those
+            routes answer 404 for every model.
+        keys_file: named keys with quotas (lockstep/keyring.py), re-read on SIGHUP.
     """
 
     scheduler_address: str
     api_keys: frozenset[str] = frozenset()
     allow_any_tml_key: bool = False
-    long_poll_seconds: float = 25.0
-    max_body_bytes: int = 256 * 1024 * 1024
-    max_datums_per_request: int = 4096
+    long_poll_seconds: float = _CONFIG.long_poll_seconds
+    max_body_bytes: int = _LIMITS.max_body_bytes
+    max_datums_per_request: int = _LIMITS.max_datums_per_request
     file_url_secret: bytes = b""
     public_base_url: str | None = None
     file_url_ttl_seconds: int = 3600
     grpc_max_message_bytes: int = 512 * 1024 * 1024
+    tokenizer_dir: Path | None = None
+    keys_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.scheduler_address:

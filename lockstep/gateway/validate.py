@@ -10,23 +10,18 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from lockstep.engine.interface import UserInputError
 from lockstep.gateway.errors import ApiError, bad_request
+from lockstep.paths import SEGMENT_TYPES, TinkerPath, validate_name, validate_run_id
 from lockstep.wire.v1 import tinker_pb2
 
 # The SDK interpolates ids into URL paths unescaped: no '/', '?', '#', '%', spaces.
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+~=-]{0,255}")
-# Checkpoint names end up in `tinker://run/segment/name` and in file-system paths.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+~=-]{0,127}")
 
 _INT32_MAX = 2**31 - 1
-
-SEGMENT_TO_TYPE = {
-    "weights": "training",
-    "sampler_weights": "sampler",
-    "external_weights": "external",
-}
 
 
 def check_id(field: str, value: str | None) -> str:
@@ -38,13 +33,11 @@ def check_id(field: str, value: str | None) -> str:
 
 
 def check_name(field: str, value: str | None) -> str:
+    """A checkpoint name to save under (lockstep.paths.validate_name)."""
     if not value:
         raise bad_request(field, "field required")
-    if not _NAME.fullmatch(value):
-        raise bad_request(
-            field, f"{value!r} is not a valid checkpoint name (letters, digits, '._:@+~=-', no '/')"
-        )
-    return value
+    with _as_bad_request():
+        return validate_name(value, field)
 
 
 def check_seq_id(value: int | None, field: str = "seq_id") -> int:
@@ -64,44 +57,35 @@ def check_finite(field: str, value: float) -> float:
     return value
 
 
-@dataclass(frozen=True)
-class TinkerPath:
-    run_id: str
-    segment: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"tinker://{self.run_id}/{self.segment}/{self.name}"
+@contextmanager
+def _as_bad_request() -> Iterator[None]:
+    """The shared rules (lockstep.paths) raise UserInputError; here that is a 400."""
+    try:
+        yield
+    except UserInputError as exc:
+        raise bad_request(exc.field, exc.detail) from exc
 
 
 def parse_tinker_path(field: str, value: str | None) -> TinkerPath:
-    """`tinker://<run>/<weights|sampler_weights|external_weights>/<name>`."""
+    """`tinker://<run>/<weights|sampler_weights|external_weights>/<name>`, by the scheduler's own
+    rule (lockstep.paths), so a path that passes here passes there."""
     if not value:
         raise bad_request(field, "field required")
-    if not value.startswith("tinker://"):
-        raise bad_request(field, f"{value!r} is not a tinker:// path")
-    parts = value[len("tinker://") :].split("/")
-    if len(parts) != 3 or parts[1] not in SEGMENT_TO_TYPE:
-        raise bad_request(
-            field,
-            f"{value!r} is not of the form tinker://<run>/"
-            "<weights|sampler_weights|external_weights>/<name>",
-        )
-    run_id, segment, name = parts
-    check_id(field, run_id)
-    check_name(field, name)
-    return TinkerPath(run_id, segment, name)
+    with _as_bad_request():
+        return TinkerPath.parse(value, field)
 
 
 def checkpoint_path(run_id: str, segment: str, name: str) -> TinkerPath:
     """The checkpoint a REST path `.../training_runs/{run}/checkpoints/{segment}/{name}` names."""
     check_id("training_run_id", run_id)
-    if segment not in SEGMENT_TO_TYPE:
-        raise ApiError(
-            404, f"checkpoint type {segment!r} is not one of {', '.join(SEGMENT_TO_TYPE)}"
+    if segment not in SEGMENT_TYPES:
+        raise ApiError(404, f"checkpoint type {segment!r} is not one of {', '.join(SEGMENT_TYPES)}")
+    with _as_bad_request():
+        return TinkerPath(
+            validate_run_id(run_id, "training_run_id"),
+            segment,
+            validate_name(name, "checkpoint name"),
         )
-    check_name("checkpoint name", name)
-    return TinkerPath(run_id, segment, name)
 
 
 _DENSE_ITEMSIZE = {tinker_pb2.DTYPE_FLOAT32: 4, tinker_pb2.DTYPE_INT64: 8}

@@ -7,21 +7,32 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from lockstep.engine.types import ModelCard
+from lockstep.engine.types import Dtype, ModelCard
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_base_model(
-    directory: str | Path, served_name: str, device: torch.device | str | None = None
-) -> tuple[PreTrainedModel, ModelCard]:
-    """Load `directory` in fp32, eval mode, every base parameter frozen.
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """`--dtype` to a torch dtype; None: fp32 on CPU, bf16 on CUDA."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if Dtype(name) is Dtype.BFLOAT16 else torch.float32
 
-    Eager attention on purpose: CPU SDPA (flash) picks its kv block size from the sequence length,
-    so a row's numbers would change with the padded length of the batch it is packed into; eager
-    attention is a plain matmul + softmax whose extra (masked) columns contribute exact zeros.
+
+def load_base_model(
+    directory: str | Path,
+    served_name: str,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "eager",
+) -> tuple[PreTrainedModel, ModelCard]:
+    """Load `directory` in `dtype`, eval mode, every base parameter frozen.
+
+    Eager attention by default (the samplers): a plain matmul + softmax whose masked columns add
+    exact zeros, whatever the padded length. The trainer asks for row-wise SDPA
+    (`modeling.attention`): no [heads, T, T] scores kept for backward, and still batch-invariant.
     """
     directory = Path(directory).resolve()
     dev = torch.device(device) if device is not None else default_device()
@@ -30,24 +41,18 @@ def load_base_model(
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     model = AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=torch.float32, attn_implementation="eager"
+        str(directory), dtype=dtype, attn_implementation=attn_implementation
     )
     model.to(dev)  # type: ignore[arg-type]  # transformers wraps `to`; mypy misreads it
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
-    config = model.config
-    eos = getattr(config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
+    card = ModelCard.from_dir(directory, served_name)
     embeddings = model.get_input_embeddings()
     assert isinstance(embeddings, torch.nn.Embedding)
-    card = ModelCard(
-        name=served_name,
-        directory=str(directory),
-        arch=str(getattr(config, "model_type", "unknown")),
-        vocab_size=int(embeddings.num_embeddings),
-        max_context_length=int(getattr(config, "max_position_embeddings", 2048)),
-        eos_token_id=None if eos is None else int(eos),
-    )
+    if embeddings.num_embeddings != card.vocab_size:  # the card is what requests are checked by
+        raise ValueError(
+            f"{directory}: the embedding table has {embeddings.num_embeddings} rows but "
+            f"config.json says vocab_size {card.vocab_size}"
+        )
     return model, card

@@ -1,10 +1,10 @@
 """Multi-tenant LoRA: many adapters live in one base model; each batch ROW picks its own adapter.
 
 `LoraModel` swaps every targeted `nn.Linear` of a HF model for a `MultiLoRALinear`, which computes
-`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row. Each row gathers its
-own adapter's A / B, zero-padded to the layer's largest rank, and two batched matmuls (one matrix
-per row) apply every adapter at once, so a row's output is the same whichever other rows or
-adapters share the batch, and the op count does not grow with the number of adapters.
+`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row. Rows are grouped by
+adapter (sorted segments): each adapter's rows take one GEMM pair with that adapter's own A / B,
+so a row's output does not depend on which other rows or adapters share the batch, and K
+adapters cost K small GEMM pairs per layer (no per-row copies of adapter weights).
 
 Adapter parameters are NOT registered as submodule parameters: the base model's `state_dict()`
 keeps its HF key names, and the engines reach adapters through `adapter_parameters(...)`.
@@ -16,6 +16,7 @@ import math
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,91 +65,102 @@ def init_adapter_state(
     return state
 
 
+def check_adapter_state(
+    state: dict[str, torch.Tensor],
+    spec: LoraSpec,
+    shapes: dict[str, tuple[int, int]],
+    strict: bool = True,
+) -> list[str]:
+    """Check PEFT-named tensors against the layers `shapes` (path -> (in, out)) that `spec`
+    targets on a model; returns the paths present. Every engine loads adapters through this.
+
+    strict: the keys must be exactly those layers (our own checkpoints). With strict=False a
+    subset is accepted (external PEFT adapters that skip some layers), but every layer present
+    still needs both A and B.
+    Raises:
+        ValueError: invalid spec, a key missing or unexpected, or a tensor of the wrong shape.
+    """
+    validate_spec(spec)
+    expected = {f"{PEFT_PREFIX}{p}.lora_{ab}.weight": p for p in shapes for ab in ("A", "B")}
+    unexpected = sorted(set(state) - set(expected))
+    if not strict:
+        expected = {k: p for k, p in expected.items() if p in {expected.get(s) for s in state}}
+    missing = sorted(set(expected) - set(state))
+    if missing or unexpected:
+        raise ValueError(
+            f"adapter keys do not match the spec: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    paths = list(dict.fromkeys(expected.values()))
+    for path in paths:
+        fan_in, fan_out = shapes[path]
+        a = state[f"{PEFT_PREFIX}{path}.lora_A.weight"]
+        b = state[f"{PEFT_PREFIX}{path}.lora_B.weight"]
+        if tuple(a.shape) != (spec.rank, fan_in) or tuple(b.shape) != (fan_out, spec.rank):
+            raise ValueError(
+                f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank "
+                f"{spec.rank} and layer {fan_in}->{fan_out}"
+            )
+    return paths
+
+
+@dataclass
+class _Segment:
+    """The batch rows of one adapter: a slice when contiguous, else an index."""
+
+    adapter_id: str
+    start: int
+    stop: int
+    index: torch.Tensor | None  # None: rows start..stop-1, contiguous
+    mask: torch.Tensor | None  # [n * per_row] fp32, 0 on padding; None: no padding
+
+
 class _Routing:
-    """Which adapter each batch row uses; per-layout gather plans are cached for the forward."""
+    """Which adapter each batch row uses, grouped into per-adapter segments once per layout.
+
+    Rows of one adapter go through that adapter's matmuls together ([n * tokens, in] @ A.T), so a
+    layer costs one small GEMM pair per adapter present, never a per-row copy of the weights.
+    Callers that can (the training engine) order rows by adapter, so segments are plain slices.
+    """
 
     def __init__(self, adapter_ids: Sequence[str | None], valid: torch.Tensor | None) -> None:
         self.adapter_ids = list(adapter_ids)
-        self.valid = None if valid is None else valid.detach().to("cpu", torch.bool)  # one sync
-        self._plans: dict[tuple[object, ...], _Plan | None] = {}
+        self.valid = valid
+        self._valid_cpu = None if valid is None else valid.detach().to("cpu", torch.bool)
+        self._segments: dict[tuple[int, torch.device], list[_Segment]] = {}
 
-    def plan(
-        self, x: torch.Tensor, in_features: int, ranks: dict[str, int], scales: dict[str, float],
-        r_max: int,
-    ) -> _Plan | None:
-        """Gather plan for x viewed as [rows, n, in] over the adapters in `ranks` (this layer's).
-
-        Layers with the same adapter set, rank padding and token layout share one plan, so it is
-        built once per forward, not once per layer. None when no row uses any of these adapters.
-        """
+    def segments(self, x: torch.Tensor, in_features: int) -> list[_Segment]:
+        """Segments for x viewed as [rows, per_row, in], in row order (cached per layout)."""
         rows = len(self.adapter_ids)
         if x.shape[0] != rows:
             raise ValueError(f"batch has {x.shape[0]} rows but {rows} adapter ids were routed")
         per_row = x.numel() // (rows * in_features) if rows else 0
-        active = list(dict.fromkeys(a for a in self.adapter_ids if a is not None and a in ranks))
-        key = (per_row, x.device, r_max, tuple((a, ranks[a], scales[a]) for a in active))
-        if key in self._plans:
-            return self._plans[key]
-        plan = _Plan.build(self.adapter_ids, active, ranks, scales, r_max, per_row, self.valid)
-        if plan is not None:
-            plan = plan.to(x.device)
-        self._plans[key] = plan
-        return plan
+        key = (per_row, x.device)
+        if key not in self._segments:
+            self._segments[key] = self._build(per_row, x.device)
+        return self._segments[key]
 
-
-class _Plan:
-    """Per-row gather of zero-padded adapter weights for one layer layout.
-
-    The active adapters' A (and B) are concatenated along the rank axis, with one zero slice
-    appended; `index` [rows * r_max] picks, for each row, its adapter's rank slices followed by
-    zero slices up to r_max (rows without an adapter here get only zero slices). `coef`
-    [rows, n, r_max] is the adapter's scale on real tokens and 0 on padding tokens, so padding and
-    unrouted tokens get an exact-zero delta, and each row's matmuls only see its own adapter.
-    """
-
-    def __init__(self, active: list[str], index: torch.Tensor, coef: torch.Tensor) -> None:
-        self.active = active
-        self.index = index
-        self.coef = coef
-
-    @staticmethod
-    def build(
-        adapter_ids: list[str | None],
-        active: list[str],
-        ranks: dict[str, int],
-        scales: dict[str, float],
-        r_max: int,
-        per_row: int,
-        valid: torch.Tensor | None,
-    ) -> _Plan | None:
-        if not active:
-            return None
-        offsets: dict[str, int] = {}
-        total = 0
-        for aid in active:
-            offsets[aid] = total
-            total += ranks[aid]
-        zero = total  # the appended zero slice
-        rows = len(adapter_ids)
-        index = torch.full((rows, r_max), zero, dtype=torch.long)
-        scale = torch.zeros(rows, 1, r_max)
-        for row, routed in enumerate(adapter_ids):
-            if routed is None or routed not in offsets:
-                continue
-            r = ranks[routed]
-            index[row, :r] = torch.arange(offsets[routed], offsets[routed] + r)
-            scale[row, 0, :r] = scales[routed]
-        # Only real (non-padding) tokens when the mask matches; the others get a zero delta.
-        if valid is not None and valid.shape == (rows, per_row):
-            coef = scale * valid.to(torch.float32).unsqueeze(-1)
-        else:
-            coef = scale.expand(rows, per_row, r_max).contiguous()
-        return _Plan(active, index.reshape(-1), coef)
-
-    def to(self, device: torch.device) -> _Plan:
-        if self.index.device == device:
-            return self
-        return _Plan(self.active, self.index.to(device), self.coef.to(device))
+    def _build(self, per_row: int, device: torch.device) -> list[_Segment]:
+        groups: dict[str, list[int]] = {}
+        for row, aid in enumerate(self.adapter_ids):
+            if aid is not None:
+                groups.setdefault(aid, []).append(row)
+        masked = self.valid is not None and tuple(self.valid.shape) == (
+            len(self.adapter_ids),
+            per_row,
+        )
+        out = []
+        for aid, rows in groups.items():
+            contiguous = rows == list(range(rows[0], rows[-1] + 1))
+            index = None if contiguous else torch.tensor(rows, dtype=torch.long, device=device)
+            mask = None
+            if masked:
+                assert self.valid is not None and self._valid_cpu is not None
+                if not bool(self._valid_cpu[rows].all()):
+                    sel = self.valid[rows[0] : rows[-1] + 1] if index is None else self.valid[index]
+                    mask = sel.to(device, torch.float32).reshape(-1)
+            out.append(_Segment(aid, rows[0], rows[-1] + 1, index, mask))
+        return sorted(out, key=lambda seg: seg.start)
 
 
 class _RoutingSlot:
@@ -163,6 +175,7 @@ class MultiLoRALinear(nn.Module):
 
     Keeps the wrapped layer's `weight` / `bias` as its own parameters so base state-dict keys do
     not change. Different adapters may have different ranks; an adapter may skip this layer.
+    The base matmul runs in the model's dtype; the adapter path in fp32 (the adapters' dtype).
     """
 
     def __init__(self, base: nn.Linear, slot: _RoutingSlot) -> None:
@@ -181,30 +194,49 @@ class MultiLoRALinear(nn.Module):
         routing = self._slot.current
         if routing is None or not self.lora_A:
             return y
-        ranks = {aid: a.shape[0] for aid, a in self.lora_A.items()}
-        # Pad to the largest rank this layer holds (not the batch's): a row's padded shapes, and
-        # so its kernels, do not depend on which other adapters share the batch.
-        r_max = max(ranks.values())
-        plan = routing.plan(x, self.in_features, ranks, self.scale, r_max)
-        if plan is None:
+        segments = [s for s in routing.segments(x, self.in_features) if s.adapter_id in self.lora_A]
+        if not segments:
             return y
         rows = x.shape[0]
-        a_all = torch.cat([self.lora_A[a] for a in plan.active] + [self._zeros_a(x)])
-        b_all = torch.cat([self.lora_B[a] for a in plan.active] + [self._zeros_b(x)], dim=1)
-        a_rows = a_all.index_select(0, plan.index).view(rows, r_max, self.in_features)
-        b_rows = b_all.t().index_select(0, plan.index).view(rows, r_max, self.out_features)
-        # One batched matmul per side: each row multiplies only its own (padded) adapter, so its
-        # result is independent of the other rows; zero padding adds exact zeros.
         x3 = x.reshape(rows, -1, self.in_features)
-        h = torch.bmm(x3, a_rows.transpose(1, 2)) * plan.coef
-        delta = torch.bmm(h, b_rows)
-        return y + delta.to(y.dtype).view(y.shape)
+        per_row = x3.shape[1]
+        deltas = []
+        for seg in segments:
+            a, b = self.lora_A[seg.adapter_id], self.lora_B[seg.adapter_id]
+            xs = x3[seg.start : seg.stop] if seg.index is None else x3.index_select(0, seg.index)
+            n = xs.shape[0]
+            # One bmm over the segment's rows with the adapter's weights broadcast (no copies):
+            # each row is its own [tokens, in] GEMM, so its bits do not depend on the group size.
+            h = torch.bmm(xs.to(a.dtype), a.t().expand(n, -1, -1))
+            scale = self.scale[seg.adapter_id]
+            h = h * scale if seg.mask is None else h * (seg.mask.view(n, per_row, 1) * scale)
+            deltas.append(torch.bmm(h, b.t().expand(n, -1, -1)))
+        return y + self._assemble(segments, deltas, rows, per_row).to(y.dtype).view(y.shape)
 
-    def _zeros_a(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(1, self.in_features, device=x.device, dtype=torch.float32)
-
-    def _zeros_b(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.out_features, 1, device=x.device, dtype=torch.float32)
+    def _assemble(
+        self, segments: list[_Segment], deltas: list[torch.Tensor], rows: int, per_row: int
+    ) -> torch.Tensor:
+        """[rows, per_row, out] from per-segment deltas; rows without an adapter get zeros."""
+        first = deltas[0]
+        if len(segments) == 1 and segments[0].index is None and first.shape[0] == rows:
+            return first
+        if all(s.index is None for s in segments):
+            parts, at = [], 0
+            for seg, d in zip(segments, deltas, strict=True):
+                if seg.start > at:
+                    parts.append(first.new_zeros(seg.start - at, per_row, self.out_features))
+                parts.append(d)
+                at = seg.stop
+            if at < rows:
+                parts.append(first.new_zeros(rows - at, per_row, self.out_features))
+            return torch.cat(parts)
+        out = first.new_zeros(rows, per_row, self.out_features)
+        for seg, d in zip(segments, deltas, strict=True):
+            index = seg.index
+            if index is None:
+                index = torch.arange(seg.start, seg.stop, device=d.device)
+            out = out.index_add(0, index, d)
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
@@ -313,35 +345,16 @@ class LoraModel:
         Raises:
             ValueError: a key is missing or unexpected, or a tensor has the wrong shape.
         """
-        validate_spec(spec)
-        expected = {
-            f"{PEFT_PREFIX}{p}.lora_{ab}.weight": p
+        shapes = {
+            p: (self._layers[p].in_features, self._layers[p].out_features)
             for p in self.target_paths(spec)
-            for ab in ("A", "B")
         }
-        unexpected = sorted(set(state) - set(expected))
-        if not strict:
-            expected = {k: p for k, p in expected.items() if p in {expected.get(s) for s in state}}
-        missing = sorted(set(expected) - set(state))
-        paths = list(dict.fromkeys(expected.values()))
-        if missing or unexpected:
-            raise ValueError(
-                f"adapter keys do not match the spec: missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]}"
-            )
+        paths = check_adapter_state(state, spec, shapes, strict)
         new: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         for path in paths:
             layer = self._layers[path]
             a = state[f"{PEFT_PREFIX}{path}.lora_A.weight"]
             b = state[f"{PEFT_PREFIX}{path}.lora_B.weight"]
-            if tuple(a.shape) != (spec.rank, layer.in_features) or tuple(b.shape) != (
-                layer.out_features,
-                spec.rank,
-            ):
-                raise ValueError(
-                    f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank "
-                    f"{spec.rank} and layer {layer.in_features}->{layer.out_features}"
-                )
             dev = layer.weight.device
             new[path] = (
                 nn.Parameter(a.detach().to(dev, torch.float32, copy=True)),

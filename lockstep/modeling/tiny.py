@@ -139,7 +139,7 @@ def _init_weights(model: torch.nn.Module, std: float) -> None:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def _train_tokenizer(corpus: str):  # type: ignore[no-untyped-def]  # tokenizers has no stubs
+def _train_tokenizer(corpus: str):  # tokenizers has no stubs
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())

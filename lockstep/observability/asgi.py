@@ -52,8 +52,9 @@ class MetricsMiddleware:
         finally:
             metrics.HTTP_IN_FLIGHT.dec()
             route = getattr(scope.get("route"), "path", None) or UNMATCHED  # set by routing
-            metrics.http_request(scope.get("method", ""), route, status,
-                                 time.perf_counter() - start)
+            metrics.http_request(
+                scope.get("method", ""), route, status, time.perf_counter() - start
+            )
 
 
 async def metrics_endpoint(request: Request) -> Response:

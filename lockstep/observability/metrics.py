@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -36,13 +36,10 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from lockstep.observability.tracking import BusyWindow, HasOwner, OwnerCache, TenantLabels
+from lockstep.observability.tracking import OwnerCache, TenantLabels
 
 if TYPE_CHECKING:
     from lockstep.engine.types import SampleResult
-    from lockstep.scheduler.dispatch import Outcome
-    from lockstep.scheduler.planner import CyclePlan
-    from lockstep.scheduler.records import QueuedOp
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +58,48 @@ except metadata.PackageNotFoundError:  # a source checkout that was never instal
     VERSION = "unknown"
 for _registry in (SCHEDULER, GATEWAY):
     Info("lockstep_build", "The running Lockstep version.", registry=_registry).info(
-        {"version": VERSION})
+        {"version": VERSION}
+    )
 
 # Buckets. Cycles run from milliseconds (tiny model, CPU) to minutes (big packed batches).
 CYCLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Long polls (retrieve_future) hold a call up to 25 s, the SDK gives up at 45 s.
-HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
-                30, 45, 60)
+HTTP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    20,
+    30,
+    45,
+    60,
+)
 RATIO_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 1.5, 2)
 TENANT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
-REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                 0.5, 1)
+REDIS_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+)
 PUBLISH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -79,122 +107,221 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CYCLE_SECONDS = Histogram(
     "lockstep_cycle_duration_seconds",
     "Wall time of one clock cycle: plan, dispatch (fused pass + batched step), collect.",
-    buckets=CYCLE_BUCKETS, registry=SCHEDULER)
+    buckets=CYCLE_BUCKETS,
+    registry=SCHEDULER,
+)
 CYCLE_PHASE_SECONDS = Histogram(
     "lockstep_cycle_phase_duration_seconds",
     "Wall time of each part of a clock cycle (plan: read the queues from Redis and plan; "
     "dispatch: the engine work; collect: write results and wake futures).",
-    ["phase"], buckets=CYCLE_BUCKETS, registry=SCHEDULER)
+    ["phase"],
+    buckets=CYCLE_BUCKETS,
+    registry=SCHEDULER,
+)
 CYCLES = Counter(
     "lockstep_cycles_total",
     "Clock cycles run; kind=idle are periodic-policy cycles that found nothing to do.",
-    ["kind"], registry=SCHEDULER)
+    ["kind"],
+    registry=SCHEDULER,
+)
 CYCLE_TOKENS = Counter(
-    "lockstep_cycle_tokens_total", "Pass tokens packed into clock cycles.", registry=SCHEDULER)
+    "lockstep_cycle_tokens_total", "Pass tokens packed into clock cycles.", registry=SCHEDULER
+)
 CYCLE_BUDGET = Counter(
     "lockstep_cycle_token_budget_total",
-    "Token budget offered by the clock cycles run (token budget x cycles).", registry=SCHEDULER)
+    "Token budget offered by the clock cycles run (token budget x cycles).",
+    registry=SCHEDULER,
+)
 CYCLE_TOKEN_UTILIZATION = Histogram(
     "lockstep_cycle_token_utilization_ratio",
     "Per cycle: pass tokens packed / token budget (above 1 only when one request larger than "
-    "the whole budget runs alone).", buckets=RATIO_BUCKETS, registry=SCHEDULER)
+    "the whole budget runs alone).",
+    buckets=RATIO_BUCKETS,
+    registry=SCHEDULER,
+)
 CYCLE_TENANTS = Histogram(
     "lockstep_cycle_tenants",
     "Per cycle with work: distinct training runs (LoRA adapters) that ran in it.",
-    buckets=TENANT_BUCKETS, registry=SCHEDULER)
+    buckets=TENANT_BUCKETS,
+    registry=SCHEDULER,
+)
 CLOCK_BUSY_SECONDS = Counter(
     "lockstep_clock_busy_seconds_total",
     "Time spent inside clock cycles that had work; rate() of it is busy time / wall time.",
-    registry=SCHEDULER)
+    registry=SCHEDULER,
+)
 CLOCK_BUSY_RATIO = Gauge(
     "lockstep_clock_busy_ratio",
     "Busy time / wall time of the clock over the last 60 s (a running cycle counts).",
-    registry=SCHEDULER)
+    registry=SCHEDULER,
+)
 CLOCK_TOKEN_BUDGET = Gauge(
-    "lockstep_clock_token_budget", "The configured pass-token budget of one cycle.",
-    registry=SCHEDULER)
+    "lockstep_clock_token_budget",
+    "The configured pass-token budget of one cycle.",
+    registry=SCHEDULER,
+)
 TENANTS_WAITING = Gauge(
     "lockstep_tenants_waiting",
     "Training runs with passes that did not fit the last cycle (their futures answer "
-    "queue_state=paused_capacity).", registry=SCHEDULER)
+    "queue_state=paused_capacity).",
+    registry=SCHEDULER,
+)
 
 # ---------------------------------------------------------------- scheduler: tenants and queues
 TENANT_REQUESTS = Counter(
     "lockstep_tenant_requests_total",
     "Requests executed, per owner (capped; see docs/operations.md), kind and outcome.",
-    ["owner", "kind", "outcome"], registry=SCHEDULER)
+    ["owner", "kind", "outcome"],
+    registry=SCHEDULER,
+)
 TENANT_TOKENS = Counter(
     "lockstep_tenant_tokens_total",
     "Tokens processed per owner: pass tokens (forward, forward_backward), generated tokens "
-    "(sample).", ["owner", "kind"], registry=SCHEDULER)
+    "(sample).",
+    ["owner", "kind"],
+    registry=SCHEDULER,
+)
 QUEUE_DEPTH = Gauge(
-    "lockstep_queue_depth", "Training requests queued per owner (ready or waiting on a gap).",
-    ["owner"], registry=SCHEDULER)
+    "lockstep_queue_depth",
+    "Training requests queued per owner (ready or waiting on a gap).",
+    ["owner"],
+    registry=SCHEDULER,
+)
 FUTURES_PENDING = Gauge(
-    "lockstep_futures_pending", "Submitted requests whose result is not written yet.",
-    ["kind"], registry=SCHEDULER)
+    "lockstep_futures_pending",
+    "Submitted requests whose result is not written yet.",
+    ["kind"],
+    registry=SCHEDULER,
+)
 FUTURE_WAITERS = Gauge(
-    "lockstep_future_waiters", "retrieve_future long polls the scheduler is holding now.",
-    registry=SCHEDULER)
+    "lockstep_future_waiters",
+    "retrieve_future long polls the scheduler is holding now.",
+    registry=SCHEDULER,
+)
 SUBMISSIONS = Counter(
-    "lockstep_submissions_total", "Requests accepted and queued (first submission only).",
-    ["kind"], registry=SCHEDULER)
+    "lockstep_submissions_total",
+    "Requests accepted and queued (first submission only).",
+    ["kind"],
+    registry=SCHEDULER,
+)
 RETRIES_DEDUPLICATED = Counter(
     "lockstep_retries_deduplicated_total",
     "Resubmissions of an already queued (model, seq_id) or (sampler, seq_id): answered with "
-    "the first request id, not run again.", ["kind"], registry=SCHEDULER)
+    "the first request id, not run again.",
+    ["kind"],
+    registry=SCHEDULER,
+)
 
 # ---------------------------------------------------------------- scheduler: engines, Redis
 ENGINE_PHASE = Enum(
     "lockstep_engine_phase",
     "What each engine process is doing now (train: passes and optimizer steps; checkpoint: "
     "create/save/load; sample; publish: loading new adapter weights into the sampler).",
-    ["engine"], states=["idle", "train", "checkpoint", "sample", "publish"], registry=SCHEDULER)
+    ["engine"],
+    states=["idle", "train", "checkpoint", "sample", "publish"],
+    registry=SCHEDULER,
+)
 ENGINE_BUSY_SECONDS = Counter(
-    "lockstep_engine_busy_seconds_total", "Time each engine spent in each phase.",
-    ["engine", "phase"], registry=SCHEDULER)
+    "lockstep_engine_busy_seconds_total",
+    "Time each engine spent in each phase.",
+    ["engine", "phase"],
+    registry=SCHEDULER,
+)
 SAMPLER_MEMORY_TRANSITIONS = Counter(
     "lockstep_sampler_memory_transitions_total",
     "Colocated mode (--colocate): the sampler releasing its accelerator memory before a "
-    "training phase (release) and taking it back after (resume).", ["action"],
-    registry=SCHEDULER)
+    "training phase (release) and taking it back after (resume).",
+    ["action"],
+    registry=SCHEDULER,
+)
 ADAPTER_PUBLISH_SECONDS = Histogram(
     "lockstep_adapter_publish_duration_seconds",
     "Time to load new sampler weights (a LoRA adapter) into the sampling engine.",
-    buckets=PUBLISH_BUCKETS, registry=SCHEDULER)
+    buckets=PUBLISH_BUCKETS,
+    registry=SCHEDULER,
+)
+RESIDENT_MODELS = Gauge(
+    "lockstep_resident_models",
+    "Training runs whose adapter and Adam state the training engine holds right now.",
+    registry=SCHEDULER,
+)
+MODEL_PAGES = Counter(
+    "lockstep_model_pages_total",
+    "Training runs moved out of the engine (out: paged for room, freed: session over or "
+    "unloaded) and back in (in: restored from snapshot + replay log).",
+    ["direction"],
+    registry=SCHEDULER,
+)
+PAGE_IN_SECONDS = Histogram(
+    "lockstep_model_page_in_duration_seconds",
+    "Time to restore a training run into the engine (snapshot load + replayed passes).",
+    buckets=PUBLISH_BUCKETS,
+    registry=SCHEDULER,
+)
 SAMPLER_TOKENS = Counter(
-    "lockstep_sampler_tokens_total", "Tokens generated by the sampling engine.",
-    registry=SCHEDULER)
+    "lockstep_sampler_tokens_total", "Tokens generated by the sampling engine.", registry=SCHEDULER
+)
 SAMPLER_BATCH_SECONDS = Histogram(
-    "lockstep_sampler_batch_duration_seconds", "Wall time of one sampling engine batch.",
-    buckets=CYCLE_BUCKETS, registry=SCHEDULER)
+    "lockstep_sampler_batch_duration_seconds",
+    "Wall time of one sampling engine batch.",
+    buckets=CYCLE_BUCKETS,
+    registry=SCHEDULER,
+)
 SAMPLER_BATCH_REQUESTS = Histogram(
-    "lockstep_sampler_batch_requests", "Sample requests (all tenants) in one engine batch.",
-    buckets=BATCH_BUCKETS, registry=SCHEDULER)
+    "lockstep_sampler_batch_requests",
+    "Sample requests (all tenants) in one engine batch.",
+    buckets=BATCH_BUCKETS,
+    registry=SCHEDULER,
+)
 REDIS_RTT_SECONDS = Histogram(
-    "lockstep_redis_rtt_seconds", "Round-trip time of a Redis PING from the scheduler.",
-    buckets=REDIS_BUCKETS, registry=SCHEDULER)
+    "lockstep_redis_rtt_seconds",
+    "Round-trip time of a Redis PING from the scheduler.",
+    buckets=REDIS_BUCKETS,
+    registry=SCHEDULER,
+)
 
 # ---------------------------------------------------------------- errors (both processes)
-ERROR_CATEGORIES = frozenset({
-    "user", "auth", "not_found", "capacity", "unavailable", "server", "cycle", "engine",
-    "sampling", "redis"})
+ERROR_CATEGORIES = frozenset(
+    {
+        "user",
+        "auth",
+        "not_found",
+        "capacity",
+        "unavailable",
+        "server",
+        "cycle",
+        "engine",
+        "sampling",
+        "redis",
+    }
+)
 SCHEDULER_ERRORS = Counter(
-    "lockstep_errors_total", "Errors by component and category (docs/operations.md).",
-    ["component", "category"], registry=SCHEDULER)
+    "lockstep_errors_total",
+    "Errors by component and category (docs/operations.md).",
+    ["component", "category"],
+    registry=SCHEDULER,
+)
 GATEWAY_ERRORS = Counter(
-    "lockstep_errors_total", "Errors by component and category (docs/operations.md).",
-    ["component", "category"], registry=GATEWAY)
+    "lockstep_errors_total",
+    "Errors by component and category (docs/operations.md).",
+    ["component", "category"],
+    registry=GATEWAY,
+)
 
 # ---------------------------------------------------------------- gateway: HTTP
 HTTP_SECONDS = Histogram(
     "lockstep_http_request_duration_seconds",
     "HTTP request latency by method, route template and status (retrieve_future is a long "
     "poll: it is held up to --long-poll-seconds).",
-    ["method", "route", "status"], buckets=HTTP_BUCKETS, registry=GATEWAY)
+    ["method", "route", "status"],
+    buckets=HTTP_BUCKETS,
+    registry=GATEWAY,
+)
 HTTP_IN_FLIGHT = Gauge(
     "lockstep_http_requests_in_flight",
-    "HTTP requests being served now (long polls included).", registry=GATEWAY)
+    "HTTP requests being served now (long polls included).",
+    registry=GATEWAY,
+)
 
 TENANTS = TenantLabels()
 OWNERS = OwnerCache()
@@ -207,16 +334,16 @@ def configure(max_tenants: int) -> None:
 
 
 def scheduler_error(category: str) -> None:
-    SCHEDULER_ERRORS.labels("scheduler", category if category in ERROR_CATEGORIES
-                            else "server").inc()
+    SCHEDULER_ERRORS.labels(
+        "scheduler", category if category in ERROR_CATEGORIES else "server"
+    ).inc()
 
 
 def gateway_error(category: str) -> None:
-    GATEWAY_ERRORS.labels("gateway", category if category in ERROR_CATEGORIES
-                          else "server").inc()
+    GATEWAY_ERRORS.labels("gateway", category if category in ERROR_CATEGORIES else "server").inc()
 
 
-def _tenant_inc(metric: Counter, owner: str | None, *labels: str, amount: float = 1) -> None:
+def tenant_inc(metric: Counter, owner: str | None, *labels: str, amount: float = 1) -> None:
     label = TENANTS.label(owner)
     values = (label, *labels)
     metric.labels(*values).inc(amount)
@@ -231,8 +358,7 @@ def submitted(owner: str, model_id: str, kind: str, created: bool) -> None:
         OWNERS.note(model_id, owner)
 
 
-_REFUSALS = {"INVALID_ARGUMENT": "user", "NOT_FOUND": "not_found",
-             "RESOURCE_EXHAUSTED": "capacity"}
+_REFUSALS = {"INVALID_ARGUMENT": "user", "NOT_FOUND": "not_found", "RESOURCE_EXHAUSTED": "capacity"}
 
 
 def refused(status_code: str) -> None:
@@ -240,99 +366,13 @@ def refused(status_code: str) -> None:
     scheduler_error(_REFUSALS.get(status_code, "server"))
 
 
-# ---------------------------------------------------------------- the clock
-@dataclass
-class CycleSpan:
-    """Timestamps of one cycle (time.monotonic)."""
-
-    start: float = field(default_factory=time.monotonic)
-    marks: dict[str, float] = field(default_factory=dict)
-
-    def mark(self, phase: str) -> None:
-        now = time.monotonic()
-        previous = max(self.marks.values(), default=self.start)
-        CYCLE_PHASE_SECONDS.labels(phase).observe(now - previous)
-        self.marks[phase] = now
-
-
-class ClockMeter:
-    """What the clock reports about each cycle; `Clock` calls it at each step of a cycle."""
-
-    def __init__(
-        self, token_budget: int, lookup_model: Callable[[str], Awaitable[HasOwner | None]],
-        window_s: float = 60.0,
-    ) -> None:
-        self.lookup_model = lookup_model
-        self.busy = BusyWindow(window_s)
-        CLOCK_TOKEN_BUDGET.set(token_budget)
-        CLOCK_BUSY_RATIO.set_function(self.busy.ratio)
-        self._queued_owners: set[str] = set()
-
-    def begin(self) -> CycleSpan:
-        return CycleSpan()
-
-    async def planned(
-        self, span: CycleSpan, queues: Mapping[str, list[QueuedOp]], plan: CyclePlan,
-        runs: bool,
-    ) -> None:
-        """The queues were read and planned; `runs`: the cycle goes on (work or periodic)."""
-        await OWNERS.resolve(queues, self.lookup_model)
-        depth: dict[str, int] = {}
-        for model_id, ops in queues.items():
-            label = TENANTS.label(OWNERS.get(model_id))
-            depth[label] = depth.get(label, 0) + len(ops)
-        for label in self._queued_owners - depth.keys():
-            QUEUE_DEPTH.labels(label).set(0)
-        for label, n in depth.items():
-            QUEUE_DEPTH.labels(label).set(n)
-            TENANTS.track(label, QUEUE_DEPTH, (label,))
-        self._queued_owners = set(depth)
-        FUTURES_PENDING.labels("training").set(sum(depth.values()))
-        TENANTS_WAITING.set(len(plan.deficits))
-        if runs:
-            span.mark("plan")
-            if not plan.empty:
-                self.busy.begin(span.start)
-
-    def dispatched(self, span: CycleSpan) -> None:
-        span.mark("dispatch")
-
-    def finished(self, span: CycleSpan, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
-        span.mark("collect")
-        seconds = time.monotonic() - span.start
-        CYCLE_SECONDS.observe(seconds)
-        CYCLES.labels("idle" if plan.empty else "work").inc()
-        CYCLE_TOKENS.inc(plan.tokens)
-        CYCLE_BUDGET.inc(plan.budget)
-        if plan.budget > 0:
-            CYCLE_TOKEN_UTILIZATION.observe(plan.tokens / plan.budget)
-        if plan.empty:
-            return
-        CLOCK_BUSY_SECONDS.inc(self.busy.end())
-        CYCLE_TENANTS.observe(len(plan.models))
-        for work in plan.models:
-            owner = OWNERS.get(work.model_id)
-            for op in work.ops():
-                if op.kind == "rejected":  # refused at submission, counted there
-                    continue
-                outcome = outcomes.get(op.request_id)
-                ok = outcome is not None and outcome.error is None
-                _tenant_inc(TENANT_REQUESTS, owner, op.kind, "ok" if ok else "failed")
-                if not ok:
-                    scheduler_error(outcome.category if outcome is not None else "server")
-                elif op.kind in PASS_KINDS:
-                    _tenant_inc(TENANT_TOKENS, owner, op.kind, amount=op.tokens)
-
-    def failed(self, category: str = "cycle") -> None:
-        """The cycle raised ("cycle"; the clock logs it and goes on) or was abandoned because
-        the engine died ("engine"; it runs again on a fresh engine)."""
-        CLOCK_BUSY_SECONDS.inc(self.busy.end())
-        scheduler_error(category)
-
-
 # ---------------------------------------------------------------- engines and sampling
-_PHASES = {"run_passes": "train", "optim_step": "train", "sample": "sample",
-           "load_adapter": "publish"}
+_PHASES = {
+    "run_passes": "train",
+    "optim_step": "train",
+    "sample": "sample",
+    "load_adapter": "publish",
+}
 
 
 @dataclass
@@ -361,19 +401,19 @@ def sampled(owners: list[str], results: list[SampleResult], seconds: float) -> N
     SAMPLER_BATCH_REQUESTS.observe(len(results))
     for owner, result in zip(owners, results, strict=True):
         ok = result.error is None
-        _tenant_inc(TENANT_REQUESTS, owner, "sample", "ok" if ok else "failed")
+        tenant_inc(TENANT_REQUESTS, owner, "sample", "ok" if ok else "failed")
         if not ok:
             scheduler_error("user")
             continue
         tokens = sum(len(seq.tokens) for seq in result.sequences)
         SAMPLER_TOKENS.inc(tokens)
-        _tenant_inc(TENANT_TOKENS, owner, "sample", amount=tokens)
+        tenant_inc(TENANT_TOKENS, owner, "sample", amount=tokens)
 
 
 def sample_failed(owners: Iterable[str]) -> None:
     """Sample requests answered with an error before reaching the engine (e.g. no sampler)."""
     for owner in owners:
-        _tenant_inc(TENANT_REQUESTS, owner, "sample", "failed")
+        tenant_inc(TENANT_REQUESTS, owner, "sample", "failed")
         scheduler_error("user")
 
 
@@ -384,6 +424,15 @@ def sample_backlog(queued: int) -> None:
 def sampler_memory(action: str) -> None:
     """Colocated mode: the sampler released ("release") or took back ("resume") its memory."""
     SAMPLER_MEMORY_TRANSITIONS.labels(action).inc()
+
+
+def residency(resident: int, direction: str | None = None, seconds: float | None = None) -> None:
+    """The training engine's resident models; a page `direction` ("in", "out", "freed")."""
+    RESIDENT_MODELS.set(resident)
+    if direction is not None:
+        MODEL_PAGES.labels(direction).inc()
+    if seconds is not None:
+        PAGE_IN_SECONDS.observe(seconds)
 
 
 def adapter_published(seconds: float) -> None:

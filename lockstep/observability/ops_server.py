@@ -48,18 +48,23 @@ class _QuietHandler(WSGIRequestHandler):
 
 class OpsServer:
     def __init__(
-        self, host: str, port: int, loop: asyncio.AbstractEventLoop,
+        self,
+        host: str,
+        port: int,
+        loop: asyncio.AbstractEventLoop,
         registry: CollectorRegistry = SCHEDULER,
     ) -> None:
         self.loop = loop
         self.health: Callable[[], Awaitable[dict[str, str]]] | None = None
         self._metrics = make_wsgi_app(registry)
         server_class = _Server6 if ":" in host else _Server
-        self._httpd = make_server(host, port, self._app, server_class=server_class,
-                                  handler_class=_QuietHandler)
+        self._httpd = make_server(
+            host, port, self._app, server_class=server_class, handler_class=_QuietHandler
+        )
         self.port = int(self._httpd.server_port)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="ops-http",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="ops-http", daemon=True
+        )
 
     def start(self) -> OpsServer:
         self._thread.start()
@@ -71,6 +76,7 @@ class OpsServer:
 
     def _run(self, make: Callable[[], Awaitable[Any]]) -> Any:
         """Await `make()` on the scheduler's event loop, from this server's thread."""
+
         async def call() -> Any:
             return await make()
 
@@ -102,24 +108,33 @@ class OpsServer:
         try:
             parts: dict[str, str] = self._run(self.health)
         except Exception as exc:
-            return _json(start_response, 503, {"status": "unavailable",
-                                               "parts": {"scheduler": repr(exc)}})
+            return _json(
+                start_response, 503, {"status": "unavailable", "parts": {"scheduler": repr(exc)}}
+            )
         ready = all(v == "ready" for v in parts.values())
-        return _json(start_response, 200 if ready else 503,
-                     {"status": "ok" if ready else "unavailable", "parts": parts})
+        return _json(
+            start_response,
+            200 if ready else 503,
+            {"status": "ok" if ready else "unavailable", "parts": parts},
+        )
 
 
 def _json(start_response: StartResponse, status: int, body: dict[str, Any]) -> list[bytes]:
     data = json.dumps(body).encode()
     reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
-    start_response(f"{status} {reason}", [("Content-Type", "application/json"),
-                                          ("Content-Length", str(len(data)))])
+    start_response(
+        f"{status} {reason}",
+        [("Content-Type", "application/json"), ("Content-Length", str(len(data)))],
+    )
     return [data]
 
 
 def start_ops_server(host: str, port: int) -> OpsServer:
     """Serve /metrics, /livez and /healthz on host:port (port 0: a free one) from now on."""
     server = OpsServer(host, port, asyncio.get_running_loop()).start()
-    log.info("scheduler metrics on http://%s:%d/metrics (health: /healthz, /livez)",
-             f"[{host}]" if ":" in host else host, server.port)
+    log.info(
+        "scheduler metrics on http://%s:%d/metrics (health: /healthz, /livez)",
+        f"[{host}]" if ":" in host else host,
+        server.port,
+    )
     return server

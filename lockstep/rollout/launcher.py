@@ -36,8 +36,16 @@ class ServerProcess:
     """`argv` run in its own session, its output appended to `log_file`, healthy when
     GET `health_path` answers 200."""
 
-    def __init__(self, name: str, argv: Sequence[str], url: str, health_path: str,
-                 env: dict[str, str], log_file: Path, start_timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        url: str,
+        health_path: str,
+        env: dict[str, str],
+        log_file: Path,
+        start_timeout_s: float = 600,
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.url = url.rstrip("/")
@@ -58,26 +66,37 @@ class ServerProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with self.log_file.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env},
-                                         preexec_fn=_own_group_dies_with_parent)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                preexec_fn=_own_group_dies_with_parent,
+            )
         log.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
         deadline = started + self.start_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while "
-                                   f"starting; last log lines:\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} while "
+                    f"starting; last log lines:\n{self.tail()}"
+                )
             try:
                 if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
-                    log.info("%s healthy at %s after %.1fs", self.name, self.url,
-                             time.monotonic() - started)
+                    log.info(
+                        "%s healthy at %s after %.1fs",
+                        self.name,
+                        self.url,
+                        time.monotonic() - started,
+                    )
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"{self.name} not healthy within {self.start_timeout_s:.0f}s:\n"
-                           f"{self.tail()}")
+        raise RuntimeError(
+            f"{self.name} not healthy within {self.start_timeout_s:.0f}s:\n{self.tail()}"
+        )
 
     def tail(self, lines: int = 40) -> str:
         try:

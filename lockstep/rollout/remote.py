@@ -15,7 +15,7 @@ Subclasses implement the server's own verbs (`_load`, `_unload`, `_generate`).
 from __future__ import annotations
 
 import asyncio
-import json
+import hashlib
 import logging
 import threading
 from abc import abstractmethod
@@ -26,31 +26,21 @@ from typing import Any
 import httpx
 from cachetools import LRUCache
 
-from lockstep.engine.interface import SamplingEngine, UserInputError
+from lockstep.engine.interface import EngineDied, SamplingEngine, UserInputError
 from lockstep.engine.types import ModelCard, SampleRequest, SampleResult
 from lockstep.rollout.launcher import ServerProcess
 from lockstep.rollout.validation import validate_sample_request
-from lockstep.workers.process import EngineDied
 
 log = logging.getLogger(__name__)
 
 
-def card_from_config(model_dir: Path, served_name: str) -> ModelCard:
-    """A ModelCard read from `config.json` alone (no torch, no weights: the server holds them)."""
-    model_dir = Path(model_dir).resolve()
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config") or config
-    eos = text.get("eos_token_id", config.get("eos_token_id"))
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return ModelCard(
-        name=served_name,
-        directory=str(model_dir),
-        arch=str(config.get("model_type", "unknown")),
-        vocab_size=int(text["vocab_size"]),
-        max_context_length=int(text.get("max_position_embeddings", 2048)),
-        eos_token_id=None if eos is None else int(eos),
-    )
+def cache_salt(req: SampleRequest) -> str | None:
+    """The server-side prefix-cache key of a request's KV namespace (vLLM `cache_salt`, SGLang
+    `extra_key`): sessions never share cached prefixes. Hashed to fit the servers' limits
+    (vLLM: <= 128 chars, no '/' or '@')."""
+    if req.cache_namespace is None:
+        return None
+    return hashlib.sha256(req.cache_namespace.encode()).hexdigest()[:32]
 
 
 class _Slots(LRUCache[str, Path]):
@@ -71,9 +61,15 @@ class ServerError(RuntimeError):
 
 
 class RemoteSamplingEngine(SamplingEngine):
-    def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
-                 timeout_s: float = 600.0, max_concurrency: int = 64,
-                 server: ServerProcess | None = None) -> None:
+    def __init__(
+        self,
+        card: ModelCard,
+        base_url: str,
+        max_adapters: int,
+        timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        server: ServerProcess | None = None,
+    ) -> None:
         if max_adapters < 1:
             raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         self._card = card
@@ -87,7 +83,6 @@ class RemoteSamplingEngine(SamplingEngine):
         self.loads = 0  # server-side adapter loads (publishes + reloads after eviction)
         self.evictions = 0
         self.server = server  # None: attached to a server someone else runs
-        self.process = server  # what the scheduler's health check looks at
 
     # -- server verbs (subclasses) -----------------------------------------------------------
 
@@ -104,7 +99,7 @@ class RemoteSamplingEngine(SamplingEngine):
     async def _generate(self, client: httpx.AsyncClient, req: SampleRequest) -> SampleResult:
         """Serve one (validated) request whose adapter is loaded."""
 
-    def _alive(self) -> bool:
+    def alive(self) -> bool:
         """Whether the server process (when this engine owns one) still runs."""
         return self.server is None or self.server.alive()
 
@@ -157,7 +152,7 @@ class RemoteSamplingEngine(SamplingEngine):
         try:
             return asyncio.run(coro)
         except httpx.TransportError as exc:
-            if not self._alive():
+            if not self.alive():
                 raise EngineDied(f"the sampling server at {self.base_url} exited") from exc
             raise ServerError(f"sampling server {self.base_url}: {exc!r}") from exc
 
@@ -167,7 +162,7 @@ class RemoteSamplingEngine(SamplingEngine):
 
     async def _publish(self, adapters: Sequence[tuple[str, Path]]) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
-            for adapter_id, directory in adapters[-self.max_adapters:]:
+            for adapter_id, directory in adapters[-self.max_adapters :]:
                 if self._directories.get(adapter_id) == directory and adapter_id in self._slots:
                     self._slots[adapter_id]  # touch: most recently used
                     continue
@@ -180,7 +175,7 @@ class RemoteSamplingEngine(SamplingEngine):
                 except UserInputError:
                     self._directories.pop(adapter_id, None)
                     raise
-            for adapter_id, directory in adapters[:-self.max_adapters]:
+            for adapter_id, directory in adapters[: -self.max_adapters]:
                 self._directories[adapter_id] = directory  # more than fit: loaded on demand
 
     async def _make_resident(self, client: httpx.AsyncClient, wanted: Sequence[str]) -> None:
@@ -211,8 +206,9 @@ class RemoteSamplingEngine(SamplingEngine):
             try:
                 validate_sample_request(req, self._card)
                 if req.adapter_id is not None and req.adapter_id not in self._directories:
-                    raise UserInputError("adapter_id",
-                                         f"unknown adapter {req.adapter_id!r} (not loaded)")
+                    raise UserInputError(
+                        "adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)"
+                    )
                 valid.append(i)
             except UserInputError as exc:
                 results[i] = SampleResult(req.request_id, [], error=str(exc))
@@ -241,8 +237,9 @@ class RemoteSamplingEngine(SamplingEngine):
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
 
-    async def _generate_batch(self, client: httpx.AsyncClient,
-                              requests: list[SampleRequest]) -> list[SampleResult]:
+    async def _generate_batch(
+        self, client: httpx.AsyncClient, requests: list[SampleRequest]
+    ) -> list[SampleResult]:
         """Every request of a chunk at once, so the server batches them."""
         gate = asyncio.Semaphore(self._concurrency)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard, SampleRequest
@@ -11,15 +12,33 @@ from lockstep.engine.types import ModelCard, SampleRequest
 def validate_sample_request(req: SampleRequest, card: ModelCard) -> None:
     """Raise UserInputError naming the first bad field of `req` (adapters are not checked)."""
     vocab, context = card.vocab_size, card.max_context_length
-    if not req.prompt:
+    _check_prompt(req.prompt, vocab)
+    if req.num_samples < 1:
+        raise UserInputError("num_samples", f"must be >= 1, got {req.num_samples}")
+    _check_params(req, context)
+    for name, k in (
+        ("topk_prompt_logprobs", req.topk_prompt_logprobs),
+        ("topk_sample_logprobs", req.topk_sample_logprobs),
+    ):
+        if not 0 <= k <= vocab:
+            raise UserInputError(name, f"must be in [0, {vocab}], got {k}")
+    if req.prompt_logprobs_last_n is not None and req.prompt_logprobs_last_n < 0:
+        raise UserInputError(
+            "prompt_logprobs_last_n", f"must be >= 0, got {req.prompt_logprobs_last_n}"
+        )
+
+
+def _check_prompt(prompt: Sequence[int], vocab: int) -> None:
+    if not prompt:
         raise UserInputError("prompt", "must contain at least one token")
-    for i, token in enumerate(req.prompt):
+    for i, token in enumerate(prompt):
         if token < 0:
             raise UserInputError(f"prompt.tokens[{i}]", f"token id {token} is negative")
         if token >= vocab:
             raise UserInputError(f"prompt.tokens[{i}]", f"token id {token} >= vocab size {vocab}")
-    if req.num_samples < 1:
-        raise UserInputError("num_samples", f"must be >= 1, got {req.num_samples}")
+
+
+def _check_params(req: SampleRequest, context: int) -> None:
     p = req.params
     if p.max_tokens < 0:
         raise UserInputError("sampling_params.max_tokens", f"must be >= 0, got {p.max_tokens}")
@@ -35,16 +54,6 @@ def validate_sample_request(req: SampleRequest, card: ModelCard) -> None:
         raise UserInputError("sampling_params.top_k", f"must be -1 or >= 0, got {p.top_k}")
     if not math.isfinite(p.top_p) or not 0.0 < p.top_p <= 1.0:
         raise UserInputError("sampling_params.top_p", f"must be in (0, 1], got {p.top_p}")
-    for name, k in (
-        ("topk_prompt_logprobs", req.topk_prompt_logprobs),
-        ("topk_sample_logprobs", req.topk_sample_logprobs),
-    ):
-        if not 0 <= k <= vocab:
-            raise UserInputError(name, f"must be in [0, {vocab}], got {k}")
-    if req.prompt_logprobs_last_n is not None and req.prompt_logprobs_last_n < 0:
-        raise UserInputError(
-            "prompt_logprobs_last_n", f"must be >= 0, got {req.prompt_logprobs_last_n}"
-        )
 
 
 def prompt_logprob_start(req: SampleRequest) -> int:

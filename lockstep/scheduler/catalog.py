@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard
-from lockstep.scheduler.paths import TinkerPath, checkpoint_dir
+from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler.records import (
     CheckpointRecord,
     ModelRecord,
@@ -45,18 +45,28 @@ class Catalog:
         if name in self.served_names or name.rstrip("/") == self.card.directory.rstrip("/"):
             return self.card
         raise UserInputError(
-            "base_model", f"{name!r} is not served here; served models: {self.served_names}")
+            "base_model", f"{name!r} is not served here; served models: {self.served_names}"
+        )
 
     # ------------------------------------------------------------------ sessions
     async def create_session(
-        self, owner: str, tags: list[str], user_metadata: dict[str, str],
-        display_name: str | None, project_id: str | None,
+        self,
+        owner: str,
+        tags: list[str],
+        user_metadata: dict[str, str],
+        display_name: str | None,
+        project_id: str | None,
     ) -> SessionRecord:
         now = time.time()
         rec = SessionRecord(
-            session_id=f"sess-{uuid.uuid4().hex[:12]}", owner=owner, created=now,
-            last_heartbeat=now, user_metadata=user_metadata, tags=tags,
-            display_name=display_name, project_id=project_id,
+            session_id=f"sess-{uuid.uuid4().hex[:12]}",
+            owner=owner,
+            created=now,
+            last_heartbeat=now,
+            user_metadata=user_metadata,
+            tags=tags,
+            display_name=display_name,
+            project_id=project_id,
         )
         await self.store.new_session(rec)
         return rec
@@ -65,6 +75,20 @@ class Catalog:
         rec = await self.store.session(session_id)
         if rec is None or rec.owner != owner:
             raise NotFound(f"session {session_id} does not exist")
+        return rec
+
+    async def live_session(
+        self, owner: str, session_id: str, field: str = "session_id"
+    ) -> SessionRecord:
+        """A session that has not ended: an ended one (closed, or silent past the expiry) is a
+        permanent 400, not a 404 (its runs and checkpoints still exist)."""
+        rec = await self.owned_session(owner, session_id)
+        if rec.finished:
+            raise UserInputError(
+                field,
+                f"session {session_id} has ended (closed, or no heartbeat within the expiry); "
+                "its checkpoints remain: start a new session and load them",
+            )
         return rec
 
     async def heartbeat(self, owner: str, session_id: str) -> bool:
@@ -92,7 +116,11 @@ class Catalog:
         return rec
 
     async def create_sampler(
-        self, owner: str, session_id: str, seq: int, model_path: str | None,
+        self,
+        owner: str,
+        session_id: str,
+        seq: int,
+        model_path: str | None,
         base_model: str | None,
     ) -> SamplerRecord:
         session = await self.owned_session(owner, session_id)
@@ -105,16 +133,24 @@ class Catalog:
             ckpt = await self.readable_checkpoint(owner, path, field="model_path")
             source = await self.store.model(path.model_id)
             rec = SamplerRecord(
-                sampler_id=sampler_id, owner=owner, session_id=session.session_id,
+                sampler_id=sampler_id,
+                owner=owner,
+                session_id=session.session_id,
                 base_model=source.base_model if source else self.card.name,
-                model_path=model_path, adapter_dir=ckpt.directory,
-                adapter_id=f"{model_path}@{ckpt.time}", created=time.time(),
+                model_path=model_path,
+                adapter_dir=ckpt.directory,
+                adapter_id=f"{model_path}@{ckpt.time}",
+                created=time.time(),
             )
         elif base_model:
             self.resolve_base_model(base_model)
-            rec = SamplerRecord(sampler_id=sampler_id, owner=owner,
-                                session_id=session.session_id, base_model=base_model,
-                                created=time.time())
+            rec = SamplerRecord(
+                sampler_id=sampler_id,
+                owner=owner,
+                session_id=session.session_id,
+                base_model=base_model,
+                created=time.time(),
+            )
         else:
             raise UserInputError("model_path", "give model_path or base_model")
         await self.store.put_sampler(rec)

@@ -1,10 +1,10 @@
 """The clock: lock-step cycles over the training work of every tenant.
 
-    plan     -> which queued requests of which models run in this cycle (pure, `planner`)
-    dispatch -> one fused pass + one batched optimizer step on the engine (`dispatch`)
-    collect  -> write each request's result to Redis and wake its future
-    publish  -> hand new sampler weights to the sampling lane (off the critical path; started
-                just before collect so the load overlaps the client's round trips)
+plan     -> which queued requests of which models run in this cycle (pure, `planner`)
+dispatch -> one fused pass + one batched optimizer step on the engine (`dispatch`)
+collect  -> write each request's result to Redis and wake its future
+publish  -> hand new sampler weights to the sampling lane (off the critical path; started
+            just before collect so the load overlaps the client's round trips)
 """
 
 from __future__ import annotations
@@ -12,32 +12,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Literal
 
-from lockstep.observability import metrics
-from lockstep.scheduler.dispatch import CycleAborted, Dispatcher, Outcome
+from lockstep.config import ClockConfig
+from lockstep.scheduler import tracing
+from lockstep.scheduler.accounting import Accounting
+from lockstep.scheduler.dispatch import CycleAborted, Dispatcher
 from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.planner import CyclePlan, plan_cycle
+from lockstep.scheduler.outcome import NO_OUTCOME, Outcome
+from lockstep.scheduler.planner import CyclePlan, ModelWork, plan_cycle
+from lockstep.scheduler.records import QueuedOp
 from lockstep.scheduler.sampling_lane import SamplingLane
+from lockstep.scheduler.span import ClockMeter
 from lockstep.scheduler.store import Store
+from lockstep.vocab import ClockPolicy, QueueState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClockConfig:
-    """How cycles are started.
-
-    policy "triggered": a cycle starts `gather_s` after work arrives and runs everything ready.
-    policy "periodic":  a cycle starts every `period_s` whether or not there is work (the
-                        counter advances on idle cycles too, as hosted Tinker's does).
-    """
-
-    policy: Literal["triggered", "periodic"] = "triggered"
-    period_s: float = 1.0
-    gather_s: float = 0.02
-    token_budget: int = 65536
+# An idle clock records the background snapshots that finished meanwhile this often, so a
+# model's replay log (and the results it keeps) is trimmed soon after its last step.
+IDLE_DURABILITY_S = 1.0
 
 
 class Clock:
@@ -61,15 +53,19 @@ class Clock:
         self.wake = asyncio.Event()
         self.cycles_run = 0
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
-        self.meter = metrics.ClockMeter(config.token_budget, store.model)
+        self.meter = ClockMeter(config.token_budget, store.model)
         self._stopping = False
+        self.accounting: Accounting | None = None  # tenancy: set by the scheduler server
 
-    def queue_state(self, model_id: str) -> tuple[str, str]:
+    def queue_state(self, model_id: str) -> tuple[QueueState, str]:
         """What a waiting request of `model_id` is told (TryAgain.queue_state and reason)."""
         if model_id in self.deficits:
-            return "paused_capacity", "waiting for room in a clock cycle (token budget shared " \
-                "fairly between tenants, or this API key's tokens-per-cycle quota)"
-        return "active", ""
+            return (
+                QueueState.PAUSED_CAPACITY,
+                "waiting for room in a clock cycle (token budget shared "
+                "fairly between tenants, or this API key's tokens-per-cycle quota)",
+            )
+        return QueueState.ACTIVE, ""
 
     def stop(self) -> None:
         self._stopping = True
@@ -90,17 +86,17 @@ class Clock:
         log.info("clock stopped after %d cycles", self.cycles_run)
 
     async def cycle(self) -> CyclePlan:
+        """One clock cycle: plan -> dispatch -> publish -> commit -> notify."""
         span = self.meter.begin()
-        queues, next_seq = await self.store.queued_ops()
-        owners = await self.store.owners(list(queues)) if self.key_token_cap else None
-        plan = plan_cycle(queues, next_seq, self.config.token_budget, self.deficits,
-                          owners=owners, key_cap=self.key_token_cap)
-        self.deficits = plan.deficits  # the models that had to wait for room in this cycle
-        runs = not plan.empty or self.config.policy != "triggered"
+        started = time.monotonic()
+        plan, queues = await self.plan()
+        runs = not plan.empty or self.config.policy != ClockPolicy.TRIGGERED
         await self.meter.planned(span, queues, plan, runs)
         if not runs:
             return plan
         cycle = await self.store.next_cycle()
+        ops = [op for work in plan.models for op in work.ops()]  # [trace hook]
+        trace = tracing.begin_cycle(cycle, ops, len(plan.models), plan.tokens)  # [trace hook]
         try:
             # The one place training runs: in colocated mode the sampler gives its memory
             # back for the duration (lane.training_phase; a no-op otherwise).
@@ -111,63 +107,82 @@ class Clock:
             self.wake.set()  # nothing was recorded: the same work runs on the fresh engine
             return plan
         self.meter.dispatched(span)
-        # Publish first: the sampler loads new adapters while collect answers the futures and
+        # Publish first: the sampler loads new adapters while commit answers the futures and
         # the client asks for its sampling session, instead of after (a task; never blocks).
         self.publish(outcomes)
-        await self.collect(plan, outcomes)
+        await self.commit(plan, outcomes)
+        self.notify(plan)
+        await tracing.cycle_done(trace)  # [trace hook] after the futures are answered
+        if self.accounting is not None:  # usage per key
+            await self.accounting.on_cycle(plan, outcomes, time.monotonic() - started)
         self.cycles_run += 1
         self.meter.finished(span, plan, outcomes)
+        await self.dispatcher.prune(plan, outcomes)  # old snapshot files, once the new ones count
+        await self.dispatcher.record_durable()  # snapshots the engine finished in the background
         if not plan.empty:
             self.wake.set()  # more may be ready now that this cycle advanced the queues
-            log.debug("cycle %d: %d models, %d passes, %d steps, %d tokens", cycle,
-                      len(plan.models), len(plan.passes), len(plan.optims), plan.tokens)
         return plan
 
+    async def plan(self) -> tuple[CyclePlan, dict[str, list[QueuedOp]]]:
+        """Read the queues and plan the cycle (pure `plan_cycle`); keeps the fairness debts."""
+        queues, next_seq = await self.store.queued_ops()
+        ready = self.dispatcher.resident.admit(queues, next_seq)  # paging: what fits the engine
+        owners = await self.store.owners(list(ready)) if self.key_token_cap else None
+        plan = plan_cycle(
+            ready,
+            next_seq,
+            self.config.token_budget,
+            self.deficits,
+            owners=owners,
+            key_cap=self.key_token_cap,
+        )
+        self.deficits = plan.deficits  # the models that had to wait for room in this cycle
+        # Models of ended sessions leave the engine once their queues drain (durable state stays).
+        await self.dispatcher.resident.free_ended(w.model_id for w in plan.models)
+        return plan, queues
+
+    async def commit(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
+        """Record every op's outcome, one transaction per op. A model's ops commit in seq_id
+        order (its progress only moves forward); different models commit concurrently."""
+
+        async def one_model(work: ModelWork) -> None:
+            for op in work.ops():
+                await self.store.commit(op, outcomes.get(op.request_id, NO_OUTCOME))
+
+        await asyncio.gather(*(one_model(work) for work in plan.models))
+
+    def notify(self, plan: CyclePlan) -> None:
+        """Wake the futures waiting on this cycle's requests."""
+        for work in plan.models:
+            for op in work.ops():
+                self.board.notify(op.request_id)
+
     async def _tick(self) -> None:
-        if self.config.policy == "periodic":
+        if self.config.policy == ClockPolicy.PERIODIC:
             now = time.monotonic()
             await asyncio.sleep(self.config.period_s - now % self.config.period_s)
             return
-        await self.wake.wait()
+        while not self.wake.is_set():
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=IDLE_DURABILITY_S)
+            except TimeoutError:  # idle: record the snapshots the engine finished meanwhile
+                await self._record_durable()
         self.wake.clear()
         await asyncio.sleep(self.config.gather_s)  # let requests sent together land together
 
-    async def collect(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
-        for work in plan.models:
-            for op in work.ops():
-                if op.kind == "rejected":  # its error was written at submission
-                    await self.store.finish_job(op, error=None, keep_status=True)
-                    continue
-                outcome = outcomes.get(op.request_id) or Outcome(
-                    error="internal error: the request produced no outcome", category="server")
-                if outcome.checkpoint is not None:
-                    await self.store.put_checkpoint(op.model_id, outcome.checkpoint)
-                    await self._note_checkpoint(op.model_id, outcome)
-                if outcome.sampler is not None:
-                    await self.store.put_sampler(outcome.sampler)
-                await self.store.finish_job(
-                    op,
-                    result=outcome.result.SerializeToString() if outcome.result else None,
-                    error=outcome.error,
-                    category=outcome.category,
-                    snapshot_seq=outcome.snapshot_seq,
-                )
-                if outcome.snapshot_seq is not None:
-                    self.dispatcher.prune_snapshots(op.model_id, outcome.snapshot_seq)
-                self.board.notify(op.request_id)
-
-    async def _note_checkpoint(self, model_id: str, outcome: Outcome) -> None:
-        model = await self.store.model(model_id)
-        if model is None or outcome.checkpoint is None:
-            return
-        if outcome.checkpoint.checkpoint_type == "training":
-            model.last_checkpoint = outcome.checkpoint.checkpoint_id
-        elif outcome.checkpoint.checkpoint_type == "sampler":
-            model.last_sampler_checkpoint = outcome.checkpoint.checkpoint_id
-        await self.store.put_model(model)
+    async def _record_durable(self) -> None:
+        try:
+            await self.dispatcher.record_durable()
+        except Exception:  # the next cycle records them; never stop the clock for this
+            log.exception("recording durable snapshots failed")
 
     def publish(self, outcomes: dict[str, Outcome]) -> None:
         """Every adapter this cycle saved for sampling, published in one batch."""
-        self.lane.publish([(o.sampler.adapter_id or "", o.adapter_dir)
-                           for o in outcomes.values()
-                           if o.sampler is not None and o.adapter_dir is not None])
+        self.lane.publish(
+            [
+                (o.sampler.adapter_id or "", o.adapter_dir)
+                for o in outcomes.values()
+                if o.sampler is not None and o.adapter_dir is not None and o.inflight is None
+            ],
+            [o.inflight for o in outcomes.values() if o.inflight is not None],
+        )

@@ -18,43 +18,38 @@ import asyncio
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from lockstep.engine.interface import TrainingEngine, UserInputError
+from lockstep.engine.interface import EngineDied, TrainingEngine, UserInputError
 from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest
 from lockstep.observability import metrics
-from lockstep.scheduler import translate
-from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, ephemeral_dir
+from lockstep.paths import TinkerPath, checkpoint_dir, ephemeral_dir
+from lockstep.scheduler import encryption, storage, tracing, translate
+from lockstep.scheduler.outcome import Outcome, failure
 from lockstep.scheduler.planner import CyclePlan
-from lockstep.scheduler.records import CheckpointRecord, QueuedOp, SamplerRecord
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.records import (
+    CheckpointRecord,
+    InflightTarget,
+    QueuedOp,
+    SamplerRecord,
+)
+from lockstep.scheduler.residency import Residency
+from lockstep.scheduler.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.workers.process import EngineDied
+from lockstep.vocab import ErrorCategory, OpKind
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Outcome:
-    result: pb.JobResult | None = None
-    error: str | None = None
-    category: str = "user"
-    checkpoint: CheckpointRecord | None = None  # a named checkpoint to register
-    sampler: SamplerRecord | None = None  # an ephemeral sampler to register
-    adapter_dir: Path | None = None  # new sampler weights to publish
-    snapshot_seq: int | None = None  # the model's state after this op is its new snapshot
-
-
-@dataclass
-class DispatchResult:
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
-
-
 def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
     return LoraSpec(
-        rank=cfg.rank, alpha=32.0, seed=cfg.seed if cfg.HasField("seed") else None,
-        train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
+        rank=cfg.rank,
+        alpha=32.0,
+        seed=cfg.seed if cfg.HasField("seed") else None,
+        train_attn=cfg.train_attn,
+        train_mlp=cfg.train_mlp,
+        train_unembed=cfg.train_unembed,
     )
 
 
@@ -62,62 +57,117 @@ class CycleAborted(RuntimeError):
     """The engine died mid-cycle: nothing of the cycle is recorded; it runs again."""
 
 
-def failure(exc: BaseException) -> Outcome:
-    if isinstance(exc, EngineDied):
-        raise exc  # not the request's fault: abandon the cycle instead of failing it
-    if isinstance(exc, UserInputError):
-        return Outcome(error=str(exc), category="user")
-    return Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
-
-
 class Dispatcher:
-    def __init__(self, store: Store, engine: TrainingEngine, data_dir: Path) -> None:
+    def __init__(
+        self, store: Store, engine: TrainingEngine, data_dir: Path, max_resident: int = 0
+    ) -> None:
         self.store = store
         self.engine = engine
         self.data_dir = data_dir
-        self.resident: set[str] = set()  # models whose state the engine holds right now
+        # Models whose state the engine holds right now, in LRU order; frees and pages them.
+        self.resident = Residency(engine, max_resident)
+        # Ops that run alone (not fused), by kind: PRE and POST phases of a cycle.
+        self._handlers: dict[OpKind, Callable[[QueuedOp, pb.SubmitRequest], Awaitable[Outcome]]]
+        self._handlers = {
+            OpKind.CREATE_MODEL: self._create,
+            OpKind.LOAD: lambda op, req: self._load(op, req.load_weights),
+            OpKind.SAVE: lambda op, req: self._save(op, req.owner, req.save_weights),
+        }
 
-    async def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+    async def _call(self, fn, *args):
         with metrics.engine_call("trainer", fn.__name__):
             return await asyncio.to_thread(fn, *args)
 
     async def run(self, plan: CyclePlan, cycle: int) -> dict[str, Outcome]:
+        """Execute the plan; one Outcome per op. A model whose state cannot be restored fails
+        its own ops (with the reason) and the other tenants' work goes on."""
         try:
-            for work in plan.models:
-                await self._ensure_resident(work.model_id)
+            await self.resident.make_room([w.model_id for w in plan.models])  # paging
             outcomes: dict[str, Outcome] = {}
-            for op in plan.pre:
-                outcomes[op.request_id] = await self._single(op)
-            outcomes.update(await self._passes(plan.passes, cycle))
-            outcomes.update(await self._optims(plan.optims))
-            for op in plan.post:
-                outcomes[op.request_id] = await self._single(op)
+            for work in plan.models:
+                broken = await self._restore(work.model_id)
+                if broken is not None:
+                    outcomes.update((op.request_id, broken) for op in work.ops())
+            runnable = lambda ops: [op for op in ops if op.request_id not in outcomes]  # noqa: E731
+            for op in runnable(plan.pre):
+                with tracing.phase(op.kind, [op]):  # [trace hook]
+                    outcomes[op.request_id] = await self._single(op)
+            with tracing.phase("pass", plan.passes):  # [trace hook]
+                outcomes.update(await self._passes(runnable(plan.passes), cycle))
+            with tracing.phase("optimizer step", plan.optims):  # [trace hook]
+                outcomes.update(await self._optims(runnable(plan.optims)))
+            for op in runnable(plan.post):
+                with tracing.phase(op.kind, [op]):  # [trace hook]
+                    outcomes[op.request_id] = await self._single(op)
             return outcomes
         except EngineDied as exc:
             log.error("training engine died during cycle %d (%s); restarting it", cycle, exc)
             self.resident.clear()
-            restart = getattr(self.engine, "restart", None)
-            if restart is None:
-                raise
-            await asyncio.to_thread(restart)
+            await asyncio.to_thread(self.engine.restart)
             raise CycleAborted(str(exc)) from exc
+
+    async def _restore(self, model_id: str) -> Outcome | None:
+        """Make the model resident; on failure, the outcome its ops get (None: it is ready)."""
+        try:
+            await self._ensure_resident(model_id)
+            return None
+        except EngineDied:
+            raise
+        except Exception as exc:
+            log.error("model %s could not be restored: %s", model_id, exc)
+            return Outcome(
+                error=f"model {model_id} could not be restored from its durable state "
+                f"({type(exc).__name__}: {exc}); its requests fail until it is restored",
+                category=ErrorCategory.SERVER,
+            )
 
     # ---------------------------------------------------------------- durability
     def snapshot_dir(self, model_id: str, seq: int) -> Path:
         return self.data_dir / "state" / model_id / f"seq-{seq}"
 
-    async def _snapshot(self, model_id: str, seq: int) -> None:
-        final = self.snapshot_dir(model_id, seq)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        await self._call(self.engine.save_state, model_id, tmp, True)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)  # a snapshot directory is complete or absent
+    async def _snapshot(self, model_id: str, seq: int) -> bool:
+        """Snapshot the model's state after op `seq`; True if it is durable already (else the
+        engine writes it in the background and `record_durable` records it later)."""
+        with tracing.model_phase("snapshot", model_id):  # [trace hook]
+            return bool(
+                await self._call(self.engine.snapshot, model_id, self.snapshot_dir(model_id, seq))
+            )
+
+    async def _durable_snapshot(self, model_id: str, seq: int) -> None:
+        """A snapshot that must be durable before its op is recorded (create, load: there is
+        nothing earlier to replay from)."""
+        try:
+            with storage.atomic_dir(self.snapshot_dir(model_id, seq)) as tmp:  # complete or absent
+                await self._call(self.engine.save_state, model_id, tmp, True)
+        except Exception:
+            # The engine is now ahead of the recorded state: restore it before its next op.
+            self.resident.discard(model_id)
+            raise
+
+    async def record_durable(self) -> None:
+        """Record the background snapshots the engine finished (each trims its model's replay
+        log), then drop the older snapshot files. Between cycles, so never on the critical
+        path; a snapshot lost in flight simply is never recorded."""
+        for model_id, directory in await self._call(self.engine.durable_snapshots):
+            seq = int(directory.name.removeprefix("seq-"))
+            kept = await self.store.mark_snapshot(model_id, seq)
+            await asyncio.to_thread(self.prune_snapshots, model_id, kept)
+
+    async def prune(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
+        """After commit: each model's snapshots other than the newest one Redis records go."""
+        newest: dict[str, int] = {}
+        for op in (op for work in plan.models for op in work.ops()):
+            seq = outcomes[op.request_id].snapshot_seq if op.request_id in outcomes else None
+            if seq is not None:
+                newest[op.model_id] = max(seq, newest.get(op.model_id, seq))
+        for model_id, seq in newest.items():
+            await asyncio.to_thread(self.prune_snapshots, model_id, seq)
 
     def prune_snapshots(self, model_id: str, keep_seq: int) -> None:
-        """Called once Redis records `keep_seq` as the snapshot: older ones are not needed."""
+        """Snapshots of `model_id` older than seq-`keep_seq` (newer ones may still be being
+        written in the background). Blocking: run it in a thread."""
         for old in (self.data_dir / "state" / model_id).glob("seq-*"):
-            if old.name != f"seq-{keep_seq}":
+            if int(old.name.removeprefix("seq-").removesuffix(".tmp")) < keep_seq:
                 shutil.rmtree(old, ignore_errors=True)
 
     async def _ensure_resident(self, model_id: str) -> None:
@@ -126,17 +176,36 @@ class Dispatcher:
         _, snapshot_seq = await self.store.progress(model_id)
         if snapshot_seq is None:
             return  # not created yet: its create/load is in this cycle
-        await self._call(self.engine.load_state, model_id,
-                         self.snapshot_dir(model_id, snapshot_seq), True)
+        started = time.monotonic()  # tenancy: page-in latency
+        await self._call(
+            self.engine.load_state, model_id, self.snapshot_dir(model_id, snapshot_seq), True
+        )
         replay = await self.store.replay_log(model_id, snapshot_seq)
-        if replay:
-            requests = [translate.pass_request(
-                job.request_id, pb.SubmitRequest.FromString(job.payload).forward_backward)
-                for job in replay]
-            await self._call(self.engine.run_passes, requests)
-        self.resident.add(model_id)
-        log.info("restored %s from its snapshot at seq %d (+%d passes replayed)", model_id,
-                 snapshot_seq, len(replay))
+        await self._replay(model_id, replay)
+        self.resident.paged_in(model_id, time.monotonic() - started)
+        log.info(
+            "restored %s from its snapshot at seq %d (+%d ops replayed)",
+            model_id,
+            snapshot_seq,
+            len(replay),
+        )
+
+    async def _replay(self, model_id: str, jobs: list[Job]) -> None:
+        """Re-run, in seq order, the passes and steps recorded since the snapshot (their outputs
+        are discarded): consecutive passes as one run_passes call, each step as it came."""
+        passes: list[PassRequest] = []
+        for job in jobs:
+            req = pb.SubmitRequest.FromString(job.payload)
+            if job.kind == OpKind.OPTIM_STEP:
+                if passes:
+                    await self._call(self.engine.run_passes, passes)
+                    passes = []
+                adam = translate.adam_config(req.optim_step.adam)
+                await self._call(self.engine.optim_step, [OptimRequest(model_id, adam)])
+            else:
+                passes.append(translate.pass_request(job.request_id, req.forward_backward))
+        if passes:
+            await self._call(self.engine.run_passes, passes)
 
     async def _request(self, op: QueuedOp) -> pb.SubmitRequest:
         job = await self.store.job(op.request_id)
@@ -145,23 +214,23 @@ class Dispatcher:
         return pb.SubmitRequest.FromString(job.payload)
 
     async def _single(self, op: QueuedOp) -> Outcome:
+        """An op that runs alone (create, load, save), through its handler."""
         try:
-            req = await self._request(op)
-            if op.kind == "create_model":
-                c = req.create_model
-                await self._call(self.engine.create_model, op.model_id, lora_spec(c.lora_config))
-                self.resident.add(op.model_id)
-                await self._snapshot(op.model_id, op.seq_id)
-                return Outcome(pb.JobResult(create_model=pb.CreateModelResult(
-                    model_id=op.model_id)), snapshot_seq=op.seq_id)
-            if op.kind == "load":
-                return await self._load(op, req.load_weights)
-            if op.kind == "save":
-                return await self._save(op, req.owner, req.save_weights)
-            raise RuntimeError(f"unexpected op kind {op.kind}")
+            handler = self._handlers.get(op.kind)
+            if handler is None:
+                raise RuntimeError(f"unexpected op kind {op.kind}")
+            return await handler(op, await self._request(op))
         except Exception as exc:
             log.warning("request %s (%s) failed: %s", op.request_id, op.kind, exc)
-            return failure(exc)
+            return failure(exc, f"{op.kind} of {op.model_id}")
+
+    async def _create(self, op: QueuedOp, req: pb.SubmitRequest) -> Outcome:
+        spec = lora_spec(req.create_model.lora_config)
+        await self._call(self.engine.create_model, op.model_id, spec)
+        self.resident.add(op.model_id)
+        await self._durable_snapshot(op.model_id, op.seq_id)
+        result = pb.CreateModelResult(model_id=op.model_id)
+        return Outcome(pb.JobResult(create_model=result), snapshot_seq=op.seq_id)
 
     async def _load(self, op: QueuedOp, load: pb.LoadWeights) -> Outcome:
         path = TinkerPath.parse(load.path)
@@ -170,40 +239,70 @@ class Dispatcher:
             raise UserInputError("path", f"checkpoint {load.path} has no files on this server")
         await self._call(self.engine.load_state, op.model_id, directory, load.optimizer)
         self.resident.add(op.model_id)
-        await self._snapshot(op.model_id, op.seq_id)
-        return Outcome(pb.JobResult(load=pb.LoadResult(model_id=op.model_id, path=load.path)),
-                       snapshot_seq=op.seq_id)
+        await self._durable_snapshot(op.model_id, op.seq_id)
+        return Outcome(
+            pb.JobResult(load=pb.LoadResult(model_id=op.model_id, path=load.path)),
+            snapshot_seq=op.seq_id,
+        )
 
     async def _save(self, op: QueuedOp, owner: str, save: pb.SaveWeights) -> Outcome:
         model = await self.store.model(op.model_id)
         if model is None:
             raise RuntimeError(f"model {op.model_id} has no record")
+        await self._ensure_resident(op.model_id)  # after a failed snapshot earlier this cycle
         now = time.time()
         if not save.HasField("name"):  # ephemeral sampler weights -> a new sampling session
             sampler_id = f"{model.session_id}:sample:{save.sampling_session_seq_id}"
             directory = ephemeral_dir(self.data_dir, op.model_id, sampler_id)
-            size = await self._call(self.engine.export_adapter, op.model_id, directory)
-            sampler = SamplerRecord(sampler_id=sampler_id, owner=owner,
-                                    session_id=model.session_id, base_model=model.base_model,
-                                    adapter_dir=str(directory), adapter_id=sampler_id,
-                                    created=now)
+            with storage.atomic_dir(directory) as tmp:
+                size = await self._call(self.engine.export_adapter, op.model_id, tmp)
+            inflight = save.sampler_kind == pb.SAMPLER_KIND_INFLIGHT
+            sampler = SamplerRecord(
+                sampler_id=sampler_id,
+                owner=owner,
+                session_id=model.session_id,
+                base_model=model.base_model,
+                adapter_dir=str(directory),
+                adapter_id=sampler_id,
+                created=now,
+                inflight_model=op.model_id if inflight else None,
+                min_version=op.seq_id if inflight else 0,
+            )
+            # An inflight save also becomes the model's shared target, versioned by its seq_id.
+            target = (
+                InflightTarget(op.model_id, op.seq_id, sampler_id, str(directory), now)
+                if inflight
+                else None
+            )
             result = pb.SaveResult(sampling_session_id=sampler_id, size_bytes=size)
-            return Outcome(pb.JobResult(save=result), sampler=sampler, adapter_dir=directory)
-        segment = {pb.CHECKPOINT_KIND_TRAINING: "weights",
-                   pb.CHECKPOINT_KIND_SAMPLER: "sampler_weights",
-                   pb.CHECKPOINT_KIND_EXTERNAL: "external_weights"}[save.kind]
+            return Outcome(
+                pb.JobResult(save=result), sampler=sampler, adapter_dir=directory, inflight=target
+            )
+        segment = {
+            pb.CHECKPOINT_KIND_TRAINING: "weights",
+            pb.CHECKPOINT_KIND_SAMPLER: "sampler_weights",
+            pb.CHECKPOINT_KIND_EXTERNAL: "external_weights",
+        }[save.kind]
         path = TinkerPath(op.model_id, segment, save.name)
         existing = await self.store.checkpoint(op.model_id, path.checkpoint_id)
         if existing is not None and not save.overwrite:
             raise UserInputError("path", f"checkpoint {path} already exists (pass overwrite)")
         directory = checkpoint_dir(self.data_dir, path)
-        if save.kind == pb.CHECKPOINT_KIND_TRAINING:
-            size = await self._call(self.engine.save_state, op.model_id, directory, True)
-        else:
-            size = await self._call(self.engine.export_adapter, op.model_id, directory)
+        with storage.atomic_dir(directory) as tmp:
+            if save.kind == pb.CHECKPOINT_KIND_TRAINING:
+                size = await self._call(self.engine.save_state, op.model_id, tmp, True)
+            else:
+                size = await self._call(self.engine.export_adapter, op.model_id, tmp)
+            if save.age_recipients:  # encrypted before it is renamed in: no plaintext checkpoint
+                recipients = encryption.parse_recipients(list(save.age_recipients))
+                size = await asyncio.to_thread(encryption.encrypt_tree, tmp, recipients)
         record = CheckpointRecord(
-            checkpoint_id=path.checkpoint_id, checkpoint_type=path.checkpoint_type,
-            tinker_path=str(path), directory=str(directory), time=now, size_bytes=size,
+            checkpoint_id=path.checkpoint_id,
+            checkpoint_type=path.checkpoint_type,
+            tinker_path=str(path),
+            directory=str(directory),
+            time=now,
+            size_bytes=size,
             expires_at=now + save.ttl_seconds if save.HasField("ttl_seconds") else None,
             user_metadata=dict(save.user_metadata),
         )
@@ -224,11 +323,14 @@ class Dispatcher:
             return outcomes
         try:
             results = await self._call(self.engine.run_passes, requests)
+        except EngineDied:
+            raise  # not the requests' fault: the cycle is abandoned and runs again
         except Exception as exc:
             if len(requests) == 1:
                 outcomes[requests[0].request_id] = failure(exc)
                 return outcomes
-            # One bad request must not fail its neighbours: isolate it by running them alone.
+            # One bad request must not fail its neighbours: isolate it by running them alone
+            # (safe because run_passes is atomic: the failed call left no gradient behind).
             log.warning("fused pass failed (%s); retrying requests one by one", exc)
             results = []
             for r in requests:
@@ -250,7 +352,8 @@ class Dispatcher:
             try:
                 req = await self._request(op)
                 requests[op.request_id] = OptimRequest(
-                    op.model_id, translate.adam_config(req.optim_step.adam))
+                    op.model_id, translate.adam_config(req.optim_step.adam)
+                )
             except Exception as exc:
                 outcomes[op.request_id] = failure(exc)
         try:
@@ -259,7 +362,16 @@ class Dispatcher:
             return outcomes | {rid: failure(exc) for rid in requests}
         seq_of = {op.request_id: op.seq_id for op in ops}
         for rid, r in requests.items():
-            await self._snapshot(r.model_id, seq_of[rid])
+            try:
+                durable = await self._snapshot(r.model_id, seq_of[rid])
+            except Exception as exc:  # not recorded: the engine rolls back to the recorded state
+                log.warning("optim_step %s: snapshot failed: %s", rid, exc)
+                self.resident.discard(r.model_id)
+                outcomes[rid] = failure(exc, f"the optimizer step of {r.model_id}")
+                continue
             result = pb.OptimStepResult(metrics=metrics.get(r.model_id, {}))
-            outcomes[rid] = Outcome(pb.JobResult(optim_step=result), snapshot_seq=seq_of[rid])
+            # Not durable yet: the step stays in the replay log until its snapshot is recorded.
+            outcomes[rid] = Outcome(
+                pb.JobResult(optim_step=result), snapshot_seq=seq_of[rid] if durable else None
+            )
         return outcomes

@@ -6,6 +6,7 @@ import asyncio
 from collections import defaultdict
 
 from lockstep.scheduler.store import Job, Store
+from lockstep.vocab import JobStatus
 
 
 class FutureBoard:
@@ -28,7 +29,7 @@ class FutureBoard:
         self._waiters[request_id] += 1
         try:
             job = await self.store.job(request_id)
-            if job is None or job.status != "pending" or timeout <= 0:
+            if job is None or job.status != JobStatus.PENDING or timeout <= 0:
                 return job
             try:
                 await asyncio.wait_for(event.wait(), timeout)

@@ -76,6 +76,11 @@ def sampler(sampler_id: str) -> str:
     return f"{PREFIX}sampler:{sampler_id}"
 
 
+def inflight_target(model_id: str) -> str:
+    """String (JSON InflightTarget): the model's shared inflight weights target."""
+    return f"{PREFIX}inflight:{model_id}"
+
+
 def checkpoints(model_id: str) -> str:
     """Hash: checkpoint_id ("weights/name") -> JSON CheckpointRecord."""
     return f"{PREFIX}checkpoints:{model_id}"
@@ -89,3 +94,24 @@ def owner_sessions(owner: str) -> str:
 def owner_runs(owner: str) -> str:
     """Sorted set: model (training run) id scored by creation time."""
     return f"{PREFIX}owner:{owner}:runs"
+
+
+# ---------------------------------------------------------------- tenancy (scheduler/accounting)
+# Sorted set: session id -> time of its last heartbeat (or creation); the silence expiry scans it.
+SESSION_BEATS = PREFIX + "session_beats"
+
+
+def usage(owner: str, hour: int) -> str:
+    """Hash: "<session_id>|<base_model>|<counter>" -> amount, for one owner and UTC hour
+    (`hour` = unix seconds // 3600). Expires after the audit retention."""
+    return f"{PREFIX}usage:{owner}:{hour}"
+
+
+def audit(owner: str) -> str:
+    """Stream: the owner's audit log, append-only, trimmed to the retention by MINID."""
+    return f"{PREFIX}audit:{owner}"
+
+
+def session_trace(session_id: str) -> str:
+    """List of the session's trace events (JSON), expiring after the trace retention."""
+    return f"{PREFIX}trace:{session_id}"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from lockstep.scheduler.records import QueuedOp
+from lockstep.vocab import PASS_KINDS, OpKind
 
 
 class Phase(IntEnum):
@@ -28,9 +29,6 @@ class Phase(IntEnum):
     PASS = 1
     OPTIM = 2
     POST = 3
-
-
-PASS_KINDS = frozenset({"forward", "forward_backward"})
 
 
 @dataclass
@@ -45,8 +43,12 @@ class ModelWork:
     rejected: list[QueuedOp] = field(default_factory=list)  # refused at submission: no effect
 
     def ops(self) -> list[QueuedOp]:
+        """Every op of this model in the cycle, in seq_id order: the order their results are
+        committed, so a model's progress only ever moves forward."""
         tail = [self.optim] if self.optim is not None else []
-        return [*self.pre, *self.passes, *tail, *self.post, *self.rejected]
+        return sorted(
+            [*self.pre, *self.passes, *tail, *self.post, *self.rejected], key=lambda op: op.seq_id
+        )
 
     @property
     def tokens(self) -> int:
@@ -95,15 +97,15 @@ class CyclePlan:
         return sum(w.tokens for w in self.models)
 
 
-def _phase_for(kind: str, current: Phase) -> Phase | None:
+def _phase_for(kind: OpKind, current: Phase) -> Phase | None:
     """The phase an op of `kind` runs in, given the model's current phase; None = next cycle."""
-    if kind in ("create_model", "load"):
+    if kind in (OpKind.CREATE_MODEL, OpKind.LOAD):
         return Phase.PRE if current == Phase.PRE else None
     if kind in PASS_KINDS:
         return Phase.PASS if current <= Phase.PASS else None
-    if kind == "optim_step":
+    if kind == OpKind.OPTIM_STEP:
         return Phase.OPTIM if current <= Phase.PASS else None
-    if kind == "save":
+    if kind == OpKind.SAVE:
         return Phase.PRE if current == Phase.PRE else Phase.POST
     return None
 
@@ -118,7 +120,7 @@ def take_model_work(model_id: str, ops: list[QueuedOp], next_seq: int) -> ModelW
             continue  # already executed (a stale queue entry)
         if op.seq_id != expected:
             break  # a gap: wait for the missing request
-        if op.kind == "rejected":  # holds its seq_id so the model's later requests can run
+        if op.kind == OpKind.REJECTED:  # holds its seq_id so the model's later requests can run
             work.rejected.append(op)
             expected += 1
             continue
@@ -155,8 +157,14 @@ def _cut(work: ModelWork, before_seq: int) -> ModelWork:
     wait for a later cycle (in seq order, so nothing after them may run either)."""
     keep = lambda ops: [o for o in ops if o.seq_id < before_seq]  # noqa: E731
     optim = work.optim if work.optim is not None and work.optim.seq_id < before_seq else None
-    return ModelWork(work.model_id, keep(work.pre), keep(work.passes), optim, keep(work.post),
-                     keep(work.rejected))
+    return ModelWork(
+        work.model_id,
+        keep(work.pre),
+        keep(work.passes),
+        optim,
+        keep(work.post),
+        keep(work.rejected),
+    )
 
 
 class _KeySpend:
@@ -206,63 +214,86 @@ def plan_cycle(
     among its key's work in its cycle: nothing starves, and other keys are not held back.
     The plan's `deficits` are what each model is owed next cycle.
     """
-    owed = dict(deficits or {})
     works = {m: take_model_work(m, ops, next_seq.get(m, 0)) for m, ops in queues.items() if ops}
     works = {m: w for m, w in works.items() if w.ops()}
-    units = {m: pass_units(w.passes) for m, w in works.items()}
-    active = sorted((m for m in works if units[m]), key=lambda m: (-owed.get(m, 0), m))
-    quantum = token_budget // max(len(active), 1)
-    taken: dict[str, int] = {m: 0 for m in works}  # pass ops admitted per model
-    allowance = {m: owed.get(m, 0) + quantum for m in active}
-    room = token_budget
-    keyspend = _KeySpend(owners or {}, key_cap)
+    packer = _DeficitRoundRobin(
+        works, token_budget, dict(deficits or {}), _KeySpend(owners or {}, key_cap)
+    )
+    packer.pack()
+    return packer.plan()
 
-    def admit(m: str, limit: int) -> int:
+
+class _DeficitRoundRobin:
+    """One cycle of deficit round robin over pass tokens (see `plan_cycle`)."""
+
+    def __init__(
+        self, works: dict[str, ModelWork], budget: int, owed: dict[str, int], keyspend: _KeySpend
+    ) -> None:
+        self.works = works
+        self.budget = budget
+        self.keyspend = keyspend
+        self.units = {m: pass_units(w.passes) for m, w in works.items()}
+        # Models with passes waiting, most-owed first.
+        self.active = sorted(
+            (m for m in works if self.units[m]), key=lambda m: (-owed.get(m, 0), m)
+        )
+        quantum = budget // max(len(self.active), 1)
+        self.allowance = {m: owed.get(m, 0) + quantum for m in self.active}
+        self.taken: dict[str, int] = {m: 0 for m in works}  # pass ops admitted per model
+        self.room = budget
+
+    def pack(self) -> None:
+        for m in self.active:  # round one: each model spends what it is owed
+            used = self.admit(m, min(self.allowance[m], self.room))
+            self.allowance[m] -= used
+            self.room -= used
+        for m in self.active:  # round two: leftover room, same order
+            self.room -= self.admit(m, self.room)
+        if self.active and not any(self.taken[m] for m in self.active):
+            first = self.active[0]  # nothing fits: the most-owed runs alone
+            self.taken[first] = len(self.units[first][0])
+            self.allowance[first] = 0
+
+    def admit(self, m: str, limit: int) -> int:
         """Admit m's next units while they cost at most `limit` and fit its key's cap; returns
         tokens spent. A unit that can never fit (bigger than the whole budget or the key's
         cap) is admitted op by op instead."""
         spent = 0
-        done = taken[m]
-        for unit in units[m]:
+        done = self.taken[m]
+        for unit in self.units[m]:
             if done >= len(unit):
                 done -= len(unit)
                 continue
-            rest = unit[done:]
-            done = 0
-            size = sum(o.tokens for o in rest)
+            rest, done = unit[done:], 0
             whole = sum(o.tokens for o in unit)
-            if whole <= token_budget and keyspend.fits(whole):
-                if spent + size > limit or not keyspend.room(m, size):
+            if whole <= self.budget and self.keyspend.fits(whole):
+                size = sum(o.tokens for o in rest)
+                if not self._take(m, size, len(rest), spent, limit):
                     break
                 spent += size
-                taken[m] += len(rest)
-                keyspend.spend(m, size)
                 continue
             for o in rest:  # an oversized call: split it across cycles
-                if spent + o.tokens > limit or not keyspend.room(m, o.tokens):
+                if not self._take(m, o.tokens, 1, spent, limit):
                     return spent
                 spent += o.tokens
-                taken[m] += 1
-                keyspend.spend(m, o.tokens)
         return spent
 
-    for m in active:  # round one: each model spends what it is owed
-        used = admit(m, min(allowance[m], room))
-        allowance[m] -= used
-        room -= used
-    for m in active:  # round two: leftover room, same order
-        room -= admit(m, room)
-    if active and not any(taken[m] for m in active):
-        taken[active[0]] = len(units[active[0]][0])  # nothing fits: the most-owed runs alone
-        allowance[active[0]] = 0
-    plan: list[ModelWork] = []
-    new_owed: dict[str, int] = {}
-    for m in sorted(works, key=lambda m: (m not in active, active.index(m) if m in active
-                                          else 0, m)):
-        work = works[m]
-        if taken[m] < len(work.passes):
-            work = _cut(work, work.passes[taken[m]].seq_id)
-            new_owed[m] = max(allowance.get(m, 0), 0)  # still waiting: keep what it is owed
-        if work.ops():
-            plan.append(work)
-    return CyclePlan(models=tuple(plan), budget=token_budget, deficits=new_owed)
+    def _take(self, m: str, tokens: int, ops: int, spent: int, limit: int) -> bool:
+        if spent + tokens > limit or not self.keyspend.room(m, tokens):
+            return False
+        self.taken[m] += ops
+        self.keyspend.spend(m, tokens)
+        return True
+
+    def plan(self) -> CyclePlan:
+        plan: list[ModelWork] = []
+        new_owed: dict[str, int] = {}
+        order = {m: i for i, m in enumerate(self.active)}
+        for m in sorted(self.works, key=lambda m: (m not in order, order.get(m, 0), m)):
+            work = self.works[m]
+            if self.taken[m] < len(work.passes):
+                work = _cut(work, work.passes[self.taken[m]].seq_id)
+                new_owed[m] = max(self.allowance.get(m, 0), 0)  # still waiting: keep its due
+            if work.ops():
+                plan.append(work)
+        return CyclePlan(models=tuple(plan), budget=self.budget, deficits=new_owed)

@@ -10,6 +10,8 @@ from typing import TypeVar
 
 import msgspec
 
+from lockstep.vocab import CheckpointType, OpKind
+
 T = TypeVar("T")
 
 
@@ -57,11 +59,27 @@ class SamplerRecord(msgspec.Struct):
     adapter_dir: str | None = None  # resolved local PEFT directory; None = base model
     adapter_id: str | None = None  # engine-side name of that adapter version
     created: float = 0.0
+    # Inflight clients (SDK kind="inflight") follow their training model's shared weights
+    # target instead of fixed weights, at version `min_version` (their save's seq_id) or newer.
+    inflight_model: str | None = None
+    min_version: int = 0
+
+
+class InflightTarget(msgspec.Struct, frozen=True):
+    """A training model's shared, mutable inflight weights target: the newest inflight save.
+
+    `version` is that save's seq_id, so versions of one model only move forward."""
+
+    model_id: str
+    version: int
+    adapter_id: str  # engine-side name of this version's adapter
+    adapter_dir: str
+    published: float = 0.0
 
 
 class CheckpointRecord(msgspec.Struct):
     checkpoint_id: str  # "<segment>/<name>", e.g. "weights/ckpt-1"
-    checkpoint_type: str  # "training" | "sampler" | "external"
+    checkpoint_type: CheckpointType
     tinker_path: str
     directory: str
     time: float
@@ -77,12 +95,9 @@ class QueuedOp(msgspec.Struct, frozen=True):
     request_id: str
     model_id: str
     seq_id: int
-    kind: str  # one of JOB_KINDS
+    kind: OpKind
     tokens: int = 0  # tokens in the request (for the cycle's token budget)
 
-
-# Job kinds of training requests (a model's queue) and of samples (the sampling lane).
-JOB_KINDS = ("create_model", "load", "forward", "forward_backward", "optim_step", "save", "sample")
 
 encoder = msgspec.json.Encoder()
 

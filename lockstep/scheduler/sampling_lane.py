@@ -2,31 +2,47 @@
 
 Samples have no ordering constraints, so they do not wait for a training cycle: whatever is queued
 is taken as one batch (every tenant's adapter mixed in it) and handed to the sampling engine.
+
+Inflight clients (SDK kind="inflight") follow their training model's shared weights target
+(`InflightTarget` in Redis, versioned by the save's seq_id). The lane serves each model's inflight
+clients from ONE engine adapter, the newest version it has loaded (`_serving`), which only moves
+forward. A client created at version v never runs on an older one: if the loaded version is older
+than v its batch waits for the load. An older client whose target moved on keeps running on the
+loaded version until the new one is loaded (started by the clock's publish, or by the first
+sample that sees it), and switches at the next batch after that: within one publish. A superseded
+version is unloaded at the start of the next batch, when no request can still name it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from lockstep.engine.interface import SamplingEngine
+from lockstep.engine.interface import EngineDied, SamplingEngine
 from lockstep.engine.types import SampleRequest
 from lockstep.observability import metrics
-from lockstep.scheduler import translate
+from lockstep.scheduler import tracing, translate
+from lockstep.scheduler.accounting import Accounting
 from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.records import InflightTarget, SamplerRecord
 from lockstep.scheduler.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.workers.process import EngineDied
+from lockstep.vocab import JobStatus
 
 log = logging.getLogger(__name__)
 
 
 class SamplingLane:
     def __init__(
-        self, store: Store, engine: SamplingEngine, board: FutureBoard, max_batch: int = 64,
+        self,
+        store: Store,
+        engine: SamplingEngine,
+        board: FutureBoard,
+        max_batch: int = 64,
         colocate: bool = False,
     ) -> None:
         self.store = store
@@ -38,6 +54,10 @@ class SamplingLane:
         self._stopping = False
         self._loaded: set[str] = set()
         self._engine_lock = asyncio.Lock()
+        self.accounting: Accounting | None = None  # tenancy: set by the scheduler server
+        self._serving: dict[str, InflightTarget] = {}  # model -> newest loaded inflight version
+        self._loading: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._retired: set[str] = set()  # superseded inflight adapters, unloaded before a batch
 
     def stop(self) -> None:
         self._stopping = True
@@ -47,26 +67,84 @@ class SamplingLane:
         """Publish new sampler weights without blocking the clock."""
         asyncio.get_running_loop().create_task(self._ensure_adapter(adapter_id, directory))
 
-    def publish(self, adapters: Sequence[tuple[str, Path]]) -> None:
-        """Publish every adapter one cycle changed, in one engine call, off the clock's path."""
+    def publish(
+        self, adapters: Sequence[tuple[str, Path]], targets: Sequence[InflightTarget] = ()
+    ) -> None:
+        """Publish every adapter one cycle changed, in one engine call, off the clock's path;
+        then load the models' new inflight targets (each becomes the served version once in)."""
         fresh = [(a, d) for a, d in adapters if a not in self._loaded]
         if fresh:
             asyncio.get_running_loop().create_task(self._publish_all(fresh))
+        for target in targets:
+            self._start_target(target)
+
+    # ---------------------------------------------------------------- inflight targets
+    def _start_target(self, target: InflightTarget) -> asyncio.Task[None] | None:
+        """Load `target` in the background unless that version or a newer one is served."""
+        serving = self._serving.get(target.model_id)
+        if serving is not None and serving.version >= target.version:
+            return None
+        key = (target.model_id, target.version)
+        task = self._loading.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._load_target(target))
+            self._loading[key] = task
+            task.add_done_callback(lambda _: self._loading.pop(key, None))
+        return task
+
+    async def _load_target(self, target: InflightTarget) -> None:
+        try:
+            await self._ensure_adapter(target.adapter_id, Path(target.adapter_dir))
+        except Exception:  # a waiting client's sample fails; the next publish tries again
+            log.exception("loading inflight %s v%d failed", target.model_id, target.version)
+            return
+        serving = self._serving.get(target.model_id)
+        if serving is not None and serving.version >= target.version:
+            self._retired.add(target.adapter_id)  # a newer one got in first
+            return
+        if serving is not None:
+            self._retired.add(serving.adapter_id)
+        self._serving[target.model_id] = target
+        log.info("inflight %s: serving version %d", target.model_id, target.version)
+
+    async def _inflight_adapter(self, sampler: SamplerRecord) -> str:
+        """The adapter an inflight client's sample runs on: the served version of its model,
+        never older than the client (`min_version`)."""
+        model_id = sampler.inflight_model
+        assert model_id is not None and sampler.adapter_id and sampler.adapter_dir
+        own = InflightTarget(model_id, sampler.min_version, sampler.adapter_id, sampler.adapter_dir)
+        target = await self.store.inflight_target(model_id)
+        if target is None or target.version < own.version:
+            target = own
+        task = self._start_target(target)  # no-op when the target is already served
+        serving = self._serving.get(model_id)
+        if task is not None and (serving is None or serving.version < sampler.min_version):
+            await asyncio.shield(task)  # too old for this client: wait for the load
+            serving = self._serving.get(model_id)
+        if serving is None or serving.version < sampler.min_version:
+            raise RuntimeError(f"inflight weights of {model_id} failed to load")
+        return serving.adapter_id
+
+    async def _unload_retired(self) -> None:
+        """Free superseded inflight versions; called between batches, when none is in use."""
+        while self._retired:
+            adapter_id = self._retired.pop()
+            if any(t.adapter_id == adapter_id for t in self._serving.values()):
+                continue
+            async with self._engine_lock:
+                await asyncio.to_thread(self.engine.unload_adapter, adapter_id)
+            self._loaded.discard(adapter_id)
 
     async def _publish_all(self, adapters: list[tuple[str, Path]]) -> None:
-        load_many = getattr(self.engine, "load_adapters", None)
-        if load_many is None:  # engines without a batch verb: one load each
-            for adapter_id, directory in adapters:
-                await self._ensure_adapter(adapter_id, directory)
-            return
         try:
             async with self._engine_lock:
                 with metrics.engine_call("sampler", "load_adapter") as timer:
-                    await asyncio.to_thread(load_many, adapters)
+                    await asyncio.to_thread(self.engine.load_adapters, adapters)
         except Exception:  # not fatal: a sample loads its adapter on demand
             log.exception("publishing %d adapters failed", len(adapters))
             return
-        metrics.adapter_published(timer.seconds)
+        for _ in adapters:  # each adapter's time until the sampler holds it: the batch's
+            metrics.adapter_published(timer.seconds)
         self._loaded.update(a for a, _ in adapters)
 
     @asynccontextmanager
@@ -96,6 +174,16 @@ class SamplingLane:
         metrics.adapter_published(timer.seconds)
         self._loaded.add(adapter_id)
 
+    async def unload(self, adapter_ids: list[str]) -> None:
+        """Tenancy: a session ended; its adapters leave the sampler (a later sample that needs
+        one, e.g. through a published checkpoint, loads it again)."""
+        for adapter_id in adapter_ids:
+            if adapter_id not in self._loaded:
+                continue
+            async with self._engine_lock:
+                await asyncio.to_thread(self.engine.unload_adapter, adapter_id)
+            self._loaded.discard(adapter_id)
+
     async def run(self) -> None:
         while not self._stopping:
             try:
@@ -104,10 +192,9 @@ class SamplingLane:
                 log.error("sampling engine died (%s); restarting it", exc)
                 metrics.scheduler_error("engine")
                 self._loaded.clear()
-                restart = getattr(self.engine, "restart", None)
-                if restart is None:
-                    raise
-                await asyncio.to_thread(restart)
+                self._serving.clear()  # a fresh engine has no adapters: reload on demand
+                self._retired.clear()
+                await asyncio.to_thread(self.engine.restart)
                 served = 0
             except Exception:
                 log.exception("sampling batch failed")
@@ -122,45 +209,59 @@ class SamplingLane:
                 self.wake.clear()
 
     async def serve_once(self) -> int:
+        await self._unload_retired()
         request_ids = await self.store.queued_samples(self.max_batch)
-        metrics.sample_backlog(len(request_ids) if len(request_ids) < self.max_batch
-                               else await self.store.sample_backlog())
+        metrics.sample_backlog(
+            len(request_ids)
+            if len(request_ids) < self.max_batch
+            else await self.store.sample_backlog()
+        )
         if not request_ids:
             return 0
         jobs: list[Job] = []
         requests: list[SampleRequest] = []
         topk: list[int] = []
         for job in await self.store.jobs(request_ids):
-            if job.status != "pending":
-                await self.store.finish_job(job, result=job.result, error=job.error)
+            if job.status != JobStatus.PENDING:
+                await self.store.finish_sample(job, result=job.result, error=job.error)
                 continue
             try:
                 sample = pb.SubmitRequest.FromString(job.payload).sample
                 adapter_id = await self._adapter_for(sample.sampling_session_id)
-            except LookupError as exc:
+            except (LookupError, RuntimeError) as exc:
                 await self._finish(job, error=str(exc))
                 metrics.sample_failed([job.owner])
                 continue
             jobs.append(job)
-            requests.append(translate.sample_request(job.request_id, sample, adapter_id))
+            request = translate.sample_request(job.request_id, sample, adapter_id)
+            # Each sampling session is its own KV-cache namespace (prefixes reused within it).
+            request.cache_namespace = sample.sampling_session_id
+            requests.append(request)
             topk.append(sample.topk_prompt_logprobs)
         if requests:
+            started = time.time()  # [trace hook]
             async with self._engine_lock:
                 with metrics.engine_call("sampler", "sample") as timer:
                     results = await asyncio.to_thread(self.engine.sample, requests)
             metrics.sampled([job.owner for job in jobs], results, timer.seconds)
+            if self.accounting is not None:  # tenancy: usage per key
+                await self.accounting.on_sampled(jobs, requests, results)
             for job, result, k in zip(jobs, results, topk, strict=True):
                 if result.error is not None:
                     await self._finish(job, error=result.error)
                 else:
                     response = translate.sample_response(result, k)
                     await self._finish(job, result=pb.JobResult(sample=response))
+            jobs_done = [(j.request_id, j.model_id, j.seq_id) for j in jobs]  # [trace hook]
+            await tracing.sampled(jobs_done, started)  # [trace hook]
         return len(request_ids)
 
     async def _adapter_for(self, sampler_id: str) -> str | None:
         sampler = await self.store.sampler(sampler_id)
         if sampler is None:
             raise LookupError(f"sampling_session_id: {sampler_id} does not exist")
+        if sampler.inflight_model is not None:
+            return await self._inflight_adapter(sampler)
         if sampler.adapter_dir is None or sampler.adapter_id is None:
             return None
         await self._ensure_adapter(sampler.adapter_id, Path(sampler.adapter_dir))
@@ -169,7 +270,7 @@ class SamplingLane:
     async def _finish(
         self, job: Job, result: pb.JobResult | None = None, error: str | None = None
     ) -> None:
-        await self.store.finish_job(
+        await self.store.finish_sample(
             job, result=result.SerializeToString() if result else None, error=error
         )
         self.board.notify(job.request_id)

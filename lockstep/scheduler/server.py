@@ -8,33 +8,46 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 
-from lockstep import limits as limits_mod
+from lockstep import config, grpc_options
+from lockstep.config import (
+    ClockConfig,
+    EngineConfig,
+    Limits,
+    LockstepConfig,
+    SamplerConfig,
+    TenancyConfig,
+)
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
 from lockstep.rollout import config as rollout_config
+from lockstep.scheduler import tenancy as tenancy_mod
+from lockstep.scheduler import tracing
+from lockstep.scheduler.accounting import Accounting
 from lockstep.scheduler.catalog import Catalog
-from lockstep.scheduler.clock import Clock, ClockConfig
+from lockstep.scheduler.clock import Clock
 from lockstep.scheduler.dispatch import Dispatcher
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.sampling_lane import SamplingLane
-from lockstep.scheduler.service import SchedulerService
 from lockstep.scheduler.store import Store
 from lockstep.scheduler.submissions import Submissions
+from lockstep.scheduler.tenancy_service import TenancyService
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
-from lockstep.workers.megatron import options as engine_options
 
 log = logging.getLogger("lockstep.scheduler")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """What the scheduler process runs with: its view of the root config, resolved
+    (`from_config`)."""
+
     listen: str  # gRPC address, e.g. "127.0.0.1:50051" or "unix:/path/sock"
     redis_url: str
     data_dir: Path
@@ -45,9 +58,40 @@ class SchedulerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # /metrics, /healthz, /livez; None: not served; 0: any port
     metrics_max_tenants: int = 32  # owners with per-tenant series of their own (docs/operations)
-    engine: engine_options.EngineOptions = field(default_factory=engine_options.EngineOptions)
-    limits: limits_mod.Limits = field(default_factory=limits_mod.Limits)
-    sampler: rollout_config.SamplerConfig = field(default_factory=rollout_config.SamplerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    limits: Limits = field(default_factory=Limits)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    trace_retention_s: int = tracing.DEFAULT_RETENTION_S  # session traces in Redis; 0: off
+
+    @classmethod
+    def from_config(cls, cfg: LockstepConfig) -> SchedulerConfig:
+        limits = cfg.limits
+        if cfg.sampler.kind != "local":
+            # A run whose rank the vLLM/SGLang server cannot hold would fail at its first
+            # sample: refuse it when it is created instead.
+            limits = replace(
+                limits, max_lora_rank=min(limits.max_lora_rank, cfg.sampler.max_lora_rank)
+            )
+        # required flags of the scheduler's command line (lockstep.config.sections)
+        assert cfg.scheduler.listen and cfg.scheduler.redis_url and cfg.model.dir
+        return cls(
+            listen=cfg.scheduler.listen,
+            redis_url=cfg.scheduler.redis_url,
+            data_dir=cfg.data_dir.resolve(),
+            model_dir=cfg.model.dir.resolve(),
+            served_names=cfg.model.served_names,
+            clock=cfg.clock,
+            max_sample_batch=cfg.scheduler.max_sample_batch,
+            metrics_host=cfg.metrics.host,
+            metrics_port=cfg.metrics.port,
+            metrics_max_tenants=cfg.metrics.max_tenants,
+            engine=cfg.engine,
+            limits=limits,
+            sampler=cfg.sampler,
+            tenancy=cfg.tenancy,
+            trace_retention_s=cfg.metrics.trace_retention_s,
+        )
 
 
 def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]:
@@ -57,36 +101,105 @@ def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]
 
     name = cfg.served_names[0]
     factory: Callable[[], TrainingEngine] = functools.partial(
-        LocalTrainingEngine, cfg.model_dir, name)
-    if cfg.engine.engine == "megatron":  # the child process drives the Ray worker group
+        LocalTrainingEngine,
+        cfg.model_dir,
+        name,
+        micro_batch_tokens=cfg.engine.micro_batch_tokens,
+        dtype=cfg.engine.dtype,
+        activation_checkpointing=cfg.engine.activation_checkpointing,
+    )
+    if cfg.engine.kind == "megatron":  # the child process drives the Ray worker group
         from lockstep.workers.megatron.engine import MegatronTrainingEngine
 
-        factory = functools.partial(MegatronTrainingEngine, cfg.model_dir, name,
-                                    cfg.engine.parallel, "ray", cfg.engine.ray_address,
-                                    cfg.engine.micro_batch)
+        factory = functools.partial(
+            MegatronTrainingEngine,
+            cfg.model_dir,
+            name,
+            cfg.engine.parallel,
+            "ray",
+            cfg.engine.ray_address,
+            cfg.engine.micro_batch,
+            cfg.engine.ray_placement,
+        )
     trainer = ProcessTrainingEngine(factory, "trainer")
     sampler = rollout_config.start_sampler(cfg.sampler, cfg.model_dir, name, cfg.data_dir)
     return trainer, sampler
 
 
-async def serve(cfg: SchedulerConfig) -> None:
-    metrics.configure(cfg.metrics_max_tenants)
-    ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host,
-                                                                  cfg.metrics_port)
-    store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
-    await store.ping()
-    trainer, sampler = await asyncio.to_thread(start_engines, cfg)
+@dataclass
+class Assembly:
+    """The scheduler's parts, wired: what `serve` runs (and what tests drive in-process)."""
+
+    store: Store
+    board: FutureBoard
+    lane: SamplingLane
+    clock: Clock
+    catalog: Catalog
+    submissions: Submissions
+    tenancy: tenancy_mod.Tenancy
+
+    def service(self, health: Callable[[], Awaitable[dict[str, str]]]) -> TenancyService:
+        return TenancyService(
+            self.store,
+            self.catalog,
+            self.submissions,
+            self.board,
+            health,
+            self.clock.queue_state,
+            tenancy=self.tenancy,
+        )
+
+
+def assemble(
+    cfg: SchedulerConfig, store: Store, trainer: TrainingEngine, sampler: SamplingEngine
+) -> Assembly:
     card = trainer.card()
-    log.info("engines ready: %s (vocab %d, context %d) from %s", card.name, card.vocab_size,
-             card.max_context_length, card.directory)
     board = FutureBoard(store)
     lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
-    clock = Clock(store, Dispatcher(store, trainer, cfg.data_dir), board, lane, cfg.clock,
-                  key_token_cap=cfg.limits.max_tokens_per_cycle_per_key)
+    dispatcher = Dispatcher(store, trainer, cfg.data_dir, cfg.tenancy.max_resident_models)
+    clock = Clock(
+        store,
+        dispatcher,
+        board,
+        lane,
+        cfg.clock,
+        key_token_cap=cfg.limits.max_tokens_per_cycle_per_key,
+    )
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
-    submissions = Submissions(store, catalog, card, cfg.data_dir,
-                              on_training=clock.wake.set, on_sample=lane.wake.set,
-                              limits=cfg.limits)
+    accounting = Accounting(store, cfg.tenancy.audit_retention_s)
+    clock.accounting = lane.accounting = accounting
+    tenancy = tenancy_mod.Tenancy(
+        cfg.tenancy, store, catalog, dispatcher.resident, accounting, clock.wake.set, lane.unload
+    )
+    submissions = Submissions(
+        store,
+        catalog,
+        card,
+        cfg.data_dir,
+        on_training=clock.wake.set,
+        on_sample=lane.wake.set,
+        limits=cfg.limits,
+    )
+    return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
+
+
+async def serve(cfg: SchedulerConfig) -> None:
+    metrics.configure(cfg.metrics_max_tenants)
+    ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
+    store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
+    await store.ping()
+    tracing.configure(store.redis, cfg.trace_retention_s)
+    trainer, sampler = await asyncio.to_thread(start_engines, cfg)
+    card = trainer.card()
+    log.info(
+        "engines ready: %s (vocab %d, context %d) from %s",
+        card.name,
+        card.vocab_size,
+        card.max_context_length,
+        card.directory,
+    )
+    parts = assemble(cfg, store, trainer, sampler)
+    clock, lane = parts.clock, parts.lane
 
     async def health() -> dict[str, str]:
         parts = {}
@@ -95,14 +208,11 @@ async def serve(cfg: SchedulerConfig) -> None:
         except Exception as exc:
             parts["redis"] = f"unreachable: {exc}"
         for name, engine in (("trainer", trainer), ("sampler", sampler)):
-            alive = getattr(engine, "process", None)
-            parts[name] = "ready" if alive is None or alive.alive() else "process exited"
+            parts[name] = "ready" if engine.alive() else "process exited"
         return parts
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 << 20),
-                                      ("grpc.max_send_message_length", 512 << 20)])
-    pb_grpc.add_SchedulerServicer_to_server(
-        SchedulerService(store, catalog, submissions, board, health, clock.queue_state), server)
+    server = grpc.aio.server(options=grpc_options.server_options(512 << 20))
+    pb_grpc.add_SchedulerServicer_to_server(parts.service(health), server)
     server.add_insecure_port(cfg.listen)
     await server.start()
     log.info("scheduler listening on %s (redis %s)", cfg.listen, cfg.redis_url)
@@ -111,7 +221,11 @@ async def serve(cfg: SchedulerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(clock.run()), asyncio.create_task(lane.run())]
+    tasks = [
+        asyncio.create_task(clock.run()),
+        asyncio.create_task(lane.run()),
+        asyncio.create_task(parts.tenancy.run_expiry()),
+    ]
     probe = asyncio.create_task(metrics.probe_redis(store.ping))
     if ops is not None:
         ops.health = health
@@ -134,47 +248,26 @@ async def serve(cfg: SchedulerConfig) -> None:
     log.info("scheduler stopped")
 
 
+def build_parser(base: LockstepConfig | None = None) -> argparse.ArgumentParser:
+    """`python -m lockstep.scheduler` flags (generated from lockstep.config)."""
+    return config.build_parser(
+        "scheduler", base or LockstepConfig(), prog="python -m lockstep.scheduler"
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
-    p = argparse.ArgumentParser(prog="python -m lockstep.scheduler")
-    p.add_argument("--listen", required=True)
-    p.add_argument("--redis-url", required=True)
-    p.add_argument("--data-dir", type=Path, required=True)
-    p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--served-name", action="append", required=True)
-    p.add_argument("--clock-policy", choices=["triggered", "periodic"], default="triggered")
-    p.add_argument("--clock-period", type=float, default=1.0)
-    p.add_argument("--clock-gather", type=float, default=0.02)
-    p.add_argument("--token-budget", type=int, default=65536)
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the /metrics, /healthz and /livez HTTP server")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="port of that server (0: any free port, logged); omitted: no server")
-    p.add_argument("--metrics-max-tenants", type=int, default=32,
-                   help="owners with per-tenant metric series of their own; others: 'other'")
-    limits_mod.add_scheduler_arguments(p)
-    rollout_config.add_arguments(p)
-    engine_options.add_arguments(p)
-    a = p.parse_args(argv)
-    sampler = rollout_config.from_args(a)
-    limits = limits_mod.from_scheduler_args(a)
-    if sampler.kind != "local":
-        # A run whose rank the vLLM/SGLang server cannot hold would fail at its first sample:
-        # refuse it when it is created instead.
-        limits = replace(limits, max_lora_rank=min(limits.max_lora_rank, sampler.max_lora_rank))
-    return SchedulerConfig(
-        listen=a.listen, redis_url=a.redis_url, data_dir=a.data_dir.resolve(),
-        model_dir=a.model_dir.resolve(), served_names=tuple(a.served_name),
-        clock=ClockConfig(policy=a.clock_policy, period_s=a.clock_period,
-                          gather_s=a.clock_gather, token_budget=a.token_budget),
-        metrics_host=a.metrics_host, metrics_port=a.metrics_port,
-        metrics_max_tenants=a.metrics_max_tenants, engine=engine_options.from_args(a),
-        limits=limits, sampler=sampler,
+    """The scheduler's flags, or `--config FILE` as `lockstep serve` starts it."""
+    base = config.base_config(argv)
+    parser = build_parser(base)
+    return SchedulerConfig.from_config(
+        config.resolve(parser, base, parser.parse_args(argv), "scheduler")
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s"
+    )
     asyncio.run(serve(parse_args(argv)))
 
 

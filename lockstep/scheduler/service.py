@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -12,14 +13,16 @@ import grpc
 
 from lockstep.engine.interface import UserInputError
 from lockstep.observability import metrics
+from lockstep.paths import TinkerPath
+from lockstep.scheduler import redis_conn, tracing
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.paths import TinkerPath
 from lockstep.scheduler.records import CheckpointRecord, ModelRecord
 from lockstep.scheduler.store import Store
 from lockstep.scheduler.submissions import Submissions
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
+from lockstep.vocab import JobStatus
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -44,14 +47,21 @@ def grpc_errors(fn: F) -> F:
         except OverCapacity as exc:
             metrics.refused("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except redis_conn.UNAVAILABLE_ERRORS as exc:  # still down after the client's retries
+            log.warning("%s: redis unavailable: %s", fn.__name__, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "state store unavailable, retry")
 
     return wrapper  # type: ignore[return-value]
 
 
 def checkpoint_pb(rec: CheckpointRecord) -> pb.Checkpoint:
     msg = pb.Checkpoint(
-        checkpoint_id=rec.checkpoint_id, checkpoint_type=rec.checkpoint_type, time=rec.time,
-        tinker_path=rec.tinker_path, size_bytes=rec.size_bytes, public=rec.public,
+        checkpoint_id=rec.checkpoint_id,
+        checkpoint_type=rec.checkpoint_type,
+        time=rec.time,
+        tinker_path=rec.tinker_path,
+        size_bytes=rec.size_bytes,
+        public=rec.public,
         user_metadata=rec.user_metadata,
     )
     if rec.expires_at is not None:
@@ -60,8 +70,12 @@ def checkpoint_pb(rec: CheckpointRecord) -> pb.Checkpoint:
 
 
 def lora_pb(model: ModelRecord) -> pb.LoraConfig:
-    lc = pb.LoraConfig(rank=model.lora.rank, train_attn=model.lora.train_attn,
-                       train_mlp=model.lora.train_mlp, train_unembed=model.lora.train_unembed)
+    lc = pb.LoraConfig(
+        rank=model.lora.rank,
+        train_attn=model.lora.train_attn,
+        train_mlp=model.lora.train_mlp,
+        train_unembed=model.lora.train_unembed,
+    )
     if model.lora.seed is not None:
         lc.seed = model.lora.seed
     return lc
@@ -69,7 +83,11 @@ def lora_pb(model: ModelRecord) -> pb.LoraConfig:
 
 class SchedulerService(pb_grpc.SchedulerServicer):
     def __init__(
-        self, store: Store, catalog: Catalog, submissions: Submissions, board: FutureBoard,
+        self,
+        store: Store,
+        catalog: Catalog,
+        submissions: Submissions,
+        board: FutureBoard,
         health: Callable[[], Awaitable[dict[str, str]]],
         queue_state: Callable[[str], tuple[str, str]] = lambda model_id: ("active", ""),
     ) -> None:
@@ -82,9 +100,11 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     # ---------------------------------------------------------------- sessions
     @grpc_errors
-    async def CreateSession(self, request, context):  # type: ignore[no-untyped-def]
+    async def CreateSession(self, request, context):
         rec = await self.catalog.create_session(
-            request.owner, list(request.tags), dict(request.user_metadata),
+            request.owner,
+            list(request.tags),
+            dict(request.user_metadata),
             request.display_name if request.HasField("display_name") else None,
             request.project_id if request.HasField("project_id") else None,
         )
@@ -92,73 +112,97 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return pb.CreateSessionReply(session_id=rec.session_id)
 
     @grpc_errors
-    async def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+    async def Heartbeat(self, request, context):
         return pb.HeartbeatReply(
-            finished=await self.catalog.heartbeat(request.owner, request.session_id))
+            finished=await self.catalog.heartbeat(request.owner, request.session_id)
+        )
 
     @grpc_errors
-    async def FinishSession(self, request, context):  # type: ignore[no-untyped-def]
+    async def FinishSession(self, request, context):
         await self.catalog.finish_session(request.owner, request.session_id)
         return pb.Empty()
 
     @grpc_errors
-    async def GetSession(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetSession(self, request, context):
         rec = await self.catalog.owned_session(request.owner, request.session_id)
         models, samplers = await self.store.session_members(rec.session_id)
-        info = pb.SessionInfo(training_run_ids=models, sampler_ids=samplers,
-                              user_metadata=rec.user_metadata)
+        info = pb.SessionInfo(
+            training_run_ids=models, sampler_ids=samplers, user_metadata=rec.user_metadata
+        )
         if rec.display_name is not None:
             info.display_name = rec.display_name
         return info
 
     @grpc_errors
-    async def ListSessions(self, request, context):  # type: ignore[no-untyped-def]
-        ids, total = await self.store.owner_sessions(request.owner, request.offset,
-                                                     request.limit or 20)
+    async def GetSessionTrace(self, request, context):
+        rec = await self.catalog.owned_session(request.owner, request.session_id)  # else 404
+        trace = await tracing.export(rec.session_id)
+        return pb.SessionTrace(trace_json=json.dumps(trace).encode())
+
+    @grpc_errors
+    async def ListSessions(self, request, context):
+        ids, total = await self.store.owner_sessions(
+            request.owner, request.offset, request.limit or 20
+        )
         return pb.SessionList(session_ids=ids, total_count=total)
 
     # ---------------------------------------------------------------- futures
     @grpc_errors
-    async def Submit(self, request, context):  # type: ignore[no-untyped-def]
+    async def Submit(self, request, context):
         return await self.submissions.submit(request)
 
     @grpc_errors
-    async def RetrieveFuture(self, request, context):  # type: ignore[no-untyped-def]
+    async def RetrieveFuture(self, request, context):
         timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
         with metrics.FUTURE_WAITERS.track_inprogress():
-            job = await self.board.wait(request.request_id, timeout)
+            try:
+                job = await self.board.wait(request.request_id, timeout)
+            except redis_conn.UNAVAILABLE_ERRORS as exc:  # the result is safe in Redis: poll again
+                log.warning("RetrieveFuture: redis unavailable: %s", exc)
+                return pb.FutureReply(
+                    try_again=pb.TryAgain(queue_state="active", reason="state store restarting")
+                )
         if job is None or job.owner != request.owner:
             raise NotFound(f"request {request.request_id} does not exist")
-        if job.status == "pending":
+        if job.status == JobStatus.PENDING:
             state, reason = self.queue_state(job.model_id)
             return pb.FutureReply(try_again=pb.TryAgain(queue_state=state, reason=reason))
-        if job.status == "failed":
-            return pb.FutureReply(error=pb.JobError(message=job.error or "failed",
-                                                    category=job.category or "unknown"))
+        if job.status == JobStatus.FAILED:
+            return pb.FutureReply(
+                error=pb.JobError(message=job.error or "failed", category=job.category or "unknown")
+            )
         return pb.FutureReply(result=pb.JobResult.FromString(job.result or b""))
 
     # ---------------------------------------------------------------- models and samplers
     @grpc_errors
-    async def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetModelInfo(self, request, context):
         model = await self.catalog.owned_model(request.owner, request.model_id)
         card = self.catalog.card
-        return pb.ModelInfo(model_id=model.model_id, base_model=model.base_model,
-                            arch=card.arch, tokenizer_id=card.directory,
-                            lora_rank=model.lora.rank, lora_config=lora_pb(model))
+        return pb.ModelInfo(
+            model_id=model.model_id,
+            base_model=model.base_model,
+            arch=card.arch,
+            tokenizer_id=card.directory,
+            lora_rank=model.lora.rank,
+            lora_config=lora_pb(model),
+        )
 
     @grpc_errors
-    async def CreateSamplingSession(self, request, context):  # type: ignore[no-untyped-def]
+    async def CreateSamplingSession(self, request, context):
         rec = await self.catalog.create_sampler(
-            request.owner, request.session_id, request.sampling_session_seq_id,
+            request.owner,
+            request.session_id,
+            request.sampling_session_seq_id,
             request.model_path if request.HasField("model_path") else None,
             request.base_model if request.HasField("base_model") else None,
         )
         return self._sampler_info(rec)
 
     @grpc_errors
-    async def GetSampler(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetSampler(self, request, context):
         return self._sampler_info(
-            await self.catalog.owned_sampler(request.owner, request.sampler_id))
+            await self.catalog.owned_sampler(request.owner, request.sampler_id)
+        )
 
     @staticmethod
     def _sampler_info(rec: Any) -> pb.SamplerInfo:
@@ -168,80 +212,88 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return info
 
     @grpc_errors
-    async def GetServerCapabilities(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetServerCapabilities(self, request, context):
         ctx = self.catalog.card.max_context_length
-        return pb.ServerCapabilities(models=[
-            pb.SupportedModel(model_name=n, max_context_length=ctx)
-            for n in self.catalog.served_names])
+        return pb.ServerCapabilities(
+            models=[
+                pb.SupportedModel(model_name=n, max_context_length=ctx)
+                for n in self.catalog.served_names
+            ]
+        )
 
     # ---------------------------------------------------------------- runs and checkpoints
     async def _run(self, model: ModelRecord) -> pb.TrainingRun:
         last = await self.store.last_request_time(model.model_id) or model.last_request_time
         run = pb.TrainingRun(
-            training_run_id=model.model_id, base_model=model.base_model,
-            model_owner=model.owner, is_lora=True, last_request_time=last,
-            lora_rank=model.lora.rank, user_metadata=model.user_metadata,
+            training_run_id=model.model_id,
+            base_model=model.base_model,
+            model_owner=model.owner,
+            is_lora=True,
+            last_request_time=last,
+            lora_rank=model.lora.rank,
+            user_metadata=model.user_metadata,
         )
-        for cid, slot in ((model.last_checkpoint, run.last_checkpoint),
-                          (model.last_sampler_checkpoint, run.last_sampler_checkpoint)):
+        for cid, slot in (
+            (model.last_checkpoint, run.last_checkpoint),
+            (model.last_sampler_checkpoint, run.last_sampler_checkpoint),
+        ):
             rec = await self.store.checkpoint(model.model_id, cid) if cid else None
             if rec is not None:
                 slot.CopyFrom(checkpoint_pb(rec))
         return run
 
     @grpc_errors
-    async def ListTrainingRuns(self, request, context):  # type: ignore[no-untyped-def]
-        ids, total = await self.store.owner_runs(request.owner, request.offset,
-                                                 request.limit or 20)
+    async def ListTrainingRuns(self, request, context):
+        ids, total = await self.store.owner_runs(request.owner, request.offset, request.limit or 20)
         runs = [await self._run(await self.catalog.owned_model(request.owner, i)) for i in ids]
         return pb.TrainingRunList(runs=runs, total_count=total)
 
     @grpc_errors
-    async def GetTrainingRun(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetTrainingRun(self, request, context):
         return await self._run(await self.catalog.owned_model(request.owner, request.run_id))
 
     @grpc_errors
-    async def ListCheckpoints(self, request, context):  # type: ignore[no-untyped-def]
+    async def ListCheckpoints(self, request, context):
         run_id = request.run_id if request.HasField("run_id") else None
         recs = await self.catalog.list_checkpoints(request.owner, run_id)
         limit = request.limit or len(recs)
-        page = recs[request.offset:request.offset + limit]
-        return pb.CheckpointList(checkpoints=[checkpoint_pb(r) for r in page],
-                                 total_count=len(recs))
+        page = recs[request.offset : request.offset + limit]
+        return pb.CheckpointList(
+            checkpoints=[checkpoint_pb(r) for r in page], total_count=len(recs)
+        )
 
     @grpc_errors
-    async def DeleteCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
+    async def DeleteCheckpoint(self, request, context):
         await self.catalog.delete_checkpoint(request.owner, request.tinker_path)
         return pb.Empty()
 
     @grpc_errors
-    async def SetCheckpointPublic(self, request, context):  # type: ignore[no-untyped-def]
+    async def SetCheckpointPublic(self, request, context):
         await self.catalog.set_public(request.ref.owner, request.ref.tinker_path, request.public)
         return pb.Empty()
 
     @grpc_errors
-    async def SetCheckpointTtl(self, request, context):  # type: ignore[no-untyped-def]
+    async def SetCheckpointTtl(self, request, context):
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
         await self.catalog.set_ttl(request.ref.owner, request.ref.tinker_path, ttl)
         return pb.Empty()
 
     @grpc_errors
-    async def GetCheckpointFiles(self, request, context):  # type: ignore[no-untyped-def]
-        directory, files = await self.catalog.checkpoint_files(request.owner,
-                                                               request.tinker_path)
-        return pb.CheckpointFiles(directory=str(directory), relative_paths=files,
-                                  expires=time.time() + 3600)
+    async def GetCheckpointFiles(self, request, context):
+        directory, files = await self.catalog.checkpoint_files(request.owner, request.tinker_path)
+        return pb.CheckpointFiles(
+            directory=str(directory), relative_paths=files, expires=time.time() + 3600
+        )
 
     @grpc_errors
-    async def GetWeightsInfo(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetWeightsInfo(self, request, context):
         path = TinkerPath.parse(request.tinker_path, "tinker_path")
         await self.catalog.readable_checkpoint(request.owner, path, field="tinker_path")
         model = await self.store.model(path.model_id)
         if model is None:
             raise NotFound(f"training run {path.model_id} does not exist")
-        return pb.WeightsInfo(base_model=model.base_model, is_lora=True,
-                              lora_config=lora_pb(model))
+        return pb.WeightsInfo(base_model=model.base_model, is_lora=True, lora_config=lora_pb(model))
 
-    async def Health(self, request, context):  # type: ignore[no-untyped-def]
+    async def Health(self, request, context):
         parts = await self.health()
         return pb.HealthReply(ready=all(v == "ready" for v in parts.values()), parts=parts)

@@ -17,9 +17,12 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
-from lockstep.scheduler import keys
+from lockstep.scheduler import keys, redis_conn
+from lockstep.scheduler.commit import ADVANCE_INFLIGHT, commit_op, mark_snapshot, progress_of
+from lockstep.scheduler.outcome import Outcome
 from lockstep.scheduler.records import (
     CheckpointRecord,
+    InflightTarget,
     ModelRecord,
     QueuedOp,
     SamplerRecord,
@@ -27,6 +30,7 @@ from lockstep.scheduler.records import (
     decode,
     encoder,
 )
+from lockstep.vocab import ErrorCategory, JobStatus, OpKind
 
 R = TypeVar("R")
 
@@ -40,6 +44,8 @@ end
 return 0
 """
 
+# Replace the inflight target only with a newer version (cjson reads the stored record).
+
 
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"
@@ -52,16 +58,16 @@ def digest(payload: bytes) -> str:
 @dataclass
 class Job:
     request_id: str
-    kind: str
+    kind: OpKind
     owner: str
     model_id: str
     seq_id: int
     digest: str
     payload: bytes
-    status: str  # "pending" | "done" | "failed"
+    status: JobStatus
     result: bytes | None
     error: str | None
-    category: str | None
+    category: ErrorCategory | None
     tokens: int
 
 
@@ -86,7 +92,7 @@ class Store:
 
     @classmethod
     def from_url(cls, url: str, result_ttl_s: int = RESULT_TTL_SECONDS) -> Store:
-        return cls(aioredis.Redis.from_url(url, decode_responses=False), result_ttl_s)
+        return cls(redis_conn.connect(url), result_ttl_s)
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
@@ -145,6 +151,21 @@ class Store:
         return await self._get(keys.sampler(sampler_id), SamplerRecord)
 
     # ------------------------------------------------------------------ checkpoints
+    async def advance_inflight_target(self, target: InflightTarget) -> bool:
+        """Point the model's inflight target at `target` unless it already holds that version or
+        a newer one (versions only move forward). Returns whether it moved."""
+        moved = await self.redis.eval(
+            ADVANCE_INFLIGHT,
+            1,
+            keys.inflight_target(target.model_id),
+            target.version,
+            encoder.encode(target),
+        )
+        return bool(moved)
+
+    async def inflight_target(self, model_id: str) -> InflightTarget | None:
+        return await self._get(keys.inflight_target(model_id), InflightTarget)
+
     async def put_checkpoint(self, model_id: str, rec: CheckpointRecord) -> None:
         await self.redis.hset(keys.checkpoints(model_id), rec.checkpoint_id, encoder.encode(rec))
 
@@ -167,7 +188,7 @@ class Store:
         owner: str,
         model_id: str,
         seq_id: int,
-        kind: str,
+        kind: OpKind,
         payload: bytes,
         tokens: int,
         new_model: ModelRecord | None = None,
@@ -178,7 +199,7 @@ class Store:
     ) -> tuple[str, bool]:
         """Enqueue a training request exactly once.
 
-        With `rejection`, the request is recorded as failed (kind "rejected") but still takes its
+        With `rejection`, the request is recorded as failed (kind REJECTED) but still takes its
         place in the model's queue, so the seq_ids after it are not held back.
 
         Returns (request_id, created). A retry with the same payload returns the first request id
@@ -211,11 +232,17 @@ class Store:
                     rid = new_request_id()
                     pipe.multi()
                     pipe.set(claim, rid)
-                    fields = self._job_fields(rid, kind, owner, model_id, seq_id, want,
-                                              payload, tokens)
+                    fields = self._job_fields(
+                        rid, kind, owner, model_id, seq_id, want, payload, tokens
+                    )
                     if rejection is not None:
-                        fields.update(kind="rejected", status="failed", error=rejection,
-                                      category="user", payload=b"")
+                        fields.update(
+                            kind=OpKind.REJECTED,
+                            status=JobStatus.FAILED,
+                            error=rejection,
+                            category=ErrorCategory.USER,
+                            payload=b"",
+                        )
                     pipe.hset(keys.job(rid), mapping=fields)
                     pipe.zadd(keys.pending(model_id), {rid: seq_id})
                     pipe.sadd(keys.ACTIVE_MODELS, model_id)
@@ -258,8 +285,9 @@ class Store:
                     pipe.set(claim, rid, ex=self.result_ttl_s)
                     pipe.hset(
                         keys.job(rid),
-                        mapping=self._job_fields(rid, "sample", owner, sampler_id, seq_id, want,
-                                                 payload, 0),
+                        mapping=self._job_fields(
+                            rid, "sample", owner, sampler_id, seq_id, want, payload, 0
+                        ),
                     )
                     pipe.rpush(keys.SAMPLE_QUEUE, rid)
                     await pipe.execute()
@@ -269,13 +297,26 @@ class Store:
 
     @staticmethod
     def _job_fields(
-        rid: str, kind: str, owner: str, model_id: str, seq_id: int, want: str,
-        payload: bytes, tokens: int,
+        rid: str,
+        kind: str,
+        owner: str,
+        model_id: str,
+        seq_id: int,
+        want: str,
+        payload: bytes,
+        tokens: int,
     ) -> dict[str, bytes | str | int | float]:
         return {
-            "request_id": rid, "kind": kind, "owner": owner, "model_id": model_id,
-            "seq_id": seq_id, "digest": want, "payload": payload, "status": "pending",
-            "tokens": tokens, "created": time.time(),
+            "request_id": rid,
+            "kind": kind,
+            "owner": owner,
+            "model_id": model_id,
+            "seq_id": seq_id,
+            "digest": want,
+            "payload": payload,
+            "status": "pending",
+            "tokens": tokens,
+            "created": time.time(),
         }
 
     async def job(self, request_id: str) -> Job | None:
@@ -286,16 +327,16 @@ class Store:
         text = lambda name: f[name].decode() if name in f else None  # noqa: E731
         return Job(
             request_id=request_id,
-            kind=text("kind") or "",
+            kind=OpKind(text("kind") or OpKind.SAMPLE),
             owner=text("owner") or "",
             model_id=text("model_id") or "",
             seq_id=int(f.get("seq_id", b"0")),
             digest=text("digest") or "",
             payload=f.get("payload", b""),
-            status=text("status") or "pending",
+            status=JobStatus(text("status") or JobStatus.PENDING),
             result=f.get("result"),
             error=text("error"),
-            category=text("category"),
+            category=ErrorCategory(f["category"].decode()) if "category" in f else None,
             tokens=int(f.get("tokens", b"0")),
         )
 
@@ -322,8 +363,9 @@ class Store:
             if not entries:
                 # Only while still idle: a request claimed since the ZRANGE above (it re-adds the
                 # model) must keep it active, or it would wait for the model's next submission.
-                await self.redis.eval(_SREM_IF_IDLE, 2, keys.ACTIVE_MODELS,
-                                      keys.pending(model_id), model_id)
+                await self.redis.eval(
+                    _SREM_IF_IDLE, 2, keys.ACTIVE_MODELS, keys.pending(model_id), model_id
+                )
                 continue
             ops: list[QueuedOp] = []
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -331,8 +373,10 @@ class Store:
                     pipe.hmget(keys.job(rid.decode()), ["kind", "tokens"])
                 fields = await pipe.execute()
             for (rid, seq), (kind, tokens) in zip(entries, fields, strict=True):
-                ops.append(QueuedOp(rid.decode(), model_id, int(seq), (kind or b"").decode(),
-                                    int(tokens or 0)))
+                # A queue entry whose job record is gone can never run: it holds its seq_id
+                # like a rejected request instead of stalling the model behind it forever.
+                known = OpKind(kind.decode()) if kind else OpKind.REJECTED
+                ops.append(QueuedOp(rid.decode(), model_id, int(seq), known, int(tokens or 0)))
             queues[model_id] = ops
             next_seq[model_id] = (await self.progress(model_id))[0]
         return queues, next_seq
@@ -343,71 +387,56 @@ class Store:
             for model_id in model_ids:
                 pipe.get(keys.model(model_id))
             raw = await pipe.execute()
-        return {m: decode(r, ModelRecord).owner for m, r in zip(model_ids, raw, strict=True)
-                if r is not None}
+        return {
+            m: decode(r, ModelRecord).owner
+            for m, r in zip(model_ids, raw, strict=True)
+            if r is not None
+        }
 
     async def next_cycle(self) -> int:
         return int(await self.redis.incr(keys.CLOCK))
 
     async def progress(self, model_id: str) -> tuple[int, int | None]:
         """(next_seq, snapshot_seq) of a model."""
-        raw = await self.redis.hmget(keys.progress(model_id), ["next_seq", "snapshot_seq"])
-        return int(raw[0] or 0), None if raw[1] is None else int(raw[1])
+        return progress_of(
+            await self.redis.hmget(keys.progress(model_id), ["next_seq", "snapshot_seq"])
+        )
 
-    async def finish_job(
+    async def commit(self, op: QueuedOp, outcome: Outcome) -> bool:
+        """Record one op's outcome in ONE transaction (`commit.commit_op`); progress only moves
+        forward. False: the op was committed already."""
+        return await commit_op(self.redis, self.result_ttl_s, op, outcome)
+
+    async def mark_snapshot(self, model_id: str, seq: int) -> int:
+        """Record a snapshot finished in the background (`commit.mark_snapshot`)."""
+        return await mark_snapshot(self.redis, self.result_ttl_s, model_id, seq)
+
+    async def finish_sample(
         self,
-        job: QueuedOp | Job,
+        job: Job,
         *,
         result: bytes | None = None,
         error: str | None = None,
-        category: str = "user",
-        keep_status: bool = False,
-        snapshot_seq: int | None = None,
+        category: ErrorCategory = ErrorCategory.USER,
     ) -> None:
-        """Write a job's outcome, take it off its queue and, for training requests, advance the
-        model's progress, all in one transaction.
-
-        A successful forward_backward keeps its payload and joins the model's replay log until
-        the next snapshot; `snapshot_seq` marks a new snapshot (and empties the log up to it).
-        """
-        fields: dict[str, bytes | str] = {}
-        if not keep_status:
-            fields["status"] = "done" if error is None else "failed"
+        """Write a sample's outcome and take it off the sample queue, in one transaction."""
+        fields: dict[str, bytes | str] = {
+            "status": JobStatus.DONE if error is None else JobStatus.FAILED
+        }
         if result is not None:
             fields["result"] = result
         if error is not None:
             fields["error"] = error
             fields["category"] = category
-        replayed = job.kind == "forward_backward" and error is None
-        stale: list[str] = []
-        if snapshot_seq is not None:
-            stale = [r.decode() for r in await self.redis.zrangebyscore(
-                keys.replay(job.model_id), "-inf", snapshot_seq)]
         async with self.redis.pipeline(transaction=True) as pipe:
-            if fields:
-                pipe.hset(keys.job(job.request_id), mapping=fields)
-            if not replayed:  # a replay-log entry keeps both until a snapshot covers it
-                pipe.hdel(keys.job(job.request_id), "payload")
-                pipe.expire(keys.job(job.request_id), self.result_ttl_s)
-            if job.kind == "sample":
-                pipe.lrem(keys.SAMPLE_QUEUE, 1, job.request_id)
-            else:
-                pipe.zrem(keys.pending(job.model_id), job.request_id)
-                progress = {"next_seq": job.seq_id + 1, "last_request_time": time.time()}
-                if snapshot_seq is not None:
-                    progress["snapshot_seq"] = snapshot_seq
-                pipe.hset(keys.progress(job.model_id), mapping=progress)
-                if replayed:
-                    pipe.zadd(keys.replay(job.model_id), {job.request_id: job.seq_id})
-                if stale:
-                    pipe.zrem(keys.replay(job.model_id), *stale)
-                    for rid in stale:
-                        pipe.hdel(keys.job(rid), "payload")
-                        pipe.expire(keys.job(rid), self.result_ttl_s)
+            pipe.hset(keys.job(job.request_id), mapping=fields)
+            pipe.hdel(keys.job(job.request_id), "payload")
+            pipe.expire(keys.job(job.request_id), self.result_ttl_s)
+            pipe.lrem(keys.SAMPLE_QUEUE, 1, job.request_id)
             await pipe.execute()
 
     async def replay_log(self, model_id: str, after_seq: int) -> list[Job]:
-        """The forward_backward passes to re-run on top of the snapshot taken at `after_seq`."""
+        """The passes and steps to re-run, in seq order, on the snapshot taken at `after_seq`."""
         ids = await self.redis.zrangebyscore(keys.replay(model_id), f"({after_seq}", "+inf")
         return await self.jobs([i.decode() for i in ids])
 

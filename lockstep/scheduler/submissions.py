@@ -8,23 +8,27 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from lockstep.config import Limits
 from lockstep.engine import losses
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard
-from lockstep.limits import Limits
 from lockstep.observability import metrics
-from lockstep.scheduler import translate
+from lockstep.paths import TinkerPath, checkpoint_dir, validate_name
+from lockstep.scheduler import encryption, tracing, translate
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
-from lockstep.scheduler.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler.records import LoraRecord, ModelRecord
 from lockstep.scheduler.store import ClaimConflict, Store, TenantLimitReached
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import OpKind
 from lockstep.wire.v1 import tinker_pb2 as wire
 
-# Every limit is in lockstep.limits.Limits. Admission: past the backlog limits a submission is
+# What a training submission queues: (model_id, seq_id, kind, pass tokens, new model record).
+Claim = tuple[str, int, str, int, ModelRecord | None]
+
+# Every limit is in lockstep.config.Limits. Admission: past the backlog limits a submission is
 # told to come back later (HTTP 429, retried by the SDK with backoff) instead of growing the
 # queue without bound; the size and tenant limits are permanent (400, naming the limit).
 
@@ -44,7 +48,8 @@ def retry_identity(req: pb.SubmitRequest) -> bytes | None:
     same request, and the first one's sampler is the one the SDK is told about.
     """
     if req.WhichOneof("op") == "save_weights" and req.save_weights.HasField(
-            "sampling_session_seq_id"):
+        "sampling_session_seq_id"
+    ):
         same = pb.SubmitRequest()
         same.CopyFrom(req)
         same.save_weights.ClearField("sampling_session_seq_id")
@@ -54,8 +59,13 @@ def retry_identity(req: pb.SubmitRequest) -> bytes | None:
 
 class Submissions:
     def __init__(
-        self, store: Store, catalog: Catalog, card: ModelCard, data_dir: Path,
-        on_training: Callable[[], None], on_sample: Callable[[], None],
+        self,
+        store: Store,
+        catalog: Catalog,
+        card: ModelCard,
+        data_dir: Path,
+        on_training: Callable[[], None],
+        on_sample: Callable[[], None],
         limits: Limits | None = None,
     ) -> None:
         self.limits = limits or Limits()
@@ -80,26 +90,40 @@ class Submissions:
                 model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
                 backlog = self.limits.max_pending_per_model
                 if await self.store.pending_count(model_id) >= backlog:
-                    raise OverCapacity(f"model {model_id} has {backlog} requests queued; "
-                                       "retry later")
+                    raise OverCapacity(
+                        f"model {model_id} has {backlog} requests queued; retry later"
+                    )
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
                 addressed = self._addressed(req, op)
                 if addressed is not None:
                     await self._hold_seq(req, *addressed, payload, str(exc))
                 raise
             rid, created = await self.store.claim_training(
-                owner=req.owner, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
-                tokens=tokens, new_model=new_model, identity=retry_identity(req),
-                max_runs_per_key=self.limits.max_tenants_per_key,
+                owner=req.owner,
+                model_id=model_id,
+                seq_id=seq_id,
+                kind=OpKind(kind),
+                payload=payload,
+                tokens=tokens,
+                new_model=new_model,
+                identity=retry_identity(req),
+                max_runs_per_key=min(
+                    (q for q in (self.limits.max_tenants_per_key, req.key_max_training_runs) if q),
+                    default=0,
+                ),
                 max_runs=self.limits.max_tenants,
             )
             metrics.submitted(req.owner, model_id, kind, created)
+            if created:
+                tracing.submitted(rid)  # [trace hook] queue wait starts
         except TenantLimitReached as exc:
             raise self._tenant_error(exc) from exc
         except ClaimConflict as exc:
             raise UserInputError(
-                "seq_id", f"this seq_id was already used by request {exc} with a different "
-                "payload; seq_ids must not be reused") from exc
+                "seq_id",
+                f"this seq_id was already used by request {exc} with a different "
+                "payload; seq_ids must not be reused",
+            ) from exc
         self.on_training()
         return pb.SubmitReply(request_id=rid, model_id=model_id)
 
@@ -124,88 +148,109 @@ class Submissions:
             return
         try:
             await self.store.claim_training(
-                owner=req.owner, model_id=model_id, seq_id=seq_id, kind="rejected",
-                payload=payload, tokens=0, rejection=reason)
+                owner=req.owner,
+                model_id=model_id,
+                seq_id=seq_id,
+                kind=OpKind.REJECTED,
+                payload=payload,
+                tokens=0,
+                rejection=reason,
+            )
         except ClaimConflict:
             return  # the seq_id already belongs to an accepted request
         self.on_training()
 
-    async def _training(
-        self, req: pb.SubmitRequest, op: str | None
-    ) -> tuple[str, int, str, int, ModelRecord | None]:
+    async def _training(self, req: pb.SubmitRequest, op: str | None) -> Claim:
+        """Validate a training op and say what to queue; one handler per op kind."""
         owner = req.owner
-        if op == "create_model":
-            c = req.create_model
-            session = await self.catalog.owned_session(owner, c.session_id)
-            self.catalog.resolve_base_model(c.base_model)
-            rank = c.lora_config.rank
-            if not 1 <= rank <= self.limits.max_lora_rank:
-                raise UserInputError("lora_config.rank",
-                                     f"must be in [1, {self.limits.max_lora_rank}]")
-            if not (c.lora_config.train_attn or c.lora_config.train_mlp
-                    or c.lora_config.train_unembed):
-                raise UserInputError("lora_config", "at least one of train_* must be true")
-            if c.optimizer_type not in ("", "adamw"):
-                raise UserInputError("optimizer_config.type",
-                                     f"{c.optimizer_type!r} is not supported; use adamw")
-            model_id = f"{session.session_id}:train:{c.model_seq_id}"
-            lc = c.lora_config
-            now = time.time()
-            record = ModelRecord(
-                model_id=model_id, owner=owner, session_id=session.session_id,
-                base_model=c.base_model,
-                lora=LoraRecord(rank=rank, seed=lc.seed if lc.HasField("seed") else None,
-                                train_attn=lc.train_attn, train_mlp=lc.train_mlp,
-                                train_unembed=lc.train_unembed),
-                created=now, last_request_time=now, user_metadata=dict(c.user_metadata),
-            )
-            return model_id, 0, "create_model", 0, record
-        if op == "forward_backward":
-            fb = req.forward_backward
-            await self._owned_model(owner, fb.model_id)
-            self._check_seq(fb.seq_id)
-            if not fb.data:
-                raise UserInputError("data", "no datums given")
-            self._check_sizes(fb)
-            pass_req = translate.pass_request("validation", fb)
-            losses.validate_pass_request(pass_req, self.card.vocab_size,
-                                         self.card.max_context_length)
-            kind = "forward" if fb.forward_only else "forward_backward"
-            return fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), None
-        if op == "optim_step":
-            o = req.optim_step
-            await self._owned_model(owner, o.model_id)
-            self._check_seq(o.seq_id)
-            a = o.adam
-            _finite(a.learning_rate, "adam_params.learning_rate", 0.0)
-            _finite(a.weight_decay, "adam_params.weight_decay", 0.0)
-            _finite(a.grad_clip_norm, "adam_params.grad_clip_norm")
-            _finite(a.eps, "adam_params.eps", 0.0)
-            for name, beta in (("beta1", a.beta1), ("beta2", a.beta2)):
-                _finite(beta, f"adam_params.{name}", 0.0)
-                if beta >= 1.0:
-                    raise UserInputError(f"adam_params.{name}", f"must be < 1, got {beta}")
-            return o.model_id, o.seq_id, "optim_step", 0, None
-        if op == "save_weights":
-            s = req.save_weights
-            await self._owned_model(owner, s.model_id)
-            self._check_seq(s.seq_id)
-            if s.HasField("name"):
-                validate_name(s.name)
-                if s.HasField("ttl_seconds") and s.ttl_seconds <= 0:
-                    raise UserInputError("ttl_seconds", "must be positive")
-            return s.model_id, s.seq_id, "save", 0, None
-        if op == "load_weights":
-            return await self._load(owner, req.load_weights)
-        raise UserInputError("type", f"unknown operation {op!r}")
+        handlers: dict[str, Callable[[], Awaitable[Claim]]] = {
+            "create_model": lambda: self._create_model(owner, req.create_model),
+            "forward_backward": lambda: self._forward_backward(owner, req.forward_backward),
+            "optim_step": lambda: self._optim_step(owner, req.optim_step),
+            "save_weights": lambda: self._save_weights(owner, req.save_weights),
+            "load_weights": lambda: self._load(owner, req.load_weights),
+        }
+        handler = handlers.get(op or "")
+        if handler is None:
+            raise UserInputError("type", f"unknown operation {op!r}")
+        return await handler()
 
-    async def _load(
-        self, owner: str, load: pb.LoadWeights
-    ) -> tuple[str, int, str, int, ModelRecord | None]:
+    async def _create_model(self, owner: str, c: pb.CreateModel) -> Claim:
+        session = await self.catalog.live_session(owner, c.session_id)
+        self.catalog.resolve_base_model(c.base_model)
+        lc = c.lora_config
+        if not 1 <= lc.rank <= self.limits.max_lora_rank:
+            raise UserInputError("lora_config.rank", f"must be in [1, {self.limits.max_lora_rank}]")
+        if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
+            raise UserInputError("lora_config", "at least one of train_* must be true")
+        if c.optimizer_type not in ("", "adamw"):
+            raise UserInputError(
+                "optimizer_config.type", f"{c.optimizer_type!r} is not supported; use adamw"
+            )
+        model_id = f"{session.session_id}:train:{c.model_seq_id}"
+        now = time.time()
+        record = ModelRecord(
+            model_id=model_id,
+            owner=owner,
+            session_id=session.session_id,
+            base_model=c.base_model,
+            lora=LoraRecord(
+                rank=lc.rank,
+                seed=lc.seed if lc.HasField("seed") else None,
+                train_attn=lc.train_attn,
+                train_mlp=lc.train_mlp,
+                train_unembed=lc.train_unembed,
+            ),
+            created=now,
+            last_request_time=now,
+            user_metadata=dict(c.user_metadata),
+        )
+        return model_id, 0, "create_model", 0, record
+
+    async def _forward_backward(self, owner: str, fb: wire.ForwardBackwardRequest) -> Claim:
+        await self._owned_model(owner, fb.model_id)
+        self._check_seq(fb.seq_id)
+        if not fb.data:
+            raise UserInputError("data", "no datums given")
+        self._check_sizes(fb)
+        pass_req = translate.pass_request("validation", fb)
+        losses.validate_pass_request(pass_req, self.card.vocab_size, self.card.max_context_length)
+        kind = "forward" if fb.forward_only else "forward_backward"
+        return fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), None
+
+    async def _optim_step(self, owner: str, o: pb.OptimStep) -> Claim:
+        await self._owned_model(owner, o.model_id)
+        self._check_seq(o.seq_id)
+        a = o.adam
+        _finite(a.learning_rate, "adam_params.learning_rate", 0.0)
+        _finite(a.weight_decay, "adam_params.weight_decay", 0.0)
+        _finite(a.grad_clip_norm, "adam_params.grad_clip_norm")
+        _finite(a.eps, "adam_params.eps", 0.0)
+        for name, beta in (("beta1", a.beta1), ("beta2", a.beta2)):
+            _finite(beta, f"adam_params.{name}", 0.0)
+            if beta >= 1.0:
+                raise UserInputError(f"adam_params.{name}", f"must be < 1, got {beta}")
+        return o.model_id, o.seq_id, "optim_step", 0, None
+
+    async def _save_weights(self, owner: str, s: pb.SaveWeights) -> Claim:
+        await self._owned_model(owner, s.model_id)
+        self._check_seq(s.seq_id)
+        if s.HasField("name"):
+            validate_name(s.name)
+            if s.HasField("ttl_seconds") and s.ttl_seconds <= 0:
+                raise UserInputError("ttl_seconds", "must be positive")
+        if s.age_recipients:
+            if s.kind != pb.CHECKPOINT_KIND_EXTERNAL:
+                raise UserInputError(encryption.FIELD, "only save_weights_external encrypts")
+            encryption.parse_recipients(list(s.age_recipients))
+        return s.model_id, s.seq_id, "save", 0, None
+
+    async def _load(self, owner: str, load: pb.LoadWeights) -> Claim:
         path = TinkerPath.parse(load.path)
         if path.segment != "weights":
-            raise UserInputError("path", "load_state needs a training checkpoint "
-                                 "(tinker://<run>/weights/<name>)")
+            raise UserInputError(
+                "path", "load_state needs a training checkpoint (tinker://<run>/weights/<name>)"
+            )
         await self.catalog.readable_checkpoint(owner, path)
         if not checkpoint_dir(self.data_dir, path).is_dir():
             raise NotFound(f"checkpoint {path} has no files on this server")
@@ -214,37 +259,47 @@ class Submissions:
             self._check_seq(load.seq_id)
             return load.model_id, load.seq_id, "load", 0, None
         # create-via-load: a new model whose id the SDK computes itself
-        session = await self.catalog.owned_session(owner, load.session_id)
+        session = await self.catalog.live_session(owner, load.session_id)
         source = await self.store.model(path.model_id)
         if source is None:
             raise NotFound(f"training run {path.model_id} does not exist")
         model_id = f"{session.session_id}:train:{load.model_seq_id}"
         now = time.time()
         record = ModelRecord(
-            model_id=model_id, owner=owner, session_id=session.session_id,
+            model_id=model_id,
+            owner=owner,
+            session_id=session.session_id,
             base_model=load.base_model if load.HasField("base_model") else source.base_model,
-            lora=source.lora, created=now, last_request_time=now,
+            lora=source.lora,
+            created=now,
+            last_request_time=now,
             user_metadata=dict(load.user_metadata),
         )
         return model_id, 0, "load", 0, record
 
     async def _sample(self, req: pb.SubmitRequest, payload: bytes) -> pb.SubmitReply:
         s = req.sample
-        await self.catalog.owned_sampler(req.owner, s.sampling_session_id)
+        sampler = await self.catalog.owned_sampler(req.owner, s.sampling_session_id)
+        await self.catalog.live_session(req.owner, sampler.session_id, "sampling_session_id")
         if not s.prompt_tokens:
             raise UserInputError("prompt", "is empty")
         if not 1 <= s.num_samples <= self.limits.max_samples_per_request:
-            raise UserInputError("num_samples",
-                                 f"must be in [1, {self.limits.max_samples_per_request}]")
+            raise UserInputError(
+                "num_samples", f"must be in [1, {self.limits.max_samples_per_request}]"
+            )
         per_datum = self.limits.max_tokens_per_datum
         if per_datum and len(s.prompt_tokens) > per_datum:
-            raise UserInputError("prompt", f"has {len(s.prompt_tokens)} tokens; this server "
-                                 f"accepts at most {per_datum} (max_tokens_per_datum)")
+            raise UserInputError(
+                "prompt",
+                f"has {len(s.prompt_tokens)} tokens; this server "
+                f"accepts at most {per_datum} (max_tokens_per_datum)",
+            )
         vocab = self.card.vocab_size
         for i, tok in enumerate(s.prompt_tokens):
             if not 0 <= tok < vocab:
-                raise UserInputError(f"prompt.tokens[{i}]",
-                                     f"token id {tok} is outside [0, {vocab})")
+                raise UserInputError(
+                    f"prompt.tokens[{i}]", f"token id {tok} is outside [0, {vocab})"
+                )
         max_tokens = s.params.max_tokens if s.params.HasField("max_tokens") else 16
         if max_tokens < 1:
             raise UserInputError("sampling_params.max_tokens", "must be >= 1")
@@ -252,50 +307,70 @@ class Submissions:
             raise UserInputError(
                 "sampling_params.max_tokens",
                 f"prompt ({len(s.prompt_tokens)}) + max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.card.max_context_length}")
+                f"context length {self.card.max_context_length}",
+            )
         for name, value in (("temperature", s.params.temperature), ("top_p", s.params.top_p)):
             _finite(value, f"sampling_params.{name}", 0.0)
         if await self.store.sample_backlog() >= self.limits.max_pending_samples:
             raise OverCapacity("the sampling queue is full; retry later")
         try:
             rid, created = await self.store.claim_sample(
-                owner=req.owner, sampler_id=s.sampling_session_id, seq_id=s.seq_id,
-                payload=payload)
+                owner=req.owner, sampler_id=s.sampling_session_id, seq_id=s.seq_id, payload=payload
+            )
             metrics.submitted(req.owner, s.sampling_session_id, "sample", created)
+            if created:
+                tracing.submitted(rid)  # [trace hook] queue wait starts
         except ClaimConflict as exc:
-            raise UserInputError("seq_id", f"already used by request {exc} with a different "
-                                 "payload") from exc
+            raise UserInputError(
+                "seq_id", f"already used by request {exc} with a different payload"
+            ) from exc
         self.on_sample()
         return pb.SubmitReply(
-            request_id=rid, sample_sequence_ids=[f"{rid}:seq:{i}" for i in range(s.num_samples)])
+            request_id=rid, sample_sequence_ids=[f"{rid}:seq:{i}" for i in range(s.num_samples)]
+        )
 
     def _check_sizes(self, fb: wire.ForwardBackwardRequest) -> None:
         """The request-size limits: datums per request, model-input tokens per datum."""
         most = self.limits.max_datums_per_request
         if len(fb.data) > most:
-            raise UserInputError("data", f"has {len(fb.data)} datums; this server accepts at "
-                                 f"most {most} per request (max_datums_per_request)")
+            raise UserInputError(
+                "data",
+                f"has {len(fb.data)} datums; this server accepts at "
+                f"most {most} per request (max_datums_per_request)",
+            )
         per_datum = self.limits.max_tokens_per_datum
         if not per_datum:
             return  # the context length is checked with the loss inputs
         for i, datum in enumerate(fb.data):
             n = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input)
             if n > per_datum:
-                raise UserInputError(f"data[{i}].model_input", f"has {n} tokens; this server "
-                                     f"accepts at most {per_datum} (max_tokens_per_datum)")
+                raise UserInputError(
+                    f"data[{i}].model_input",
+                    f"has {n} tokens; this server "
+                    f"accepts at most {per_datum} (max_tokens_per_datum)",
+                )
 
     @staticmethod
     def _tenant_error(exc: TenantLimitReached) -> UserInputError:
         """The tenant quotas are checked atomically with the run's creation (Store.claim_training);
         a retried create_model (its run already exists) passes."""
         if exc.limit == "max_tenants_per_key":
-            return UserInputError("create_model", f"this API key already has {exc.count} "
-                                  f"training runs, its quota (max_tenants_per_key {exc.most})")
-        return UserInputError("create_model", f"this server already holds {exc.count} training "
-                              f"runs, its limit (max_tenants {exc.most})")
+            return UserInputError(
+                "create_model",
+                f"this API key already has {exc.count} "
+                f"training runs, its quota (max_tenants_per_key or the keys file's "
+                f"max_training_runs: {exc.most})",
+            )
+        return UserInputError(
+            "create_model",
+            f"this server already holds {exc.count} training "
+            f"runs, its limit (max_tenants {exc.most})",
+        )
 
     async def _owned_model(self, owner: str, model_id: str) -> ModelRecord:
-        return await self.catalog.owned_model(owner, model_id)
+        model = await self.catalog.owned_model(owner, model_id)
+        await self.catalog.live_session(owner, model.session_id, "model_id")  # tenancy: ended?
+        return model
 
     @staticmethod
     def _check_seq(seq_id: int) -> None:

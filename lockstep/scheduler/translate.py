@@ -46,9 +46,14 @@ def decode_tensor(t: wire.Tensor, field: str) -> np.ndarray:
         crow = np.frombuffer(csr.crow_indices, dtype="<i8")
         col = np.frombuffer(csr.col_indices, dtype="<i8")
         rows, cols = shape
-        if len(crow) != rows + 1 or len(col) != len(values) or (
-            len(col) and (col.min() < 0 or col.max() >= cols)
-        ) or crow[0] != 0 or crow[-1] != len(values) or np.any(np.diff(crow) < 0):
+        if (
+            len(crow) != rows + 1
+            or len(col) != len(values)
+            or (len(col) and (col.min() < 0 or col.max() >= cols))
+            or crow[0] != 0
+            or crow[-1] != len(values)
+            or np.any(np.diff(crow) < 0)
+        ):
             raise UserInputError(field, "inconsistent sparse_csr indices")
         dense = np.zeros((rows, cols), dtype=dtype)
         row_of = np.repeat(np.arange(rows), np.diff(crow))
@@ -79,8 +84,10 @@ def decode_tokens(datum: wire.Datum, index: int) -> np.ndarray:
             )
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
-            raise UserInputError(f"data[{index}].model_input.chunks[{j}].tokens",
-                                 "not a whole number of int32 values")
+            raise UserInputError(
+                f"data[{index}].model_input.chunks[{j}].tokens",
+                "not a whole number of int32 values",
+            )
         parts.append(np.frombuffer(raw, dtype="<i4"))
     if not parts:
         raise UserInputError(f"data[{index}].model_input", "is empty")
@@ -101,8 +108,10 @@ def loss_config(req: wire.ForwardBackwardRequest) -> dict[str, float | str]:
 def pass_request(request_id: str, req: wire.ForwardBackwardRequest) -> PassRequest:
     data = []
     for i, d in enumerate(req.data):
-        inputs = {k: decode_tensor(v, f"data[{i}].loss_fn_inputs.{k}")
-                  for k, v in d.loss_fn_inputs.items()}
+        inputs = {
+            k: decode_tensor(v, f"data[{i}].loss_fn_inputs.{k}")
+            for k, v in d.loss_fn_inputs.items()
+        }
         data.append(Datum(tokens=decode_tokens(d, i), loss_inputs=inputs))
     return PassRequest(
         request_id=request_id,
@@ -150,8 +159,12 @@ def pass_output(result: PassResult, cycle: int) -> wire.ForwardBackwardOutput:
 
 def adam_config(p: pb.AdamParams) -> AdamConfig:
     return AdamConfig(
-        learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
-        weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm,
+        learning_rate=p.learning_rate,
+        beta1=p.beta1,
+        beta2=p.beta2,
+        eps=p.eps,
+        weight_decay=p.weight_decay,
+        grad_clip_norm=p.grad_clip_norm,
     )
 
 
@@ -190,23 +203,25 @@ def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> wire.TopkLogpro
         for j, (tok, lp) in enumerate((row or [])[:k]):
             ids[i, j] = tok
             lps[i, j] = lp
-    return wire.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k,
-                             length=len(rows))
+    return wire.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
 def sample_response(result: SampleResult, topk_prompt: int) -> wire.SampleResponse:
     out = wire.SampleResponse(prompt_cache_hit_tokens=0)
     for seq in result.sequences:
         s = out.sequences.add(
-            stop_reason=wire.STOP_REASON_STOP if seq.stop_reason == "stop"
+            stop_reason=wire.STOP_REASON_STOP
+            if seq.stop_reason == "stop"
             else wire.STOP_REASON_LENGTH,
             tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
             logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
         )
         if seq.topk_ids is not None and seq.topk_logprobs is not None and seq.topk_ids:
             k = len(seq.topk_ids[0])
-            rows = [list(zip(i, lp, strict=True))
-                    for i, lp in zip(seq.topk_ids, seq.topk_logprobs, strict=True)]
+            rows = [
+                list(zip(i, lp, strict=True))
+                for i, lp in zip(seq.topk_ids, seq.topk_logprobs, strict=True)
+            ]
             s.topk_sampled_logprobs.CopyFrom(_topk(list(rows), k))
     if result.prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype="<f4").tobytes()

@@ -13,10 +13,17 @@ class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKPOINT_KIND_TRAINING: _ClassVar[CheckpointKind]
     CHECKPOINT_KIND_SAMPLER: _ClassVar[CheckpointKind]
     CHECKPOINT_KIND_EXTERNAL: _ClassVar[CheckpointKind]
+
+class SamplerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLER_KIND_SNAPSHOT: _ClassVar[SamplerKind]
+    SAMPLER_KIND_INFLIGHT: _ClassVar[SamplerKind]
 CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
 CHECKPOINT_KIND_TRAINING: CheckpointKind
 CHECKPOINT_KIND_SAMPLER: CheckpointKind
 CHECKPOINT_KIND_EXTERNAL: CheckpointKind
+SAMPLER_KIND_SNAPSHOT: SamplerKind
+SAMPLER_KIND_INFLIGHT: SamplerKind
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -64,6 +71,12 @@ class HeartbeatReply(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     finished: bool
     def __init__(self, finished: bool = ...) -> None: ...
+
+class SessionTrace(_message.Message):
+    __slots__ = ("trace_json",)
+    TRACE_JSON_FIELD_NUMBER: _ClassVar[int]
+    trace_json: bytes
+    def __init__(self, trace_json: _Optional[bytes] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("training_run_ids", "sampler_ids", "user_metadata", "display_name")
@@ -166,7 +179,7 @@ class OptimStep(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., adam: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
 
 class SaveWeights(_message.Message):
-    __slots__ = ("model_id", "seq_id", "kind", "name", "ttl_seconds", "overwrite", "user_metadata", "sampling_session_seq_id")
+    __slots__ = ("model_id", "seq_id", "kind", "name", "ttl_seconds", "overwrite", "user_metadata", "sampling_session_seq_id", "age_recipients", "sampler_kind")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +195,8 @@ class SaveWeights(_message.Message):
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_SESSION_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    AGE_RECIPIENTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_KIND_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     seq_id: int
     kind: CheckpointKind
@@ -190,7 +205,9 @@ class SaveWeights(_message.Message):
     overwrite: bool
     user_metadata: _containers.ScalarMap[str, str]
     sampling_session_seq_id: int
-    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., overwrite: bool = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., sampling_session_seq_id: _Optional[int] = ...) -> None: ...
+    age_recipients: _containers.RepeatedScalarFieldContainer[str]
+    sampler_kind: SamplerKind
+    def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., overwrite: bool = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., sampling_session_seq_id: _Optional[int] = ..., age_recipients: _Optional[_Iterable[str]] = ..., sampler_kind: _Optional[_Union[SamplerKind, str]] = ...) -> None: ...
 
 class LoadWeights(_message.Message):
     __slots__ = ("model_id", "seq_id", "session_id", "model_seq_id", "path", "optimizer", "user_metadata", "base_model")
@@ -272,8 +289,9 @@ class Refused(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("owner", "create_model", "forward_backward", "optim_step", "save_weights", "load_weights", "sample", "refused")
+    __slots__ = ("owner", "key_max_training_runs", "create_model", "forward_backward", "optim_step", "save_weights", "load_weights", "sample", "refused")
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    KEY_MAX_TRAINING_RUNS_FIELD_NUMBER: _ClassVar[int]
     CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
     FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +300,7 @@ class SubmitRequest(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     owner: str
+    key_max_training_runs: int
     create_model: CreateModel
     forward_backward: _tinker_pb2.ForwardBackwardRequest
     optim_step: OptimStep
@@ -289,7 +308,7 @@ class SubmitRequest(_message.Message):
     load_weights: LoadWeights
     sample: Sample
     refused: Refused
-    def __init__(self, owner: _Optional[str] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ...) -> None: ...
+    def __init__(self, owner: _Optional[str] = ..., key_max_training_runs: _Optional[int] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("request_id", "model_id", "sample_sequence_ids")
@@ -340,6 +359,12 @@ class SaveResult(_message.Message):
     size_bytes: int
     def __init__(self, path: _Optional[str] = ..., sampling_session_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
+class UnloadModelResult(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
 class LoadResult(_message.Message):
     __slots__ = ("model_id", "path")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -349,20 +374,22 @@ class LoadResult(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("create_model", "forward_backward", "optim_step", "save", "load", "sample")
+    __slots__ = ("create_model", "forward_backward", "optim_step", "save", "load", "sample", "unload_model")
     CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
     FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
     SAVE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_MODEL_FIELD_NUMBER: _ClassVar[int]
     create_model: CreateModelResult
     forward_backward: _tinker_pb2.ForwardBackwardOutput
     optim_step: OptimStepResult
     save: SaveResult
     load: LoadResult
     sample: _tinker_pb2.SampleResponse
-    def __init__(self, create_model: _Optional[_Union[CreateModelResult, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., save: _Optional[_Union[SaveResult, _Mapping]] = ..., load: _Optional[_Union[LoadResult, _Mapping]] = ..., sample: _Optional[_Union[_tinker_pb2.SampleResponse, _Mapping]] = ...) -> None: ...
+    unload_model: UnloadModelResult
+    def __init__(self, create_model: _Optional[_Union[CreateModelResult, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., save: _Optional[_Union[SaveResult, _Mapping]] = ..., load: _Optional[_Union[LoadResult, _Mapping]] = ..., sample: _Optional[_Union[_tinker_pb2.SampleResponse, _Mapping]] = ..., unload_model: _Optional[_Union[UnloadModelResult, _Mapping]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("message", "category")
@@ -614,3 +641,165 @@ class HealthReply(_message.Message):
     ready: bool
     parts: _containers.ScalarMap[str, str]
     def __init__(self, ready: bool = ..., parts: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class OwnerRef(_message.Message):
+    __slots__ = ("owner",)
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    def __init__(self, owner: _Optional[str] = ...) -> None: ...
+
+class StorageUsageReply(_message.Message):
+    __slots__ = ("checkpoint_count", "size_bytes")
+    CHECKPOINT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_count: int
+    size_bytes: int
+    def __init__(self, checkpoint_count: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class UsageRequest(_message.Message):
+    __slots__ = ("owner", "start", "end")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    start: float
+    end: float
+    def __init__(self, owner: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
+
+class UsageBucket(_message.Message):
+    __slots__ = ("start", "session_id", "base_model", "tokens_trained", "tokens_prefill", "tokens_sampled", "steps", "samples", "cycle_seconds", "checkpoints")
+    START_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    start: float
+    session_id: str
+    base_model: str
+    tokens_trained: int
+    tokens_prefill: int
+    tokens_sampled: int
+    steps: int
+    samples: int
+    cycle_seconds: float
+    checkpoints: int
+    def __init__(self, start: _Optional[float] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokens_trained: _Optional[int] = ..., tokens_prefill: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., cycle_seconds: _Optional[float] = ..., checkpoints: _Optional[int] = ...) -> None: ...
+
+class UsageReply(_message.Message):
+    __slots__ = ("buckets",)
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[UsageBucket]
+    def __init__(self, buckets: _Optional[_Iterable[_Union[UsageBucket, _Mapping]]] = ...) -> None: ...
+
+class AuditLogRequest(_message.Message):
+    __slots__ = ("owner", "start", "end")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    start: float
+    end: float
+    def __init__(self, owner: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
+
+class AuditEntry(_message.Message):
+    __slots__ = ("time", "event", "details_json")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    event: str
+    details_json: str
+    def __init__(self, time: _Optional[float] = ..., event: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
+
+class AuditLogReply(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ...) -> None: ...
+
+class SearchSessionsRequest(_message.Message):
+    __slots__ = ("owner", "session_id", "display_name", "user_metadata", "statuses", "limit", "before_created", "before_session_id")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_CREATED_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    session_id: str
+    display_name: str
+    user_metadata: _containers.ScalarMap[str, str]
+    statuses: _containers.RepeatedScalarFieldContainer[str]
+    limit: int
+    before_created: float
+    before_session_id: str
+    def __init__(self, owner: _Optional[str] = ..., session_id: _Optional[str] = ..., display_name: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., statuses: _Optional[_Iterable[str]] = ..., limit: _Optional[int] = ..., before_created: _Optional[float] = ..., before_session_id: _Optional[str] = ...) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("session_id", "created", "project_id", "status", "checkpoints_count", "display_name", "user_metadata", "checkpoint_storage_bytes")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    created: float
+    project_id: str
+    status: str
+    checkpoints_count: int
+    display_name: str
+    user_metadata: _containers.ScalarMap[str, str]
+    checkpoint_storage_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., created: _Optional[float] = ..., project_id: _Optional[str] = ..., status: _Optional[str] = ..., checkpoints_count: _Optional[int] = ..., display_name: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., checkpoint_storage_bytes: _Optional[int] = ...) -> None: ...
+
+class SessionSummaryList(_message.Message):
+    __slots__ = ("sessions", "more")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    more: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., more: bool = ...) -> None: ...
+
+class CopyWeightsRequest(_message.Message):
+    __slots__ = ("owner", "source_path", "session_id", "model_seq_id", "ttl_seconds")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    source_path: str
+    session_id: str
+    model_seq_id: int
+    ttl_seconds: int
+    def __init__(self, owner: _Optional[str] = ..., source_path: _Optional[str] = ..., session_id: _Optional[str] = ..., model_seq_id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class CopyWeightsReply(_message.Message):
+    __slots__ = ("tinker_path",)
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    tinker_path: str
+    def __init__(self, tinker_path: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,11 @@ class SchedulerStub(object):
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.ListRequest.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SessionList.FromString,
                 _registered_method=True)
+        self.GetSessionTrace = channel.unary_unary(
+                '/lockstep.v1.Scheduler/GetSessionTrace',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.SessionRef.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SessionTrace.FromString,
+                _registered_method=True)
         self.Submit = channel.unary_unary(
                 '/lockstep.v1.Scheduler/Submit',
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
@@ -129,6 +134,36 @@ class SchedulerStub(object):
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.CheckpointRef.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.WeightsInfo.FromString,
                 _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/lockstep.v1.Scheduler/UnloadModel',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.ModelRef.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SubmitReply.FromString,
+                _registered_method=True)
+        self.StorageUsage = channel.unary_unary(
+                '/lockstep.v1.Scheduler/StorageUsage',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.OwnerRef.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.StorageUsageReply.FromString,
+                _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/lockstep.v1.Scheduler/Usage',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.UsageRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.UsageReply.FromString,
+                _registered_method=True)
+        self.AuditLog = channel.unary_unary(
+                '/lockstep.v1.Scheduler/AuditLog',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.AuditLogRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.AuditLogReply.FromString,
+                _registered_method=True)
+        self.SearchSessions = channel.unary_unary(
+                '/lockstep.v1.Scheduler/SearchSessions',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.SearchSessionsRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SessionSummaryList.FromString,
+                _registered_method=True)
+        self.CopyWeights = channel.unary_unary(
+                '/lockstep.v1.Scheduler/CopyWeights',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.CopyWeightsRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.CopyWeightsReply.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Scheduler/Health',
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.Empty.SerializeToString,
@@ -166,6 +201,13 @@ class SchedulerServicer(object):
 
     def ListSessions(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSessionTrace(self, request, context):
+        """Chrome-trace JSON of its requests
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -257,6 +299,44 @@ class SchedulerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UnloadModel(self, request, context):
+        """Tenancy: freeing a model's engine state, and accounting scoped to the owner.
+        a finished job: its future answers at once
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StorageUsage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Usage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AuditLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SearchSessions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Readiness of the scheduler and everything behind it (Redis, engines).
         """
@@ -291,6 +371,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListSessions,
                     request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.ListRequest.FromString,
                     response_serializer=lockstep_dot_v1_dot_scheduler__pb2.SessionList.SerializeToString,
+            ),
+            'GetSessionTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSessionTrace,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SessionRef.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.SessionTrace.SerializeToString,
             ),
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
@@ -361,6 +446,36 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetWeightsInfo,
                     request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.CheckpointRef.FromString,
                     response_serializer=lockstep_dot_v1_dot_scheduler__pb2.WeightsInfo.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.ModelRef.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.SubmitReply.SerializeToString,
+            ),
+            'StorageUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.StorageUsage,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.OwnerRef.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.StorageUsageReply.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.UsageRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.UsageReply.SerializeToString,
+            ),
+            'AuditLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuditLog,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.AuditLogRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.AuditLogReply.SerializeToString,
+            ),
+            'SearchSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchSessions,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SearchSessionsRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.SessionSummaryList.SerializeToString,
+            ),
+            'CopyWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyWeights,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.CopyWeightsRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.CopyWeightsReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -503,6 +618,33 @@ class Scheduler(object):
             '/lockstep.v1.Scheduler/ListSessions',
             lockstep_dot_v1_dot_scheduler__pb2.ListRequest.SerializeToString,
             lockstep_dot_v1_dot_scheduler__pb2.SessionList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSessionTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/GetSessionTrace',
+            lockstep_dot_v1_dot_scheduler__pb2.SessionRef.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.SessionTrace.FromString,
             options,
             channel_credentials,
             insecure,
@@ -881,6 +1023,168 @@ class Scheduler(object):
             '/lockstep.v1.Scheduler/GetWeightsInfo',
             lockstep_dot_v1_dot_scheduler__pb2.CheckpointRef.SerializeToString,
             lockstep_dot_v1_dot_scheduler__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/UnloadModel',
+            lockstep_dot_v1_dot_scheduler__pb2.ModelRef.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StorageUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/StorageUsage',
+            lockstep_dot_v1_dot_scheduler__pb2.OwnerRef.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.StorageUsageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/Usage',
+            lockstep_dot_v1_dot_scheduler__pb2.UsageRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.UsageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/AuditLog',
+            lockstep_dot_v1_dot_scheduler__pb2.AuditLogRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.AuditLogReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/SearchSessions',
+            lockstep_dot_v1_dot_scheduler__pb2.SearchSessionsRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.SessionSummaryList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/CopyWeights',
+            lockstep_dot_v1_dot_scheduler__pb2.CopyWeightsRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.CopyWeightsReply.FromString,
             options,
             channel_credentials,
             insecure,

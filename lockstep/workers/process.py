@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from lockstep.engine.interface import SamplingEngine, TrainingEngine
+from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine
 from lockstep.engine.types import (
     LoraSpec,
     ModelCard,
@@ -27,10 +27,6 @@ from lockstep.engine.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class EngineDied(RuntimeError):
-    """The engine's process exited; its in-memory state (adapters, optimizer) is gone."""
 
 
 def _serve(factory: Callable[[], Any], conn: Connection) -> None:
@@ -46,7 +42,7 @@ def _serve(factory: Callable[[], Any], conn: Connection) -> None:
         except EOFError:
             return
         if verb == "__stop__":
-            getattr(engine, "close", lambda: None)()
+            engine.close()
             conn.send((True, None))
             return
         try:
@@ -70,8 +66,9 @@ class EngineProcess:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(self.factory, child), name=self.name,
-                                 daemon=True)
+        self._proc = ctx.Process(
+            target=_serve, args=(self.factory, child), name=self.name, daemon=True
+        )
         self._proc.start()
         child.close()
         if not self._conn.poll(self.start_timeout):
@@ -132,6 +129,9 @@ class ProcessTrainingEngine(TrainingEngine):
     def card(self) -> ModelCard:
         return self._card
 
+    def alive(self) -> bool:
+        return self.process.alive()
+
     def restart(self) -> None:
         """A fresh engine process: every adapter must be restored by the caller."""
         self.process.restart()
@@ -158,6 +158,12 @@ class ProcessTrainingEngine(TrainingEngine):
         spec: LoraSpec = self.process.call("load_state", model_id, directory, include_optimizer)
         return spec
 
+    def snapshot(self, model_id: str, directory: Path) -> bool:
+        return bool(self.process.call("snapshot", model_id, directory))
+
+    def durable_snapshots(self) -> list[tuple[str, Path]]:
+        return list(self.process.call("durable_snapshots"))
+
     def export_adapter(self, model_id: str, directory: Path) -> int:
         return int(self.process.call("export_adapter", model_id, directory))
 
@@ -175,9 +181,15 @@ class ProcessSamplingEngine(SamplingEngine):
     def card(self) -> ModelCard:
         return self._card
 
+    def alive(self) -> bool:
+        return self.process.alive()
+
     def restart(self) -> None:
         """A fresh sampler process; adapters are loaded again on demand."""
         self.process.restart()
+
+    def load_adapters(self, adapters: Sequence[tuple[str, Path]]) -> None:
+        self.process.call("load_adapters", list(adapters))
 
     def load_adapter(self, adapter_id: str, directory: Path) -> None:
         self.process.call("load_adapter", adapter_id, directory)

@@ -1,6 +1,5 @@
 """How probes call the SDK and the shared context they draw clients and paths from."""
 
-
 import asyncio
 import inspect
 from collections.abc import Callable
@@ -94,8 +93,9 @@ class Ctx:
         """A fresh LoRA training client (rank 4) that has taken one step."""
         from tinker import types
 
-        tc = self.service.create_lora_training_client(base_model=self.base_model, rank=4,
-                                                      seed=0).result()
+        tc = self.service.create_lora_training_client(
+            base_model=self.base_model, rank=4, seed=0
+        ).result()
         tc.forward_backward([self.datum()], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         return tc
@@ -113,6 +113,10 @@ class Ctx:
         return str(self.shared_trainer.save_weights_for_sampler("compat-sampler").result().path)
 
     @cached_property
+    def tokenizer(self) -> Any:
+        return self.shared_trainer.get_tokenizer()
+
+    @cached_property
     def sampler(self) -> Any:
         return self.service.create_sampling_client(base_model=self.base_model).result()
 
@@ -126,16 +130,25 @@ class Ctx:
         tokens = list(range(1, n + 1))
         loss_inputs: dict[str, Any] = {"target_tokens": [t + 1 for t in tokens]}
         loss_inputs.update(inputs)
-        return types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                           loss_fn_inputs=loss_inputs)
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=loss_inputs
+        )
 
     def rl_datum(self, n: int = 8, **extra: Any) -> Any:
         trainer = self.shared_trainer
         plain = self.datum(n)
-        logprobs = trainer.forward([plain], "cross_entropy").result() \
-            .loss_fn_outputs[0]["logprobs"].to_numpy()
-        return self.datum(n, logprobs=logprobs.astype(np.float32).tolist(),
-                          advantages=[0.0] * (n // 2) + [1.0] * (n - n // 2), **extra)
+        logprobs = (
+            trainer.forward([plain], "cross_entropy")
+            .result()
+            .loss_fn_outputs[0]["logprobs"]
+            .to_numpy()
+        )
+        return self.datum(
+            n,
+            logprobs=logprobs.astype(np.float32).tolist(),
+            advantages=[0.0] * (n // 2) + [1.0] * (n - n // 2),
+            **extra,
+        )
 
     def prompt(self, n: int = 6) -> Any:
         from tinker import types
@@ -161,5 +174,3 @@ def probe(*names: str) -> Callable[[Probe], Probe]:
 def expect(cond: bool, what: str) -> None:
     if not cond:
         raise AssertionError(what)
-
-

@@ -1,6 +1,5 @@
 """Loss functions, datum features and sampling options, one probe each."""
 
-
 import inspect
 from collections.abc import Callable
 from typing import Any, cast
@@ -21,33 +20,48 @@ def _spans(c: Ctx, n: int = 8) -> tuple[Any, Any, Any]:
     from tinker import types
 
     sampler = c.shared_trainer.save_weights_and_get_sampling_client(
-        record_stability_info=True).result()
+        record_stability_info=True
+    ).result()
     prompt = list(range(1, n))
-    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1,
-                         types.SamplingParams(max_tokens=1)).result().sequences[0]
+    seq = (
+        sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1))
+        .result()
+        .sequences[0]
+    )
     tokens = prompt + seq.tokens
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs=cast(Any, {"target_tokens": tokens[1:],
-                                  "logprobs": [0.0] * (n - 2) + [float(seq.logprobs[0])],
-                                  "advantages": [0.0] * (n - 2) + [1.0]}),
+        loss_fn_inputs=cast(
+            Any,
+            {
+                "target_tokens": tokens[1:],
+                "logprobs": [0.0] * (n - 2) + [float(seq.logprobs[0])],
+                "advantages": [0.0] * (n - 2) + [1.0],
+            },
+        ),
     ).with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=0,
-                                                length=n - 1)],
-        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1,
-                                                   length=n - 2),
-                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0,
-                                                    length=1)],
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=n - 1)
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n - 2),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=1),
+        ],
     )
     return datum, seq, sampler
 
 
-FEATURES: dict[str, dict[str, Callable[[Ctx], str | None]]] = {"loss": {}, "sampling": {},
-                                                                   "datum": {}}
+FEATURES: dict[str, dict[str, Callable[[Ctx], str | None]]] = {
+    "loss": {},
+    "sampling": {},
+    "datum": {},
+    "endpoints": {},
+}
 
 
-def feature(table: str, name: str) -> Callable[[Callable[[Ctx], str | None]],
-                                               Callable[[Ctx], str | None]]:
+def feature(
+    table: str, name: str
+) -> Callable[[Callable[[Ctx], str | None]], Callable[[Ctx], str | None]]:
     def register(fn: Callable[[Ctx], str | None]) -> Callable[[Ctx], str | None]:
         FEATURES[table][name] = fn
         return fn
@@ -69,8 +83,16 @@ def _(c: Ctx) -> str | None:
 
     targets = np.stack([np.arange(1, 9), np.arange(2, 10), np.arange(3, 11)], axis=1)
     weights = np.full((8, 3), 1 / 3, np.float32)
-    out = _fb(c, "cross_entropy", [c.datum(target_tokens=types.TensorData.from_numpy(targets),
-                                           weights=types.TensorData.from_numpy(weights))])
+    out = _fb(
+        c,
+        "cross_entropy",
+        [
+            c.datum(
+                target_tokens=types.TensorData.from_numpy(targets),
+                weights=types.TensorData.from_numpy(weights),
+            )
+        ],
+    )
     expect(out.loss_fn_outputs[0]["logprobs"].to_numpy().shape == (8, 3), "shape")
     return "`target_tokens` and `weights` [N, K]; logprobs [N, K]"
 
@@ -108,8 +130,10 @@ def _(c: Ctx) -> str | None:
 @feature("loss", "gspo")
 def _(c: Ctx) -> str | None:
     _fb(c, "gspo", [c.rl_datum(sequence_ratio_mask=[0.0] * 4 + [1.0] * 4)])
-    return ("GSPO-token: the sequence ratio over the tokens `sequence_ratio_mask` marks "
-            "(required, at least one token), clipped like ppo")
+    return (
+        "GSPO-token: the sequence ratio over the tokens `sequence_ratio_mask` marks "
+        "(required, at least one token), clipped like ppo"
+    )
 
 
 @feature("loss", "stable_reinforce")
@@ -131,10 +155,10 @@ def _(c: Ctx) -> str | None:
     for loss in ("cross_entropy", "importance_sampling", "ppo", "cispo"):
         _fb(c, loss, [datum])
     plain = c.datum()
-    spans = [__import__("tinker").types.PromptProvenanceSpan(sequence_id="x", offset=0,
-                                                              length=8)]
-    c.shared_trainer.forward([plain.with_provenance(model_input=spans, loss_fn_inputs=spans)],
-                             "cross_entropy").result()
+    spans = [__import__("tinker").types.PromptProvenanceSpan(sequence_id="x", offset=0, length=8)]
+    c.shared_trainer.forward(
+        [plain.with_provenance(model_input=spans, loss_fn_inputs=spans)], "cross_entropy"
+    ).result()
     return "accepted and ignored (they only feed stable_reinforce)"
 
 
@@ -158,11 +182,13 @@ def _(c: Ctx) -> str | None:
 def _(c: Ctx) -> str | None:
     from tinker import types
 
-    image = types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG", format="png",
-                                                      expected_tokens=4)])
+    image = types.ModelInput(
+        chunks=[types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)]
+    )
     targets: Any = {"target_tokens": [1, 2, 3, 4]}
-    c.shared_trainer.forward([types.Datum(model_input=image, loss_fn_inputs=targets)],
-                             "cross_entropy").result()
+    c.shared_trainer.forward(
+        [types.Datum(model_input=image, loss_fn_inputs=targets)], "cross_entropy"
+    ).result()
     return None
 
 
@@ -190,8 +216,13 @@ def _(c: Ctx) -> str | None:
 def _(c: Ctx) -> str | None:
     from tinker import types
 
-    out = c.sampler.sample(c.prompt(), 1, types.SamplingParams(max_tokens=1),
-                           include_prompt_logprobs=True, topk_prompt_logprobs=5).result()
+    out = c.sampler.sample(
+        c.prompt(),
+        1,
+        types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=5,
+    ).result()
     expect(out.topk_prompt_logprobs is not None and len(out.topk_prompt_logprobs[1]) == 5, "k")
     return None
 
@@ -203,12 +234,29 @@ def _(c: Ctx) -> str | None:
     return None
 
 
+@feature("sampling", "sampled logprobs at temperature T")
+def _(c: Ctx) -> str | None:
+    from tinker import types
+
+    def top(t: float) -> list[tuple[int, float]]:
+        params = types.SamplingParams(max_tokens=1, temperature=t, seed=1)
+        out = c.sampler.sample(c.prompt(), 1, params, topk_sample_logprobs=5).result()
+        return list(out.sequences[0].topk_logprobs[0])
+
+    one, half = top(1.0), top(0.5)
+    expect([t for t, _ in one] == [t for t, _ in half], "order")
+    gap_1, gap_half = one[0][1] - one[-1][1], half[0][1] - half[-1][1]
+    expect(abs(gap_half - 2 * gap_1) < 1e-3, "pairwise differences scale by 1/T")
+    return "log p_T, as hosted Tinker: after temperature (and top-k / top-p, see below)"
+
+
 @feature("sampling", "topk_sample_logprobs")
 def _(c: Ctx) -> str | None:
     from tinker import types
 
-    c.sampler.sample(c.prompt(), 1, types.SamplingParams(max_tokens=2),
-                     topk_sample_logprobs=3).result()
+    c.sampler.sample(
+        c.prompt(), 1, types.SamplingParams(max_tokens=2), topk_sample_logprobs=3
+    ).result()
     return None
 
 
@@ -228,8 +276,9 @@ def _(c: Ctx) -> str | None:
     sample = tinker.SamplingClient.sample
     if "target_prompt_logprobs" not in inspect.signature(sample).parameters:
         raise ClientSide("not in this SDK")
-    c.sampler.sample(c.prompt(), 1, types.SamplingParams(max_tokens=1),
-                     target_prompt_logprobs=target).result()
+    c.sampler.sample(
+        c.prompt(), 1, types.SamplingParams(max_tokens=1), target_prompt_logprobs=target
+    ).result()
     return None
 
 
@@ -240,8 +289,7 @@ def _(c: Ctx) -> str | None:
 
     if "prompt_alt_tokens_k" not in inspect.signature(tinker.SamplingClient.sample).parameters:
         raise ClientSide("not in this SDK")
-    c.sampler.sample(c.prompt(), 1, types.SamplingParams(max_tokens=1),
-                     prompt_alt_tokens_k=2).result()
+    c.sampler.sample(
+        c.prompt(), 1, types.SamplingParams(max_tokens=1), prompt_alt_tokens_k=2
+    ).result()
     return None
-
-

@@ -1,6 +1,5 @@
 """One probe per public SDK client method: call it for real, check the result."""
 
-
 import datetime as dt
 import os
 from typing import Any
@@ -12,8 +11,14 @@ from compat.context import API_KEY, Caller, ClientSide, Ctx, expect, probe
 
 @probe("ServiceClient.create_lora_training_client")
 def _(c: Ctx, call: Caller) -> str | None:
-    tc = call(c.service, "create_lora_training_client", base_model=c.base_model, rank=4, seed=1,
-              user_metadata={"k": "v"})
+    tc = call(
+        c.service,
+        "create_lora_training_client",
+        base_model=c.base_model,
+        rank=4,
+        seed=1,
+        user_metadata={"k": "v"},
+    )
     expect(tc.model_id.startswith("sess-"), "model id")
     return "rank, seed, train_mlp/attn/unembed, user_metadata"
 
@@ -22,8 +27,13 @@ def _(c: Ctx, call: Caller) -> str | None:
 def _(c: Ctx, call: Caller) -> str | None:
     base = call(c.service, "create_sampling_client", base_model=c.base_model)
     tuned = call(c.service, "create_sampling_client", model_path=c.sampler_path)
-    both = call(c.service, "create_sampling_client", base_model=c.base_model,
-                model_path=c.sampler_path, record_stability_info=True)
+    both = call(
+        c.service,
+        "create_sampling_client",
+        base_model=c.base_model,
+        model_path=c.sampler_path,
+        record_stability_info=True,
+    )
     for s in (base, tuned, both):
         expect(len(s.compute_logprobs(c.prompt()).result()) == 6, "logprobs")
     return "base_model=, model_path=, both (KL references), record_stability_info"
@@ -31,8 +41,12 @@ def _(c: Ctx, call: Caller) -> str | None:
 
 @probe("ServiceClient.create_training_client_from_state")
 def _(c: Ctx, call: Caller) -> str | None:
-    tc = call(c.service, "create_training_client_from_state", c.state_path,
-              user_metadata={"renderer_name": "role_colon"})
+    tc = call(
+        c.service,
+        "create_training_client_from_state",
+        c.state_path,
+        user_metadata={"renderer_name": "role_colon"},
+    )
     expect(tc.model_id != c.run_id, "a new run")
     return "weights only; a fresh optimizer"
 
@@ -62,8 +76,12 @@ def _(c: Ctx, call: Caller) -> str | None:
     raise ClientSide("a link into the hosted Tinker console; meaningless for a self-hosted server")
 
 
-@probe("ServiceClient.get_telemetry", "TrainingClient.get_telemetry",
-       "SamplingClient.get_telemetry", "RestClient.get_telemetry")
+@probe(
+    "ServiceClient.get_telemetry",
+    "TrainingClient.get_telemetry",
+    "SamplingClient.get_telemetry",
+    "RestClient.get_telemetry",
+)
 def _(c: Ctx, call: Caller) -> str | None:
     raise ClientSide("the SDK's telemetry sink (POST /telemetry is accepted and dropped)")
 
@@ -180,8 +198,7 @@ def _(c: Ctx, call: Caller) -> str | None:
 
 @probe("TrainingClient.save_weights_and_get_sampling_client")
 def _(c: Ctx, call: Caller) -> str | None:
-    s = call(c.shared_trainer, "save_weights_and_get_sampling_client",
-             record_stability_info=True)
+    s = call(c.shared_trainer, "save_weights_and_get_sampling_client", record_stability_info=True)
     expect(len(s.compute_logprobs(c.prompt()).result()) == 6, "logprobs")
     return "record_stability_info accepted"
 
@@ -212,8 +229,13 @@ def _(c: Ctx, call: Caller) -> str | None:
 def _(c: Ctx, call: Caller) -> str | None:
     from tinker import types
 
-    out = call(c.sampler, "sample", c.prompt(), 2,
-               types.SamplingParams(max_tokens=4, temperature=1.0, stop=["\n"]))
+    out = call(
+        c.sampler,
+        "sample",
+        c.prompt(),
+        2,
+        types.SamplingParams(max_tokens=4, temperature=1.0, stop=["\n"]),
+    )
     expect(len(out.sequences) == 2 and all(s.logprobs for s in out.sequences), "sequences")
     expect(all(s.sequence_id for s in out.sequences), "sequence ids")
     return "see the sampling table below"
@@ -236,12 +258,15 @@ def _(c: Ctx, call: Caller) -> str | None:
 def _(c: Ctx, call: Caller) -> str | None:
     # The SDK guesses the tokenizer from the base model's name (hub id), without asking the
     # server; a sampler created on the local directory path loads offline.
-    s = c.service.create_sampling_client(base_model=c.shared_trainer.get_info()
-                                         .model_data.tokenizer_id).result()
+    s = c.service.create_sampling_client(
+        base_model=c.shared_trainer.get_info().model_data.tokenizer_id
+    ).result()
     expect(len(s.get_tokenizer().encode("hi")) > 0, "encode")
-    raise ClientSide("loads a tokenizer named after the base model (hub id or local path); "
-                     "works offline when the sampler was created with the model directory as "
-                     "base_model")
+    raise ClientSide(
+        "loads a tokenizer named after the base model (hub id or local path); "
+        "works offline when the sampler was created with the model directory as "
+        "base_model"
+    )
 
 
 @probe("SamplingClient.create")
@@ -287,7 +312,8 @@ def _(c: Ctx, call: Caller) -> str | None:
 @probe("RestClient.get_training_run_by_tinker_path")
 def _(c: Ctx, call: Caller) -> str | None:
     tc = c.service.create_lora_training_client(
-        base_model=c.base_model, rank=4, user_metadata={"renderer_name": "role_colon"}).result()
+        base_model=c.base_model, rank=4, user_metadata={"renderer_name": "role_colon"}
+    ).result()
     path = tc.save_state("meta").result().path
     run = call(c.rest, "get_training_run_by_tinker_path", path)
     expect((run.user_metadata or {}).get("renderer_name") == "role_colon", str(run))
@@ -408,14 +434,21 @@ def _(c: Ctx, call: Caller) -> str | None:
 def _(c: Ctx, call: Caller) -> str | None:
     from tinker import types
 
-    call(c.rest, "search_sessions", types.SessionSearchRequest())
-    return None
+    page = call(c.rest, "search_sessions", types.SessionSearchRequest())
+    expect(c.service.holder.get_session_id() in [s.session_id for s in page.sessions], "found")
+    return "the caller's own sessions; session_id, display_name, user_metadata, statuses, cursor"
 
 
 @probe("RestClient.export_session_trace")
 def _(c: Ctx, call: Caller) -> str | None:
-    call(c.rest, "export_session_trace", c.service.holder.get_session_id())
-    return None
+    import json
+    import urllib.request
+
+    url = call(c.rest, "export_session_trace", c.service.holder.get_session_id())
+    with urllib.request.urlopen(url, timeout=60) as response:  # signed: no auth header
+        events = json.loads(response.read())["traceEvents"]
+    expect(any(e["name"].startswith("request ") for e in events), "requests in the trace")
+    return "Chrome-trace JSON (open in ui.perfetto.dev), not a binary .pftrace"
 
 
 @probe("RestClient.assign_session_project")
@@ -426,26 +459,28 @@ def _(c: Ctx, call: Caller) -> str | None:
 
 @probe("RestClient.get_audit_log")
 def _(c: Ctx, call: Caller) -> str | None:
-    call(c.rest, "get_audit_log")
-    return None
+    log = call(c.rest, "get_audit_log")
+    expect(any(e.event == "session_created" for e in log.entries), "session_created logged")
+    return "append-only per key (a Redis stream, --audit-retention): sessions, runs, checkpoints"
 
 
 @probe("RestClient.get_billing_usage")
 def _(c: Ctx, call: Caller) -> str | None:
     today = dt.datetime(2026, 1, 2, tzinfo=dt.UTC)
-    call(c.rest, "get_billing_usage", today - dt.timedelta(days=1), today)
-    return None
+    usage = call(c.rest, "get_billing_usage", today - dt.timedelta(days=1), today)
+    expect(usage.data == [], "nothing was used in 2026-01-01")
+    return "hourly tokens trained / prefilled / sampled and checkpoints per session, per key"
 
 
 @probe("RestClient.get_current_checkpoint_storage_usage")
 def _(c: Ctx, call: Caller) -> str | None:
-    call(c.rest, "get_current_checkpoint_storage_usage")
-    return None
+    expect(bool(c.sampler_path), "a checkpoint exists")
+    usage = call(c.rest, "get_current_checkpoint_storage_usage")
+    expect(usage.data[0].checkpoint_count > 0 and usage.data[0].size_bytes > 0, "counted")
+    return "the caller's live checkpoints: count and bytes"
 
 
 @probe("RestClient.whoami")
 def _(c: Ctx, call: Caller) -> str | None:
     call(c.rest, "whoami")
     return None
-
-

@@ -43,7 +43,8 @@ PIP_TIMEOUT_S = 1800
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "cookbook: runs tinker-cookbook recipes (own venv) against lockstep serve")
+        "markers", "cookbook: runs tinker-cookbook recipes (own venv) against lockstep serve"
+    )
 
 
 def _venv_dir() -> Path:
@@ -74,18 +75,37 @@ def ensure_cookbook_venv() -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         proc = subprocess.run(
-            [str(_python(venv)), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-             "-r", str(REQUIREMENTS)],
-            capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=env)
+            [
+                str(_python(venv)),
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "-q",
+                "-r",
+                str(REQUIREMENTS),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=PIP_TIMEOUT_S,
+            env=env,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"building the cookbook venv failed:\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-5000:]}")
+            raise RuntimeError(
+                f"building the cookbook venv failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            )
         check = subprocess.run(
-            [str(_python(venv)), "-c",
-             "import importlib.metadata as m, torch; "
-             "print({p: m.version(p) for p in ('tinker', 'tinker-cookbook', 'transformers')}, "
-             "torch.__version__)"],
-            capture_output=True, text=True, env=env)
+            [
+                str(_python(venv)),
+                "-c",
+                "import importlib.metadata as m, torch; "
+                "print({p: m.version(p) for p in ('tinker', 'tinker-cookbook', 'transformers')}, "
+                "torch.__version__)",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if check.returncode != 0:
             raise RuntimeError(f"the cookbook venv does not import:\n{check.stderr[-3000:]}")
         marker.write_text(f"{check.stdout.strip()}\nbuilt in {time.monotonic() - started:.0f}s\n")
@@ -127,38 +147,58 @@ class Cookbook:
     @property
     def package_dir(self) -> Path:
         out = subprocess.run(
-            [str(self.python), "-c",
-             "import os, tinker_cookbook; print(os.path.dirname(tinker_cookbook.__file__))"],
-            capture_output=True, text=True, check=True, env=self.env())
+            [
+                str(self.python),
+                "-c",
+                "import os, tinker_cookbook; print(os.path.dirname(tinker_cookbook.__file__))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=self.env(),
+        )
         return Path(out.stdout.strip())
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("TINKER_", "HF_", "WANDB_"))
-               and k not in ("PYTHONPATH", "VIRTUAL_ENV")
-               and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("TINKER_", "HF_", "WANDB_"))
+            and k not in ("PYTHONPATH", "VIRTUAL_ENV")
+            and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+        }
         dead_proxy = "http://127.0.0.1:9"  # nothing listens: any non-loopback request fails fast
-        env.update({
-            "TINKER_BASE_URL": self.server.base_url,
-            "TINKER_API_KEY": API_KEY,
-            "TINKER_COOKBOOK_RUNS_DIR": str(self.home / "runs"),
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "HF_HOME": str(self.home / "hf"),
-            "WANDB_MODE": "disabled",
-            "TOKENIZERS_PARALLELISM": "false",
-            "http_proxy": dead_proxy, "https_proxy": dead_proxy,
-            "HTTP_PROXY": dead_proxy, "HTTPS_PROXY": dead_proxy,
-            "no_proxy": "127.0.0.1,localhost", "NO_PROXY": "127.0.0.1,localhost",
-        })
+        env.update(
+            {
+                "TINKER_BASE_URL": self.server.base_url,
+                "TINKER_API_KEY": API_KEY,
+                "TINKER_COOKBOOK_RUNS_DIR": str(self.home / "runs"),
+                "HF_HUB_OFFLINE": "1",
+                "HF_DATASETS_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "HF_HOME": str(self.home / "hf"),
+                "WANDB_MODE": "disabled",
+                "TOKENIZERS_PARALLELISM": "false",
+                "http_proxy": dead_proxy,
+                "https_proxy": dead_proxy,
+                "HTTP_PROXY": dead_proxy,
+                "HTTPS_PROXY": dead_proxy,
+                "no_proxy": "127.0.0.1,localhost",
+                "NO_PROXY": "127.0.0.1,localhost",
+            }
+        )
         return env
 
     def start(self, args: Sequence[str], log: Path) -> Running:
         """Start `python ARGS` in the cookbook venv, its output going to `log`."""
         with log.open("w") as out:
-            proc = subprocess.Popen([str(self.python), *args], stdout=out,
-                                    stderr=subprocess.STDOUT, env=self.env(), cwd=self.home)
+            proc = subprocess.Popen(
+                [str(self.python), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                cwd=self.home,
+            )
         return Running(proc, log, " ".join(str(a) for a in args[:3]), time.monotonic())
 
     def run(self, args: Sequence[str], log: Path, timeout: float = 600) -> str:
@@ -189,17 +229,19 @@ def cookbook_python() -> Path:
 
 
 @pytest.fixture(scope="session")
-def cookbook(cookbook_python: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[Cookbook]:
+def cookbook(cookbook_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cookbook]:
     from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 
     root = tmp_path_factory.mktemp("cookbook")
     model_dir = ensure_default_model(root / "models")
     server = start_server(
         root / "data",
-        "--model", str(model_dir),
-        "--model", f"{DEFAULT_MODEL_NAME}={model_dir}",
-        "--model", f"{ALIAS_MODEL}={model_dir}",
+        "--model",
+        str(model_dir),
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={model_dir}",
+        "--model",
+        f"{ALIAS_MODEL}={model_dir}",
     )
     home = root / "home"
     home.mkdir()

@@ -39,8 +39,9 @@ def _metric_rows(log_path: Path) -> dict[int, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def chat_sl_run(cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory
-                ) -> tuple[Path, dict[str, Any]]:
+def chat_sl_run(
+    cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, Any]]:
     """chat_sl on the wheel's example_data/conversations.jsonl, renderer role_colon."""
     log_path = tmp_path_factory.mktemp("chat_sl") / "run"
     config = dict(
@@ -59,8 +60,7 @@ def chat_sl_run(cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory
         log_path=log_path,
         behavior_if_log_dir_exists="delete",
     )
-    cookbook.recipe("tinker_cookbook.recipes.chat_sl.train", log_path.with_suffix(".log"),
-                    **config)
+    cookbook.recipe("tinker_cookbook.recipes.chat_sl.train", log_path.with_suffix(".log"), **config)
     return log_path, config
 
 
@@ -76,12 +76,15 @@ def test_chat_sl_train_nll_falls(chat_sl_run: tuple[Path, dict[str, Any]]) -> No
     checkpoints = read_jsonl(log_path / "checkpoints.jsonl")
     names = [c["name"] for c in checkpoints]
     assert names == ["000004", "000008", "final"], checkpoints
-    assert all(c["state_path"].startswith("tinker://") and c["sampler_path"].startswith("tinker://")
-               for c in checkpoints)
+    assert all(
+        c["state_path"].startswith("tinker://") and c["sampler_path"].startswith("tinker://")
+        for c in checkpoints
+    )
 
 
-def test_chat_sl_resumes_from_its_checkpoint(cookbook: Cookbook,
-                                             chat_sl_run: tuple[Path, dict[str, Any]]) -> None:
+def test_chat_sl_resumes_from_its_checkpoint(
+    cookbook: Cookbook, chat_sl_run: tuple[Path, dict[str, Any]]
+) -> None:
     """behavior_if_log_dir_exists=resume loads the last checkpoint row with its optimizer state
     (create_training_client_from_state_with_optimizer) after checking the run's renderer through
     get_training_run_by_tinker_path."""
@@ -90,11 +93,14 @@ def test_chat_sl_resumes_from_its_checkpoint(cookbook: Cookbook,
     first_final = checkpoints[-1]
     resume_from = checkpoints[-2]  # 000008; drop the final row so the run is unfinished
     (log_path / "checkpoints.jsonl").write_text(
-        "".join(json.dumps(c) + "\n" for c in checkpoints[:-1]))
+        "".join(json.dumps(c) + "\n" for c in checkpoints[:-1])
+    )
 
-    text = cookbook.recipe("tinker_cookbook.recipes.chat_sl.train",
-                           log_path.with_name("resume.log"),
-                           **{**config, "behavior_if_log_dir_exists": "resume"})
+    text = cookbook.recipe(
+        "tinker_cookbook.recipes.chat_sl.train",
+        log_path.with_name("resume.log"),
+        **{**config, "behavior_if_log_dir_exists": "resume"},
+    )
     assert f"Resumed training from {resume_from['state_path']}" in text, text[-3000:]
     assert "Could not fetch renderer metadata" not in text
     rows = read_jsonl(log_path / "metrics.jsonl")
@@ -122,7 +128,8 @@ def test_chat_sl_resumes_from_its_checkpoint(cookbook: Cookbook,
 def test_math_rl_arithmetic_two_steps(cookbook: Cookbook, tmp_path: Path) -> None:
     log_path = tmp_path / "math_rl"
     cookbook.recipe(
-        "tinker_cookbook.recipes.math_rl.train", tmp_path / "math_rl.log",
+        "tinker_cookbook.recipes.math_rl.train",
+        tmp_path / "math_rl.log",
         env="arithmetic",
         model_name=cookbook.model_dir,
         renderer_name="role_colon",
@@ -141,8 +148,13 @@ def test_math_rl_arithmetic_two_steps(cookbook: Cookbook, tmp_path: Path) -> Non
     rows = _metric_rows(log_path)
     assert sorted(rows) == [0, 1]
     for step, row in rows.items():
-        for key in ("env/all/reward/total", "env/all/correct", "env/all/format",
-                    "optim/kl_sample_train_v1", "optim/kl_sample_train_v2"):
+        for key in (
+            "env/all/reward/total",
+            "env/all/correct",
+            "env/all/format",
+            "optim/kl_sample_train_v1",
+            "optim/kl_sample_train_v2",
+        ):
             assert key in row, (step, sorted(row))
         assert abs(row["optim/kl_sample_train_v1"]) < 1e-3, row
     final = read_jsonl(log_path / "checkpoints.jsonl")[-1]
@@ -163,8 +175,9 @@ BANDIT_RUNS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def bandit_runs(cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory
-                ) -> dict[str, tuple[Path, str]]:
+def bandit_runs(
+    cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, str]]:
     """The three rl.train.main runs, side by side (three tenants of one server)."""
     root = tmp_path_factory.mktemp("rl")
     running = {}
@@ -172,10 +185,17 @@ def bandit_runs(cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory
         if "kl_penalty_coef" in extra:
             extra = {**extra, "kl_reference_base_model": str(cookbook.model_dir)}
         running[loss_fn] = cookbook.driver(
-            "rl_bandit.py", root / f"{loss_fn}.log",
-            model_name=str(cookbook.model_dir), base_url=cookbook.server.base_url,
-            log_path=str(root / loss_fn), loss_fn=loss_fn, learning_rate=1e-2, steps=20,
-            save_every=10, **extra)
+            "rl_bandit.py",
+            root / f"{loss_fn}.log",
+            model_name=str(cookbook.model_dir),
+            base_url=cookbook.server.base_url,
+            log_path=str(root / loss_fn),
+            loss_fn=loss_fn,
+            learning_rate=1e-2,
+            steps=20,
+            save_every=10,
+            **extra,
+        )
     try:
         return {loss_fn: (root / loss_fn, r.wait()) for loss_fn, r in running.items()}
     finally:
@@ -186,16 +206,19 @@ def bandit_runs(cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.parametrize("loss_fn", list(BANDIT_RUNS))
-def test_rl_train_raises_bandit_reward(cookbook: Cookbook, loss_fn: str,
-                                       bandit_runs: dict[str, tuple[Path, str]]) -> None:
+def test_rl_train_raises_bandit_reward(
+    cookbook: Cookbook, loss_fn: str, bandit_runs: dict[str, tuple[Path, str]]
+) -> None:
     log_path, text = bandit_runs[loss_fn]
     extra = BANDIT_RUNS[loss_fn]
     rows = _metric_rows(log_path)
     assert sorted(rows) == list(range(20))
     rewards = [rows[s]["env/all/reward/total"] for s in range(20)]
     kls = [rows[s]["optim/kl_sample_train_v1"] for s in range(20)]
-    print(f"{loss_fn} reward: {[round(r, 3) for r in rewards]}; max |kl_v1| "
-          f"{max(abs(k) for k in kls):.2e}")
+    print(
+        f"{loss_fn} reward: {[round(r, 3) for r in rewards]}; max |kl_v1| "
+        f"{max(abs(k) for k in kls):.2e}"
+    )
     assert 0.3 <= sum(rewards[:3]) / 3 <= 0.7, rewards  # the baseline is about 0.5
     assert max(rewards) >= 0.8 and sum(rewards[-3:]) / 3 >= 0.8, rewards
     assert all(abs(k) < 1e-3 for k in kls), kls  # sampler and trainer hold the same weights
@@ -206,8 +229,9 @@ def test_rl_train_raises_bandit_reward(cookbook: Cookbook, loss_fn: str,
     assert [c["name"] for c in periodic] == ["000010", "000020", "final"], checkpoints
     rest = _rest(cookbook)
     run_id = rest.get_training_run_by_tinker_path(periodic[-1]["state_path"]).result()
-    listed = {c.tinker_path: c for c in rest.list_checkpoints(run_id.training_run_id).result()
-              .checkpoints}
+    listed = {
+        c.tinker_path: c for c in rest.list_checkpoints(run_id.training_run_id).result().checkpoints
+    }
     assert periodic[0]["state_path"] in listed and periodic[-1]["state_path"] in listed
     assert listed[periodic[0]["state_path"]].expires_at is not None  # ttl_seconds: 7 days
     assert listed[periodic[-1]["state_path"]].expires_at is None  # the final one is kept
@@ -233,16 +257,33 @@ def test_dpo_on_local_comparisons(cookbook: Cookbook, tmp_path: Path) -> None:
     with pairs.open("w") as f:
         for fruit, other in zip(FRUITS, OTHERS, strict=True):
             for word, label in ((fruit, "A"), (other, "B")):
-                f.write(json.dumps({"comparison": {
-                    "prompt_conversation": [{"role": "user", "content": f"Is {word} a fruit?"}],
-                    "completion_A": [{"role": "assistant", "content": "Yes."}],
-                    "completion_B": [{"role": "assistant", "content": "No."}],
-                }, "label": label}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "comparison": {
+                                "prompt_conversation": [
+                                    {"role": "user", "content": f"Is {word} a fruit?"}
+                                ],
+                                "completion_A": [{"role": "assistant", "content": "Yes."}],
+                                "completion_B": [{"role": "assistant", "content": "No."}],
+                            },
+                            "label": label,
+                        }
+                    )
+                    + "\n"
+                )
     log_path = tmp_path / "dpo"
-    cookbook.driver("dpo_pairs.py", tmp_path / "dpo.log",
-                    model_name=ALIAS_MODEL, tokenizer_dir=str(cookbook.model_dir),
-                    base_url=cookbook.server.base_url, log_path=str(log_path),
-                    pairs_path=str(pairs), learning_rate=1e-2, num_epochs=10).wait()
+    cookbook.driver(
+        "dpo_pairs.py",
+        tmp_path / "dpo.log",
+        model_name=ALIAS_MODEL,
+        tokenizer_dir=str(cookbook.model_dir),
+        base_url=cookbook.server.base_url,
+        log_path=str(log_path),
+        pairs_path=str(pairs),
+        learning_rate=1e-2,
+        num_epochs=10,
+    ).wait()
     rows = _metric_rows(log_path)
     assert sorted(rows) == list(range(20))
     loss = [rows[s]["dpo_loss"] for s in range(20)]
@@ -253,5 +294,7 @@ def test_dpo_on_local_comparisons(cookbook: Cookbook, tmp_path: Path) -> None:
     assert abs(loss[0] - math.log(2)) < 0.005, loss[0]
     assert max(accuracy[:16]) == 1.0 and accuracy[-1] == 1.0, accuracy
     assert loss[-1] < 0.2 and rows[19]["margin"] > rows[0]["margin"], rows[19]
-    assert all("loss:sum" in r and "surrogate_loss:sum" in r and "clock_cycle:unique" in r
-               for r in rows.values())
+    assert all(
+        "loss:sum" in r and "surrogate_loss:sum" in r and "clock_cycle:unique" in r
+        for r in rows.values()
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 from lockstep.devserver import Server, start_server, stop_server
 
 API_KEY = "tml-integration-test"
+# A 5xx answer to an API call in a `lockstep serve` log (healthz answers 503 while the server
+# starts; that is not one).
+SERVER_ERROR = re.compile(r'"[A-Z]+ /api/v1/(?!healthz)\S* HTTP/1\.1" 5\d\d')
 
 
 @pytest.fixture(scope="session")

@@ -29,12 +29,14 @@ class Run:
     sampler_path: str
 
 
-def tinker_cli(server: Server, *args: str, key: str = API_KEY, ok: bool = True,
-               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def tinker_cli(
+    server: Server, *args: str, key: str = API_KEY, ok: bool = True, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": key}
     exe = Path(sys.executable).with_name("tinker")
-    proc = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    proc = subprocess.run(
+        [str(exe), *args], env=env, capture_output=True, text=True, timeout=300, cwd=cwd
+    )
     if ok:
         assert proc.returncode == 0, f"tinker {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
     return proc
@@ -47,13 +49,19 @@ def cli_json(server: Server, *args: str, key: str = API_KEY) -> Any:
 @pytest.fixture(scope="module")
 def run(service_client: tinker.ServiceClient, base_model: str) -> Run:
     trainer = service_client.create_lora_training_client(
-        base_model=base_model, rank=4, user_metadata={"purpose": "cli-test"}).result()
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
-                        loss_fn_inputs={"target_tokens": [2, 3, 4, 5]})
+        base_model=base_model, rank=4, user_metadata={"purpose": "cli-test"}
+    ).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5]},
+    )
     trainer.forward_backward([datum], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    return Run(trainer.model_id, trainer.save_state("cli-state").result().path,
-               trainer.save_weights_for_sampler("cli-sampler").result().path)
+    return Run(
+        trainer.model_id,
+        trainer.save_state("cli-state").result().path,
+        trainer.save_weights_for_sampler("cli-sampler").result().path,
+    )
 
 
 def test_run_list_and_info(server: Server, run: Run) -> None:
@@ -69,8 +77,9 @@ def test_run_list_and_info(server: Server, run: Run) -> None:
     table = tinker_cli(server, "run", "list", "--columns", "id,model,lora,status").stdout
     assert "Rank 4" in table and run.model_id in table
     # Another tenant sees none of it.
-    assert run.model_id not in {r["training_run_id"] for r in
-                                cli_json(server, "run", "list", key=OTHER_KEY)["runs"]}
+    assert run.model_id not in {
+        r["training_run_id"] for r in cli_json(server, "run", "list", key=OTHER_KEY)["runs"]
+    }
     assert tinker_cli(server, "run", "info", run.model_id, key=OTHER_KEY, ok=False).returncode
 
 
@@ -80,11 +89,15 @@ def test_checkpoint_list_and_info(server: Server, run: Run) -> None:
     assert by_path[run.state_path]["checkpoint_type"] == "training"
     assert by_path[run.sampler_path]["checkpoint_type"] == "sampler"
     everywhere = cli_json(server, "checkpoint", "list", "--limit", "0")
-    assert {run.state_path, run.sampler_path} <= {c["tinker_path"]
-                                                  for c in everywhere["checkpoints"]}
+    assert {run.state_path, run.sampler_path} <= {
+        c["tinker_path"] for c in everywhere["checkpoints"]
+    }
     info = cli_json(server, "checkpoint", "info", run.state_path)
     assert (info["checkpoint_id"], info["public"], info["expires_at"]) == (
-        "weights/cli-state", False, None)
+        "weights/cli-state",
+        False,
+        None,
+    )
     assert (info["is_lora"], info["lora_rank"]) == (True, 4) and info["size_bytes"] > 0
     assert "Rank 4" in tinker_cli(server, "checkpoint", "info", run.sampler_path).stdout
 
@@ -95,8 +108,9 @@ def test_checkpoint_publish_and_unpublish(server: Server, run: Run) -> None:
 
     def other_can_sample() -> bool:
         try:
-            other.create_sampling_client(model_path=run.sampler_path).result() \
-                .compute_logprobs(prompt).result()
+            other.create_sampling_client(model_path=run.sampler_path).result().compute_logprobs(
+                prompt
+            ).result()
         except tinker.NotFoundError:
             return False
         return True
@@ -109,8 +123,9 @@ def test_checkpoint_publish_and_unpublish(server: Server, run: Run) -> None:
     assert cli_json(server, "checkpoint", "info", run.sampler_path)["public"] is False
     assert not other_can_sample()
     # Only the owner may publish.
-    assert tinker_cli(server, "checkpoint", "publish", run.sampler_path, key=OTHER_KEY,
-                      ok=False).returncode
+    assert tinker_cli(
+        server, "checkpoint", "publish", run.sampler_path, key=OTHER_KEY, ok=False
+    ).returncode
 
 
 def test_checkpoint_set_ttl(server: Server, run: Run) -> None:
@@ -128,22 +143,26 @@ def test_checkpoint_download(server: Server, run: Run, tmp_path: Path) -> None:
     assert config["peft_type"] == "LORA" and config["r"] == 4
 
 
-def test_checkpoint_delete(server: Server, service_client: tinker.ServiceClient,
-                           base_model: str) -> None:
+def test_checkpoint_delete(
+    server: Server, service_client: tinker.ServiceClient, base_model: str
+) -> None:
     trainer = service_client.create_lora_training_client(base_model=base_model, rank=4).result()
-    doomed = [trainer.save_state("doomed").result().path,
-              trainer.save_weights_for_sampler("doomed-sampler").result().path]
+    doomed = [
+        trainer.save_state("doomed").result().path,
+        trainer.save_weights_for_sampler("doomed-sampler").result().path,
+    ]
     kept = trainer.save_state("kept").result().path
     # Another tenant cannot delete it (the CLI reports the 404 per path and exits 0).
     refused = tinker_cli(server, "checkpoint", "delete", "-y", doomed[0], key=OTHER_KEY, ok=False)
     assert "404" in refused.stdout + refused.stderr
     assert cli_json(server, "checkpoint", "info", doomed[0])["checkpoint_id"] == "weights/doomed"
     tinker_cli(server, "checkpoint", "delete", "-y", *doomed)
-    left = {c["tinker_path"] for c in
-            cli_json(server, "checkpoint", "list", "--run-id", trainer.model_id)["checkpoints"]}
+    left = {
+        c["tinker_path"]
+        for c in cli_json(server, "checkpoint", "list", "--run-id", trainer.model_id)["checkpoints"]
+    }
     assert left == {kept}
     gone = tinker_cli(server, "checkpoint", "info", doomed[0], ok=False)
     assert gone.returncode != 0 and "not found" in (gone.stdout + gone.stderr).lower()
     tinker_cli(server, "checkpoint", "delete", "-y", "--run-id", trainer.model_id)
-    assert cli_json(server, "checkpoint", "list", "--run-id", trainer.model_id)[
-        "checkpoints"] == []
+    assert cli_json(server, "checkpoint", "list", "--run-id", trainer.model_id)["checkpoints"] == []

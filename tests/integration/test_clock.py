@@ -21,8 +21,10 @@ ADAM = types.AdamParams(learning_rate=1e-4)
 
 def _datum(n: int = 64) -> types.Datum:
     tokens = np.arange(1, n + 2) % 1000
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
-                       loss_fn_inputs={"target_tokens": tokens[1:].tolist()})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
+        loss_fn_inputs={"target_tokens": tokens[1:].tolist()},
+    )
 
 
 def _cycle(result: types.ForwardBackwardOutput) -> int:
@@ -65,7 +67,8 @@ def new_trainer(service_client: tinker.ServiceClient, base_model: str) -> tinker
 
 
 def test_pipelined_loop_uses_one_cycle_per_step_and_naive_two(
-        service_client: tinker.ServiceClient, base_model: str) -> None:
+    service_client: tinker.ServiceClient, base_model: str
+) -> None:
     piped = pipelined(new_trainer(service_client, base_model), 8)
     assert statistics.median(deltas(piped)) == 1, piped
     slow = naive(new_trainer(service_client, base_model), 6)
@@ -73,8 +76,9 @@ def test_pipelined_loop_uses_one_cycle_per_step_and_naive_two(
     assert all(d > 0 for d in deltas(piped) + deltas(slow)), "cycle ids only increase"
 
 
-def test_two_pipelined_tenants_share_their_cycles(service_client: tinker.ServiceClient,
-                                                  base_model: str) -> None:
+def test_two_pipelined_tenants_share_their_cycles(
+    service_client: tinker.ServiceClient, base_model: str
+) -> None:
     trainers = [new_trainer(service_client, base_model) for _ in range(2)]
     results: dict[int, list[int]] = {}
     barrier = threading.Barrier(2)
@@ -93,12 +97,17 @@ def test_two_pipelined_tenants_share_their_cycles(service_client: tinker.Service
     assert shared >= 0.8, (results, shared)
 
 
-def test_all_chunks_of_a_large_call_land_in_one_cycle(service_client: tinker.ServiceClient,
-                                                      base_model: str) -> None:
+def test_all_chunks_of_a_large_call_land_in_one_cycle(
+    service_client: tinker.ServiceClient, base_model: str
+) -> None:
     trainer = new_trainer(service_client, base_model)
-    data = [types.Datum(model_input=types.ModelInput.from_ints([i % 900 + 1]),
-                        loss_fn_inputs={"target_tokens": [(i + 1) % 900 + 1]})
-            for i in range(1025)]
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([i % 900 + 1]),
+            loss_fn_inputs={"target_tokens": [(i + 1) % 900 + 1]},
+        )
+        for i in range(1025)
+    ]
     result = trainer.forward_backward(data, "cross_entropy").result()
     assert len(result.loss_fn_outputs) == 1025
     cycles = {v for k, v in result.metrics.items() if k.startswith("clock_cycle:unique")}
@@ -116,59 +125,101 @@ def _post(client: httpx.Client, path: str, **body: object) -> dict:
 
 def _wait(client: httpx.Client, request_id: str) -> httpx.Response:
     while True:
-        r = client.post("/api/v1/retrieve_future",
-                        json={"request_id": request_id, "allow_metadata_only": False})
+        r = client.post(
+            "/api/v1/retrieve_future", json={"request_id": request_id, "allow_metadata_only": False}
+        )
         assert r.status_code == 200, r.text
-        if r.headers["content-type"].startswith("application/json") and \
-                r.json().get("type") == "try_again":
+        if (
+            r.headers["content-type"].startswith("application/json")
+            and r.json().get("type") == "try_again"
+        ):
             continue
         return r
 
 
 def _fwdbwd(model_id: str, seq_id: int, forward_only: bool = False) -> bytes:
     tokens = np.arange(1, 33, dtype=np.int64)
-    datum = wire.Datum(model_input=[wire.Chunk(encoded_text=wire.EncodedTextChunk(
-        tokens=tokens[:-1].astype("<i4").tobytes()))])
-    datum.loss_fn_inputs["target_tokens"].CopyFrom(wire.Tensor(
-        dense=tokens[1:].astype("<i8").tobytes(), dtype=wire.DTYPE_INT64, shape=[31]))
-    return wire.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, data=[datum],
-                                       loss_fn="cross_entropy",
-                                       forward_only=forward_only).SerializeToString()
+    datum = wire.Datum(
+        model_input=[
+            wire.Chunk(
+                encoded_text=wire.EncodedTextChunk(tokens=tokens[:-1].astype("<i4").tobytes())
+            )
+        ]
+    )
+    datum.loss_fn_inputs["target_tokens"].CopyFrom(
+        wire.Tensor(dense=tokens[1:].astype("<i8").tobytes(), dtype=wire.DTYPE_INT64, shape=[31])
+    )
+    return wire.ForwardBackwardRequest(
+        model_id=model_id,
+        seq_id=seq_id,
+        data=[datum],
+        loss_fn="cross_entropy",
+        forward_only=forward_only,
+    ).SerializeToString()
 
 
 def _train_model(client: httpx.Client, session: str, n: int, replay: bool) -> float:
     """fb (sent twice when `replay`), optim, then the loss after the step."""
-    future = _post(client, "create_model", session_id=session, model_seq_id=n,
-                   base_model="Lockstep/tiny-qwen3", lora_config={"rank": 4, "seed": 5},
-                   type="create_model")
+    future = _post(
+        client,
+        "create_model",
+        session_id=session,
+        model_seq_id=n,
+        base_model="Lockstep/tiny-qwen3",
+        lora_config={"rank": 4, "seed": 5},
+        type="create_model",
+    )
     model_id = _wait(client, future["request_id"]).json()["model_id"]
     headers = {"content-type": "application/x-protobuf"}
     first = client.post("/api/v1/forward_backward", content=_fwdbwd(model_id, 1), headers=headers)
     if replay:  # a retry after a lost response: same (model, seq_id), same payload
-        again = client.post("/api/v1/forward_backward", content=_fwdbwd(model_id, 1),
-                            headers=headers)
+        again = client.post(
+            "/api/v1/forward_backward", content=_fwdbwd(model_id, 1), headers=headers
+        )
         assert again.json()["request_id"] == first.json()["request_id"]
-    opt = _post(client, "optim_step", model_id=model_id, seq_id=2, type="optim_step",
-                adam_params={"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12,
-                             "weight_decay": 0.0, "grad_clip_norm": 0.0})
+    opt = _post(
+        client,
+        "optim_step",
+        model_id=model_id,
+        seq_id=2,
+        type="optim_step",
+        adam_params={
+            "learning_rate": 0.01,
+            "beta1": 0.9,
+            "beta2": 0.95,
+            "eps": 1e-12,
+            "weight_decay": 0.0,
+            "grad_clip_norm": 0.0,
+        },
+    )
     _wait(client, first.json()["request_id"])
     _wait(client, opt["request_id"])
-    fwd = client.post("/api/v1/forward_backward", content=_fwdbwd(model_id, 3, True),
-                      headers=headers)
+    fwd = client.post(
+        "/api/v1/forward_backward", content=_fwdbwd(model_id, 3, True), headers=headers
+    )
     out = wire.ForwardBackwardOutput.FromString(_wait(client, fwd.json()["request_id"]).content)
     return out.metrics["loss:sum"]
 
 
 def test_a_replayed_request_is_applied_once(server: Server) -> None:
-    with httpx.Client(base_url=server.base_url, headers={"X-API-Key": API_KEY},
-                      timeout=60) as client:
-        session = _post(client, "create_session", tags=[], user_metadata={},
-                        sdk_version="test", type="create_session")["session_id"]
+    with httpx.Client(
+        base_url=server.base_url, headers={"X-API-Key": API_KEY}, timeout=60
+    ) as client:
+        session = _post(
+            client,
+            "create_session",
+            tags=[],
+            user_metadata={},
+            sdk_version="test",
+            type="create_session",
+        )["session_id"]
         once = _train_model(client, session, 0, replay=False)
         replayed = _train_model(client, session, 1, replay=True)
         assert replayed == pytest.approx(once, rel=1e-6)
         # a different payload under a used (model, seq_id) is refused, not run
-        r = client.post("/api/v1/forward_backward",
-                        content=_fwdbwd(f"{session}:train:1", 1, forward_only=True),
-                        headers={"content-type": "application/x-protobuf"})
+        r = client.post(
+            "/api/v1/forward_backward",
+            content=_fwdbwd(f"{session}:train:1", 1, forward_only=True),
+            headers={"content-type": "application/x-protobuf"},
+        )
         assert r.status_code == 400 and "seq_id" in r.text

@@ -20,13 +20,29 @@ REPO = Path(__file__).resolve().parents[2]
 def test_compatibility_doc_is_current(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "compatibility.md"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "compat_matrix.py"), "--base-url",
-         server.base_url, "--output", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
+        [
+            sys.executable,
+            str(REPO / "scripts" / "compat_matrix.py"),
+            "--base-url",
+            server.base_url,
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     generated = out.read_text()
     assert "no probe for this method" not in generated, "a new SDK method needs a probe"
     current = (REPO / "docs" / "compatibility.md").read_text()
-    diff = "".join(difflib.unified_diff(current.splitlines(True), generated.splitlines(True),
-                                        "docs/compatibility.md", "generated"))
+    diff = "".join(
+        difflib.unified_diff(
+            current.splitlines(True),
+            generated.splitlines(True),
+            "docs/compatibility.md",
+            "generated",
+        )
+    )
     assert not diff, f"docs/compatibility.md is out of date; run scripts/compat_matrix.py\n{diff}"

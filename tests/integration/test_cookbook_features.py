@@ -18,8 +18,9 @@ N = 10
 
 @pytest.fixture(scope="module")
 def trainer(service_client: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
-    return service_client.create_lora_training_client(base_model=base_model, rank=4,
-                                                      seed=7).result()
+    return service_client.create_lora_training_client(
+        base_model=base_model, rank=4, seed=7
+    ).result()
 
 
 def _tokens() -> list[int]:
@@ -28,8 +29,10 @@ def _tokens() -> list[int]:
 
 def _datum(**inputs: object) -> types.Datum:
     tokens = _tokens()
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})  # type: ignore[dict-item]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], **inputs},
+    )  # type: ignore[dict-item]
 
 
 def _logprobs(trainer: tinker.TrainingClient) -> np.ndarray:
@@ -44,14 +47,18 @@ def test_gspo_uses_the_sequence_ratio_over_the_mask(trainer: tinker.TrainingClie
     # The sampler's logprobs: 0.1 below the trainer's on the sampled (masked) tokens, garbage on
     # the prompt, which the mask keeps out of the ratio: s = exp(0.1), inside [0.8, 1.2].
     q = np.where(mask > 0, logp - 0.1, 0.0)
-    out = trainer.forward([_datum(logprobs=q.tolist(), advantages=adv.tolist(),
-                                  sequence_ratio_mask=mask.tolist())], "gspo").result()
+    out = trainer.forward(
+        [_datum(logprobs=q.tolist(), advantages=adv.tolist(), sequence_ratio_mask=mask.tolist())],
+        "gspo",
+    ).result()
     s = math.exp(0.1)
     assert out.metrics["loss:sum"] == pytest.approx(-s * adv.sum(), abs=1e-4)
     # Far off-policy (s = e): every token is clipped at 1.2 where that is the smaller objective.
     far = np.where(mask > 0, logp - 1.0, 0.0)
-    out = trainer.forward([_datum(logprobs=far.tolist(), advantages=adv.tolist(),
-                                  sequence_ratio_mask=mask.tolist())], "gspo").result()
+    out = trainer.forward(
+        [_datum(logprobs=far.tolist(), advantages=adv.tolist(), sequence_ratio_mask=mask.tolist())],
+        "gspo",
+    ).result()
     expected = -np.minimum(math.e * adv, 1.2 * adv).sum()
     assert out.metrics["loss:sum"] == pytest.approx(expected, abs=1e-4)
     with pytest.raises(tinker.BadRequestError, match="sequence_ratio_mask"):
@@ -61,21 +68,27 @@ def test_gspo_uses_the_sequence_ratio_over_the_mask(trainer: tinker.TrainingClie
 def _sampled_datum(trainer: tinker.TrainingClient) -> types.Datum:
     sampler = trainer.save_weights_and_get_sampling_client(record_stability_info=True).result()
     prompt = _tokens()[:N]
-    seq = sampler.sample(types.ModelInput.from_ints(prompt), 1,
-                         types.SamplingParams(max_tokens=1)).result().sequences[0]
+    seq = (
+        sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1))
+        .result()
+        .sequences[0]
+    )
     assert seq.sequence_id and seq.logprobs is not None
     tokens = prompt + seq.tokens
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:],
-                        "logprobs": [0.0] * (N - 1) + [seq.logprobs[0]],
-                        "advantages": [0.0] * (N - 1) + [1.0]},  # type: ignore[dict-item]
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [0.0] * (N - 1) + [seq.logprobs[0]],
+            "advantages": [0.0] * (N - 1) + [1.0],
+        },  # type: ignore[dict-item]
     )
     return datum.with_provenance(
         model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=N)],
         loss_fn_inputs=[
             types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=N - 1),
-            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=1)],
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, offset=0, length=1),
+        ],
     )
 
 
@@ -83,14 +96,23 @@ def test_provenance_spans_are_accepted_on_every_loss(trainer: tinker.TrainingCli
     datum = _sampled_datum(trainer)
     plain = types.Datum(model_input=datum.model_input, loss_fn_inputs=datum.loss_fn_inputs)
     mask = {"sequence_ratio_mask": [0.0] * (N - 1) + [1.0]}
-    for loss, extra in [("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}),
-                        ("cispo", {}), ("dro", {}), ("gspo", mask)]:
-        with_spans = types.Datum(model_input=datum.model_input,
-                                 loss_fn_inputs={**datum.loss_fn_inputs, **extra},
-                                 model_input_spans=datum.model_input_spans,
-                                 loss_fn_input_spans=datum.loss_fn_input_spans)
-        without = types.Datum(model_input=plain.model_input,
-                              loss_fn_inputs={**plain.loss_fn_inputs, **extra})
+    for loss, extra in [
+        ("cross_entropy", {}),
+        ("importance_sampling", {}),
+        ("ppo", {}),
+        ("cispo", {}),
+        ("dro", {}),
+        ("gspo", mask),
+    ]:
+        with_spans = types.Datum(
+            model_input=datum.model_input,
+            loss_fn_inputs={**datum.loss_fn_inputs, **extra},
+            model_input_spans=datum.model_input_spans,
+            loss_fn_input_spans=datum.loss_fn_input_spans,
+        )
+        without = types.Datum(
+            model_input=plain.model_input, loss_fn_inputs={**plain.loss_fn_inputs, **extra}
+        )
         a = trainer.forward([with_spans], loss).result().metrics["loss:sum"]
         b = trainer.forward([without], loss).result().metrics["loss:sum"]
         assert a == pytest.approx(b), loss  # accepted and ignored
@@ -105,8 +127,8 @@ def test_stable_reinforce_is_refused_with_the_reason(trainer: tinker.TrainingCli
 
 
 def test_kl_reference_sampler_on_base_model_and_checkpoint(
-        service_client: tinker.ServiceClient, trainer: tinker.TrainingClient,
-        base_model: str) -> None:
+    service_client: tinker.ServiceClient, trainer: tinker.TrainingClient, base_model: str
+) -> None:
     trainer.forward_backward([_datum(weights=[1.0] * N)], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     path = trainer.save_weights_for_sampler("kl-ref").result().path

@@ -55,7 +55,8 @@ class DroppingProxy:
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.server = self.loop.run_until_complete(
-            asyncio.start_server(self._client, "127.0.0.1", 0))
+            asyncio.start_server(self._client, "127.0.0.1", 0)
+        )
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         ready.set()
         self.loop.run_forever()
@@ -111,8 +112,15 @@ class DroppingProxy:
         reader, writer = await asyncio.open_connection(*self.upstream)
         conn = h11.Connection(h11.CLIENT)
         headers = [(k, v) for k, v in head.headers if k.lower() != b"connection"]
-        writer.write(conn.send(h11.Request(method=head.method, target=head.target,
-                                           headers=[*headers, (b"connection", b"close")])))
+        writer.write(
+            conn.send(
+                h11.Request(
+                    method=head.method,
+                    target=head.target,
+                    headers=[*headers, (b"connection", b"close")],
+                )
+            )
+        )
         writer.write(conn.send(h11.Data(data=body)) or b"")
         writer.write(conn.send(h11.EndOfMessage()) or b"")
         await writer.drain()
@@ -124,14 +132,17 @@ class DroppingProxy:
 def train(base_url: str, key: str) -> str:
     """STEPS pipelined steps (submit step k, then wait for step k-1); the final adapter's path."""
     client = tinker.ServiceClient(base_url=base_url, api_key=key)
-    trainer = client.create_lora_training_client(base_model="Lockstep/tiny-qwen3", rank=4,
-                                                 seed=5).result()
+    trainer = client.create_lora_training_client(
+        base_model="Lockstep/tiny-qwen3", rank=4, seed=5
+    ).result()
     data = quickstart_data(trainer.get_tokenizer())
     prev = None
     for step in range(STEPS):
         batch = [data[(2 * step + j) % len(data)] for j in range(2)]
-        futures = (trainer.forward_backward(batch, "cross_entropy"),
-                   trainer.optim_step(types.AdamParams(learning_rate=1e-2)))
+        futures = (
+            trainer.forward_backward(batch, "cross_entropy"),
+            trainer.optim_step(types.AdamParams(learning_rate=1e-2)),
+        )
         if prev is not None:
             assert prev[0].result().metrics["loss:sum"] > 0
             prev[1].result()
@@ -150,8 +161,12 @@ def optim_steps_run(server: Server, key: str) -> float:
     owner = hashlib.sha256(key.encode()).hexdigest()[:16]
     total = 0.0
     for line in text.decode().splitlines():
-        if (line.startswith("lockstep_tenant_requests_total{") and f'owner="{owner}"' in line
-                and 'kind="optim_step"' in line and 'outcome="ok"' in line):
+        if (
+            line.startswith("lockstep_tenant_requests_total{")
+            and f'owner="{owner}"' in line
+            and 'kind="optim_step"' in line
+            and 'outcome="ok"' in line
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -170,8 +185,9 @@ def proxy(server: Server) -> Iterator[DroppingProxy]:
     p.close()
 
 
-def test_dropped_responses_apply_every_step_exactly_once(server: Server,
-                                                         proxy: DroppingProxy) -> None:
+def test_dropped_responses_apply_every_step_exactly_once(
+    server: Server, proxy: DroppingProxy
+) -> None:
     reference = adapter(server, train(server.base_url, KEYS["direct"]))
     survived = adapter(server, train(proxy.url, KEYS["proxied"]))
 

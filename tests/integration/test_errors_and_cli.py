@@ -22,7 +22,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def trainer(service_client: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
     return service_client.create_lora_training_client(
-        base_model=base_model, rank=4, seed=3).result()
+        base_model=base_model, rank=4, seed=3
+    ).result()
 
 
 def _good_step(trainer: tinker.TrainingClient) -> float:
@@ -37,8 +38,10 @@ def _error_text(exc: BaseException) -> str:
 
 
 def test_token_id_beyond_vocab_is_a_user_error(trainer: tinker.TrainingClient) -> None:
-    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 10_000_000]),
-                      loss_fn_inputs={"target_tokens": [2, 3, 4]})
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 10_000_000]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4]},
+    )
     with pytest.raises(tinker.BadRequestError) as info:
         trainer.forward_backward([bad], "cross_entropy").result()
     assert "vocab" in _error_text(info.value) or "token" in _error_text(info.value)
@@ -46,8 +49,10 @@ def test_token_id_beyond_vocab_is_a_user_error(trainer: tinker.TrainingClient) -
 
 
 def test_mismatched_loss_input_length_is_a_user_error(trainer: tinker.TrainingClient) -> None:
-    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                      loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0]})
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0]},
+    )
     with pytest.raises(tinker.BadRequestError) as info:
         trainer.forward_backward([bad], "cross_entropy").result()
     assert "weights" in _error_text(info.value)
@@ -55,8 +60,10 @@ def test_mismatched_loss_input_length_is_a_user_error(trainer: tinker.TrainingCl
 
 
 def test_unknown_loss_is_a_user_error(trainer: tinker.TrainingClient) -> None:
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                        loss_fn_inputs={"target_tokens": [2, 3, 4]})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4]},
+    )
     with pytest.raises(tinker.BadRequestError) as info:
         trainer.forward_backward([datum], "no_such_loss").result()  # type: ignore[arg-type]
     assert "no_such_loss" in _error_text(info.value) or "loss_fn" in _error_text(info.value)
@@ -66,14 +73,16 @@ def test_unknown_loss_is_a_user_error(trainer: tinker.TrainingClient) -> None:
 def _cli(server: Server, *args: str, cwd: Path | None = None) -> str:
     env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": API_KEY}
     tinker_cli = Path(sys.executable).with_name("tinker")
-    proc = subprocess.run([str(tinker_cli), *args], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    proc = subprocess.run(
+        [str(tinker_cli), *args], env=env, capture_output=True, text=True, timeout=300, cwd=cwd
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
-def test_tinker_cli_checkpoint_list_and_download(server: Server, trainer: tinker.TrainingClient,
-                                                 tmp_path: Path) -> None:
+def test_tinker_cli_checkpoint_list_and_download(
+    server: Server, trainer: tinker.TrainingClient, tmp_path: Path
+) -> None:
     _good_step(trainer)
     path = trainer.save_state("for-cli").result().path
     listing = _cli(server, "--format", "json", "checkpoint", "list")

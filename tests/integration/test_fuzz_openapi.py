@@ -25,10 +25,15 @@ EXAMPLES = int(os.environ.get("LOCKSTEP_FUZZ_EXAMPLES", "10"))
 # each one is its own test item). Invalid requests exist only for operations with a body or
 # query parameters (path ids are any string; the API key is fixed below).
 _DOC = create_app(GatewaySettings(scheduler_address="127.0.0.1:1")).openapi()["paths"]
-CASES = [(method.upper(), path, mode) for path, item in _DOC.items() for method, op in item.items()
-         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-         if mode is GenerationMode.POSITIVE or "requestBody" in op
-         or any(p["in"] == "query" for p in op.get("parameters", []))]
+CASES = [
+    (method.upper(), path, mode)
+    for path, item in _DOC.items()
+    for method, op in item.items()
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    if mode is GenerationMode.POSITIVE
+    or "requestBody" in op
+    or any(p["in"] == "query" for p in op.get("parameters", []))
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +41,24 @@ def api_schema(server: Server) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(server.base_url + "/openapi.json")
 
 
-@pytest.mark.parametrize(("method", "path", "mode"), CASES,
-                         ids=[f"{m} {p} {mode.value}" for m, p, mode in CASES])
-def test_no_server_errors(api_schema: schemathesis.BaseSchema, method: str, path: str,
-                          mode: GenerationMode) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "mode"), CASES, ids=[f"{m} {p} {mode.value}" for m, p, mode in CASES]
+)
+def test_no_server_errors(
+    api_schema: schemathesis.BaseSchema, method: str, path: str, mode: GenerationMode
+) -> None:
     operation = api_schema[path][method]
     # A valid key, so the generated requests reach the real handlers (auth has its own tests).
     strategy = operation.as_strategy(generation_mode=mode, headers={"X-API-Key": API_KEY})
 
     @given(case=strategy)
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def fuzz(case: schemathesis.Case) -> None:
         case.call_and_validate(checks=[not_a_server_error], timeout=60)
 

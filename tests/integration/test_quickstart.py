@@ -13,15 +13,20 @@ pytestmark = pytest.mark.e2e
 
 
 def manual_loss(result: types.ForwardBackwardOutput, data: list[types.Datum]) -> float:
-    return float(sum(
-        -(out["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum()
-        for out, d in zip(result.loss_fn_outputs, data, strict=True)))
+    return float(
+        sum(
+            -(out["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum()
+            for out, d in zip(result.loss_fn_outputs, data, strict=True)
+        )
+    )
 
 
-def test_pig_latin_trains_and_samples(service_client: tinker.ServiceClient,
-                                      base_model: str) -> None:
+def test_pig_latin_trains_and_samples(
+    service_client: tinker.ServiceClient, base_model: str
+) -> None:
     trainer = service_client.create_lora_training_client(
-        base_model=base_model, rank=32, seed=0).result()
+        base_model=base_model, rank=32, seed=0
+    ).result()
     tokenizer = trainer.get_tokenizer()
     data = quickstart_data(tokenizer)
     total_weight = sum(float(d.loss_fn_inputs["weights"].to_numpy().sum()) for d in data)
@@ -43,8 +48,9 @@ def test_pig_latin_trains_and_samples(service_client: tinker.ServiceClient,
     prompt_tokens = tokenizer.encode("English: banana split\nPig Latin:", add_special_tokens=True)
     completion = tokenizer.encode(" anana-bay plit-say\n\n", add_special_tokens=False)
     params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])
-    out = sampler.sample(prompt=types.ModelInput.from_ints(prompt_tokens), num_samples=8,
-                         sampling_params=params).result()
+    out = sampler.sample(
+        prompt=types.ModelInput.from_ints(prompt_tokens), num_samples=8, sampling_params=params
+    ).result()
     assert len(out.sequences) == 8
     first = out.sequences[0].tokens
     assert all(s.tokens == first for s in out.sequences), "greedy samples differ"
@@ -57,16 +63,22 @@ def test_pig_latin_trains_and_samples(service_client: tinker.ServiceClient,
     full = prompt_tokens + completion
     sampled_lp = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
     assert len(sampled_lp) == len(full) and sampled_lp[0] is None
-    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                        loss_fn_inputs={"target_tokens": full[1:]})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:]},
+    )
     fwd = trainer.forward([datum], "cross_entropy").result()
     trainer_lp = fwd.loss_fn_outputs[0]["logprobs"].to_numpy()
     np.testing.assert_allclose(np.array(sampled_lp[1:], dtype=np.float32), trainer_lp, atol=1e-4)
 
     # top-k prompt logprobs: sorted, <= 0, and the top-1 is at least the actual token's logprob.
-    res = sampler.sample(prompt=types.ModelInput.from_ints(full), num_samples=1,
-                         sampling_params=types.SamplingParams(max_tokens=1),
-                         include_prompt_logprobs=True, topk_prompt_logprobs=5).result()
+    res = sampler.sample(
+        prompt=types.ModelInput.from_ints(full),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=5,
+    ).result()
     topk = res.topk_prompt_logprobs
     assert topk is not None and topk[0] is None and len(topk) == len(full)
     for pos, row in enumerate(topk[1:], start=1):

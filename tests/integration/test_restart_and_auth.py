@@ -45,26 +45,38 @@ def _wait_healthy(server: Server, timeout: float = 120) -> None:
     raise AssertionError("server did not become healthy again")
 
 
-def test_a_killed_gateway_is_restarted_and_old_futures_still_answer(own_server: Server,
-                                                                     base_model: str) -> None:
+def test_a_killed_gateway_is_restarted_and_old_futures_still_answer(
+    own_server: Server, base_model: str
+) -> None:
     client = tinker.ServiceClient(base_url=own_server.base_url, api_key=API_KEY)
     trainer = client.create_lora_training_client(base_model=base_model, rank=4).result()
     data = quickstart_data(trainer.get_tokenizer())[:2]
-    with httpx.Client(base_url=own_server.base_url, headers={"X-API-Key": API_KEY},
-                      timeout=60) as http:
-        session = http.post("/api/v1/create_session", json={
-            "tags": [], "user_metadata": {}, "sdk_version": "test",
-            "type": "create_session"}).json()["session_id"]
-        created = http.post("/api/v1/create_model", json={
-            "session_id": session, "model_seq_id": 0, "base_model": base_model,
-            "lora_config": {"rank": 4}, "type": "create_model"}).json()
+    with httpx.Client(
+        base_url=own_server.base_url, headers={"X-API-Key": API_KEY}, timeout=60
+    ) as http:
+        session = http.post(
+            "/api/v1/create_session",
+            json={"tags": [], "user_metadata": {}, "sdk_version": "test", "type": "create_session"},
+        ).json()["session_id"]
+        created = http.post(
+            "/api/v1/create_model",
+            json={
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": base_model,
+                "lora_config": {"rank": 4},
+                "type": "create_model",
+            },
+        ).json()
         gateway = _child(own_server, "lockstep.gateway")
         os.kill(gateway.pid, signal.SIGKILL)
         gateway.wait(10)
         _wait_healthy(own_server)
         assert _child(own_server, "lockstep.gateway").pid != gateway.pid
-        answer = http.post("/api/v1/retrieve_future", json={
-            "request_id": created["request_id"], "allow_metadata_only": False})
+        answer = http.post(
+            "/api/v1/retrieve_future",
+            json={"request_id": created["request_id"], "allow_metadata_only": False},
+        )
         assert answer.status_code == 200, answer.text
         assert answer.json()["model_id"] == f"{session}:train:0"
     # the SDK client made before the restart carries on
@@ -72,8 +84,9 @@ def test_a_killed_gateway_is_restarted_and_old_futures_still_answer(own_server: 
     assert loss > 0
 
 
-def test_another_key_sees_nothing_of_mine(server: Server, service_client: tinker.ServiceClient,
-                                          base_model: str) -> None:
+def test_another_key_sees_nothing_of_mine(
+    server: Server, service_client: tinker.ServiceClient, base_model: str
+) -> None:
     trainer = service_client.create_lora_training_client(base_model=base_model, rank=4).result()
     path = trainer.save_state("private").result().path
     other = {"X-API-Key": "tml-someone-else"}
@@ -81,20 +94,36 @@ def test_another_key_sees_nothing_of_mine(server: Server, service_client: tinker
         run = trainer.model_id
         assert http.get(f"/api/v1/training_runs/{run}").status_code == 404
         assert http.get(f"/api/v1/training_runs/{run}/checkpoints").status_code == 404
-        assert http.post("/api/v1/get_info", json={"model_id": run,
-                                                    "type": "get_info"}).status_code == 404
+        assert (
+            http.post("/api/v1/get_info", json={"model_id": run, "type": "get_info"}).status_code
+            == 404
+        )
         listing = http.get("/api/v1/checkpoints").json()["checkpoints"]
         assert all(c["tinker_path"] != path for c in listing)
-        session = http.post("/api/v1/create_session", json={
-            "tags": [], "user_metadata": {}, "sdk_version": "t",
-            "type": "create_session"}).json()["session_id"]
-        r = http.post("/api/v1/load_weights", json={
-            "session_id": session, "model_seq_id": 0, "path": path, "optimizer": False,
-            "type": "load_weights"})
+        session = http.post(
+            "/api/v1/create_session",
+            json={"tags": [], "user_metadata": {}, "sdk_version": "t", "type": "create_session"},
+        ).json()["session_id"]
+        r = http.post(
+            "/api/v1/load_weights",
+            json={
+                "session_id": session,
+                "model_seq_id": 0,
+                "path": path,
+                "optimizer": False,
+                "type": "load_weights",
+            },
+        )
         assert r.status_code == 404, r.text
-        r = http.post("/api/v1/optim_step", json={
-            "model_id": run, "seq_id": 99, "type": "optim_step",
-            "adam_params": {"learning_rate": 0.1}})
+        r = http.post(
+            "/api/v1/optim_step",
+            json={
+                "model_id": run,
+                "seq_id": 99,
+                "type": "optim_step",
+                "adam_params": {"learning_rate": 0.1},
+            },
+        )
         assert r.status_code == 404, r.text
     # once published, the checkpoint is readable by every key
     rest = tinker.RestClient(base_url=server.base_url, api_key=API_KEY)

@@ -12,20 +12,26 @@ from lockstep.demo import quickstart_data
 pytestmark = pytest.mark.e2e
 
 
-def test_rl_loop_raises_reward_and_logprobs_agree(service_client: tinker.ServiceClient,
-                                                  base_model: str) -> None:
+def test_rl_loop_raises_reward_and_logprobs_agree(
+    service_client: tinker.ServiceClient, base_model: str
+) -> None:
     """Parity bandit: reward 1 when the sampled token id is even (baseline about 0.5)."""
     trainer = service_client.create_lora_training_client(
-        base_model=base_model, rank=16, seed=1).result()
+        base_model=base_model, rank=16, seed=1
+    ).result()
     tokenizer = trainer.get_tokenizer()
     prompts = [tokenizer.encode(f"pick {i}:") for i in range(8)]
     rewards_per_step = []
     for _ in range(16):
         sampler = trainer.save_weights_and_get_sampling_client().result()
-        futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=8,
-                                  sampling_params=types.SamplingParams(max_tokens=1,
-                                                                       temperature=1.0))
-                   for p in prompts]
+        futures = [
+            sampler.sample(
+                prompt=types.ModelInput.from_ints(p),
+                num_samples=8,
+                sampling_params=types.SamplingParams(max_tokens=1, temperature=1.0),
+            )
+            for p in prompts
+        ]
         data, sampler_lps, step_rewards = [], [], []
         for prompt, fut in zip(prompts, futures, strict=True):
             seqs = fut.result().sequences
@@ -35,13 +41,16 @@ def test_rl_loop_raises_reward_and_logprobs_agree(service_client: tinker.Service
             for seq, adv in zip(seqs, advantages, strict=True):
                 assert seq.logprobs is not None and len(seq.logprobs) == 1
                 n = len(prompt)
-                data.append(types.Datum(
-                    model_input=types.ModelInput.from_ints(prompt),
-                    loss_fn_inputs={
-                        "target_tokens": prompt[1:] + [seq.tokens[0]],
-                        "logprobs": [0.0] * (n - 1) + [seq.logprobs[0]],
-                        "advantages": [0.0] * (n - 1) + [float(adv)],
-                    }))
+                data.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(prompt),
+                        loss_fn_inputs={
+                            "target_tokens": prompt[1:] + [seq.tokens[0]],
+                            "logprobs": [0.0] * (n - 1) + [seq.logprobs[0]],
+                            "advantages": [0.0] * (n - 1) + [float(adv)],
+                        },
+                    )
+                )
                 sampler_lps.append(seq.logprobs[0])
         fb = trainer.forward_backward(data, "importance_sampling")
         opt = trainer.optim_step(types.AdamParams(learning_rate=1e-2))
@@ -64,10 +73,12 @@ def _steps(trainer: tinker.TrainingClient, data: list[types.Datum], n: int) -> l
     return losses
 
 
-def test_resume_with_and_without_optimizer(service_client: tinker.ServiceClient,
-                                           base_model: str) -> None:
+def test_resume_with_and_without_optimizer(
+    service_client: tinker.ServiceClient, base_model: str
+) -> None:
     run_a = service_client.create_lora_training_client(
-        base_model=base_model, rank=8, seed=123).result()
+        base_model=base_model, rank=8, seed=123
+    ).result()
     data = quickstart_data(run_a.get_tokenizer())
     _steps(run_a, data, 3)
     path = run_a.save_state("mid").result().path
@@ -89,9 +100,11 @@ def test_resume_with_and_without_optimizer(service_client: tinker.ServiceClient,
 
 
 def test_named_sampler_checkpoint_serves_the_trainer_weights(
-        service_client: tinker.ServiceClient, base_model: str) -> None:
+    service_client: tinker.ServiceClient, base_model: str
+) -> None:
     trainer = service_client.create_lora_training_client(
-        base_model=base_model, rank=4, seed=7).result()
+        base_model=base_model, rank=4, seed=7
+    ).result()
     data = quickstart_data(trainer.get_tokenizer())
     _steps(trainer, data, 2)
     path = trainer.save_weights_for_sampler("s1").result().path
@@ -99,8 +112,17 @@ def test_named_sampler_checkpoint_serves_the_trainer_weights(
     sampler = service_client.create_sampling_client(model_path=path).result()
     tokens = data[0].model_input.to_ints()
     lps = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
-    fwd = trainer.forward([types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                       loss_fn_inputs={"target_tokens": tokens[1:]})],
-                          "cross_entropy").result()
-    np.testing.assert_allclose(np.array(lps[1:], dtype=np.float32),
-                               fwd.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-4)
+    fwd = trainer.forward(
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:]},
+            )
+        ],
+        "cross_entropy",
+    ).result()
+    np.testing.assert_allclose(
+        np.array(lps[1:], dtype=np.float32),
+        fwd.loss_fn_outputs[0]["logprobs"].to_numpy(),
+        atol=1e-4,
+    )

@@ -41,13 +41,21 @@ def data(seed: int, loss_fn: str, n: int) -> list[Datum]:
 def cycle_requests(step: int) -> list[PassRequest]:
     """One cycle: each tenant's forward_backward (different losses), plus a forward-only eval."""
     return [
-        PassRequest(f"t4-{step}", "t4", "cross_entropy", {}, False,
-                    data(10 + step, "cross_entropy", 3)),
+        PassRequest(
+            f"t4-{step}", "t4", "cross_entropy", {}, False, data(10 + step, "cross_entropy", 3)
+        ),
         PassRequest(f"t8-{step}", "t8", "ppo", {}, False, data(20 + step, "ppo", 2)),
-        PassRequest(f"t16-{step}", "t16", "importance_sampling", {}, False,
-                    data(30 + step, "importance_sampling", 4)),
-        PassRequest(f"t4-eval-{step}", "t4", "cross_entropy", {}, True,
-                    data(40 + step, "cross_entropy", 1)),
+        PassRequest(
+            f"t16-{step}",
+            "t16",
+            "importance_sampling",
+            {},
+            False,
+            data(30 + step, "importance_sampling", 4),
+        ),
+        PassRequest(
+            f"t4-eval-{step}", "t4", "cross_entropy", {}, True, data(40 + step, "cross_entropy", 1)
+        ),
     ]
 
 
@@ -74,8 +82,9 @@ def run_workload(engine: TrainingEngine, out_dir: Path, steps: int = 2) -> dict[
     return record
 
 
-def assert_records_close(got: dict[str, object], want: dict[str, object], tol: float = 1e-5
-                         ) -> float:
+def assert_records_close(
+    got: dict[str, object], want: dict[str, object], tol: float = 1e-5
+) -> float:
     """Every value within `tol` (absolute; relative for |values| > 1, e.g. a 166.0 loss:sum,
     where 1e-5 is one fp32 ulp). Returns the worst absolute difference."""
     assert set(got) == set(want)

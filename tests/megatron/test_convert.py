@@ -47,8 +47,8 @@ def test_qkv_layout_is_grouped(model_dir: Path) -> None:
     per_group = arch.heads // arch.kv_heads
     group0 = fused[: (per_group + 2) * d]
     assert torch.equal(group0[: per_group * d], q[: per_group * d, 0])
-    assert torch.equal(group0[per_group * d: (per_group + 1) * d], k[:d, 0])
-    assert torch.equal(group0[(per_group + 1) * d:], v[:d, 0])
+    assert torch.equal(group0[per_group * d : (per_group + 1) * d], k[:d, 0])
+    assert torch.equal(group0[(per_group + 1) * d :], v[:d, 0])
 
 
 def test_lora_shards_merge() -> None:

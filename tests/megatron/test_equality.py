@@ -38,8 +38,9 @@ def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_local_engine(layout: str, model_dir: Path,
-                                     reference: dict[str, object], tmp_path: Path) -> None:
+def test_layout_matches_local_engine(
+    layout: str, model_dir: Path, reference: dict[str, object], tmp_path: Path
+) -> None:
     engine = MegatronTrainingEngine(model_dir, "tiny", LAYOUTS[layout], launcher="process")
     try:
         got = run_workload(engine, tmp_path)
@@ -59,8 +60,9 @@ def test_checkpoints_move_between_engines(model_dir: Path, tmp_path: Path) -> No
     megatron = MegatronTrainingEngine(model_dir, "tiny", ParallelConfig(tp=2), launcher="process")
     try:
         for m in TENANTS:
-            assert megatron.load_state(m, tmp_path / "ckpt" / m, include_optimizer=True) \
-                == local._lora.spec(m)
+            assert megatron.load_state(
+                m, tmp_path / "ckpt" / m, include_optimizer=True
+            ) == local._lora.spec(m)
 
         def step(engine: LocalTrainingEngine | MegatronTrainingEngine) -> dict[str, object]:
             out: dict[str, object] = {}

@@ -56,16 +56,35 @@ def base_model() -> str:
     return DEFAULT_MODEL_NAME
 
 
-def test_cp_without_transformer_engine_fails_at_startup(tmp_path: Path) -> None:
-    """`lockstep serve --engine megatron --cp 2` exits before starting anything, naming --cp."""
+def test_cp_without_transformer_engine_fails_at_startup(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lockstep serve --engine megatron --cp 2` exits before starting anything with a usage
+    error (exit code 2) that names --cp and what it needs."""
     from lockstep.cli import main
     from lockstep.modeling.tiny import ensure_default_model
 
     model = ensure_default_model(Path.home() / ".cache" / "lockstep-test-models")
-    for flags, named in ((["--cp", "2"], "--cp"), (["--tp", "2", "--sequence-parallel"],
-                                                    "--sequence-parallel")):
-        with pytest.raises(SystemExit, match=f"{named} needs NVIDIA Transformer Engine"):
-            main(["serve", "--data-dir", str(tmp_path), "--model", str(model),
-                  "--engine", "megatron", *flags])
-    with pytest.raises(SystemExit, match="need --engine megatron"):
+    for flags, named in (
+        (["--cp", "2"], "--cp"),
+        (["--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(
+                [
+                    "serve",
+                    "--data-dir",
+                    str(tmp_path),
+                    "--model",
+                    str(model),
+                    "--engine",
+                    "megatron",
+                    *flags,
+                ]
+            )
+        assert exit_info.value.code == 2
+        assert f"{named} needs NVIDIA Transformer Engine" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--data-dir", str(tmp_path), "--model", str(model), "--tp", "2"])
+    assert exit_info.value.code == 2
+    assert "need --engine megatron" in capsys.readouterr().err

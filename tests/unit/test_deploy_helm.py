@@ -37,8 +37,13 @@ VALUE_SETS = {"default": {}, "gpu": yaml.safe_load(GPU_VALUES.read_text())}
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as chart:
         out = chart.render(values, name="lockstep", namespace="ml", is_install=True)
-    return [doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for path, text in sorted(out.items())
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 @pytest.fixture(scope="module", params=sorted(VALUE_SETS))
@@ -47,8 +52,12 @@ def manifests(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 
 
 def find(docs: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:
-    hits = [d for d in docs if d["kind"] == kind and
-            d["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    hits = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+    ]
     assert len(hits) == 1, (kind, component, len(hits))
     return hits[0]
 
@@ -78,14 +87,23 @@ def test_manifests_validate_against_kubernetes_schemas(manifests: list[dict[str,
 
 def test_default_values_render_the_whole_service() -> None:
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in render({}))
-    assert kinds == sorted([
-        ("ConfigMap", "lockstep-redis"), ("Deployment", "lockstep-gateway"),
-        ("PersistentVolumeClaim", "lockstep-data"),
-        ("PodDisruptionBudget", "lockstep-gateway"), ("Secret", "lockstep-api-keys"),
-        ("Secret", "lockstep-file-url"), ("Secret", "lockstep-redis"),
-        ("Service", "lockstep-gateway"), ("Service", "lockstep-redis"),
-        ("Service", "lockstep-scheduler"), ("ServiceAccount", "lockstep"),
-        ("StatefulSet", "lockstep-redis"), ("StatefulSet", "lockstep-scheduler")])
+    assert kinds == sorted(
+        [
+            ("ConfigMap", "lockstep-redis"),
+            ("Deployment", "lockstep-gateway"),
+            ("PersistentVolumeClaim", "lockstep-data"),
+            ("PodDisruptionBudget", "lockstep-gateway"),
+            ("Secret", "lockstep-api-keys"),
+            ("Secret", "lockstep-file-url"),
+            ("Secret", "lockstep-redis"),
+            ("Service", "lockstep-gateway"),
+            ("Service", "lockstep-redis"),
+            ("Service", "lockstep-scheduler"),
+            ("ServiceAccount", "lockstep"),
+            ("StatefulSet", "lockstep-redis"),
+            ("StatefulSet", "lockstep-scheduler"),
+        ]
+    )
 
 
 def test_gpu_values_put_the_worker_group_on_gpu_nodes() -> None:
@@ -97,27 +115,29 @@ def test_gpu_values_put_the_worker_group_on_gpu_nodes() -> None:
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert pod["runtimeClassName"] == "nvidia"
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in \
-        container["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
     sglang = find(docs, "Deployment", "sglang")["spec"]["template"]["spec"]
     assert sglang["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert sglang["tolerations"] == pod["tolerations"]
-    assert not [d for d in docs if d["metadata"]["labels"].get(
-        "app.kubernetes.io/component") == "redis"], "external Redis: nothing bundled"
+    assert not [
+        d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "redis"
+    ], "external Redis: nothing bundled"
     env = {e["name"]: e for e in container["env"]}
     assert env["LOCKSTEP_REDIS_URL"]["valueFrom"]["secretKeyRef"]["name"] == "lockstep-redis"
     gateway = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]
     assert "affinity" not in gateway, "ReadWriteMany data: the gateway may run anywhere"
     ingress = find(docs, "Ingress", "gateway")
-    assert [p["path"] for p in ingress["spec"]["rules"][0]["http"]["paths"]] == ["/api/v1"]
+    paths = [p["path"] for p in ingress["spec"]["rules"][0]["http"]["paths"]]
+    assert paths == ["/api/v1", "/oai/api/v1", "/anthropic/api/v1"]
 
 
 def test_rendered_commands_parse_with_the_real_clis(manifests: list[dict[str, Any]]) -> None:
     sched = find(manifests, "StatefulSet", "scheduler")["spec"]["template"]["spec"]
     container = sched["containers"][0]
     assert container["command"] == ["python", "-m", "lockstep.scheduler"]
-    cfg = scheduler_args([a.replace("$(LOCKSTEP_REDIS_URL)", "redis://r:6379/0")
-                          for a in container["args"]])
+    cfg = scheduler_args(
+        [a.replace("$(LOCKSTEP_REDIS_URL)", "redis://r:6379/0") for a in container["args"]]
+    )
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert cfg.metrics_port == ports["metrics"] and cfg.metrics_host == "0.0.0.0"
     assert cfg.listen.endswith(f":{ports['grpc']}")
@@ -154,8 +174,11 @@ def test_services_select_pods_and_name_their_ports(manifests: list[dict[str, Any
     workloads = list(pod_specs(manifests))
     for svc in (d for d in manifests if d["kind"] == "Service"):
         selector = svc["spec"]["selector"]
-        pods = [w["spec"]["template"] for w in workloads
-                if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        pods = [
+            w["spec"]["template"]
+            for w in workloads
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(pods) == 1, svc["metadata"]["name"]
         ports = {p["name"] for c in pods[0]["spec"]["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
@@ -211,20 +234,23 @@ def test_values_schema_accepts_the_shipped_values() -> None:
         jsonschema.validate(_merged(values), schema)
 
 
-@pytest.mark.parametrize("bad", [
-    {"scheduler": {"clock": {"policy": "sometimes"}}},
-    {"workers": {"gpus": -1}},
-    {"shceduler": {}},
-    {"gateway": {"longPollSeconds": 60}},
-    {"redis": {"enabled": False}},
-    {"sglang": {"enabled": True}},
-    {"sglang": {"enabled": True, "modelPath": "/models/m"}},  # no pinned image tag
-    {"persistence": {"accessModes": ["ReadMostly"]}},
-    {"scheduler": {"limits": {"maxTenants": -1}}},
-    {"scheduler": {"limits": {"maxTenantz": 3}}},
-    {"scheduler": {"sampler": {"kind": "triton"}}},
-    {"workers": {"engine": {"tp": 0}}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"scheduler": {"clock": {"policy": "sometimes"}}},
+        {"workers": {"gpus": -1}},
+        {"shceduler": {}},
+        {"gateway": {"longPollSeconds": 60}},
+        {"redis": {"enabled": False}},
+        {"sglang": {"enabled": True}},
+        {"sglang": {"enabled": True, "modelPath": "/models/m"}},  # no pinned image tag
+        {"persistence": {"accessModes": ["ReadMostly"]}},
+        {"scheduler": {"limits": {"maxTenants": -1}}},
+        {"scheduler": {"limits": {"maxTenantz": 3}}},
+        {"scheduler": {"sampler": {"kind": "triton"}}},
+        {"workers": {"engine": {"tp": 0}}},
+    ],
+)
 def test_values_schema_refuses_bad_values(bad: dict[str, Any]) -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -258,22 +284,45 @@ def test_generated_secrets_and_shell_quoting() -> None:
 
 SERVE_VALUES: dict[str, Any] = {
     "scheduler": {
-        "limits": {"maxTokensPerDatum": 0, "maxDatumsPerRequest": 64, "maxTenants": 40,
-                   "maxTenantsPerKey": 3, "maxTokensPerCyclePerKey": 8192,
-                   "futureTtlSeconds": 86400, "maxPendingPerModel": 100,
-                   "maxPendingSamples": 500, "maxSamplesPerRequest": 16, "maxLoraRank": 32},
-        "sampler": {"kind": "sglang", "url": "http://lockstep-sglang:30000", "maxAdapters": 6,
-                    "colocate": True},
+        "limits": {
+            "maxTokensPerDatum": 0,
+            "maxDatumsPerRequest": 64,
+            "maxTenants": 40,
+            "maxTenantsPerKey": 3,
+            "maxTokensPerCyclePerKey": 8192,
+            "futureTtlSeconds": 86400,
+            "maxPendingPerModel": 100,
+            "maxPendingSamples": 500,
+            "maxSamplesPerRequest": 16,
+            "maxLoraRank": 32,
+        },
+        "sampler": {
+            "kind": "sglang",
+            "url": "http://lockstep-sglang:30000",
+            "maxAdapters": 6,
+            "colocate": True,
+        },
     },
-    "workers": {"engine": {"kind": "megatron", "tp": 2, "pp": 2, "dp": 3, "cp": 1,
-                           "rayAddress": "ray://ray-head:10001"}},
+    "workers": {
+        "engine": {
+            "kind": "megatron",
+            "tp": 2,
+            "pp": 2,
+            "dp": 3,
+            "cp": 1,
+            "rayAddress": "ray://ray-head:10001",
+            "rayPlacement": "STRICT_SPREAD",
+            "rayAuthTokenSecret": {"name": "raycluster-token", "key": "auth_token"},
+        }
+    },
 }
 
 
 def _scheduler_config(docs: list[dict[str, Any]]) -> Any:
     container = find(docs, "StatefulSet", "scheduler")["spec"]["template"]["spec"]["containers"][0]
-    return scheduler_args([a.replace("$(LOCKSTEP_REDIS_URL)", "redis://r:6379/0")
-                           for a in container["args"]]), container["args"]
+    return scheduler_args(
+        [a.replace("$(LOCKSTEP_REDIS_URL)", "redis://r:6379/0") for a in container["args"]]
+    ), container["args"]
 
 
 def test_limit_sampler_and_engine_values_render_to_their_flags() -> None:
@@ -282,16 +331,42 @@ def test_limit_sampler_and_engine_values_render_to_their_flags() -> None:
     docs = render(SERVE_VALUES)
     cfg, _ = _scheduler_config(docs)
     lim = cfg.limits
-    assert (lim.max_tokens_per_datum, lim.max_datums_per_request, lim.max_tenants,
-            lim.max_tenants_per_key, lim.max_tokens_per_cycle_per_key, lim.future_ttl_s,
-            lim.max_pending_per_model, lim.max_pending_samples,
-            lim.max_samples_per_request) == (0, 64, 40, 3, 8192, 86400, 100, 500, 16)
+    assert (
+        lim.max_tokens_per_datum,
+        lim.max_datums_per_request,
+        lim.max_tenants,
+        lim.max_tenants_per_key,
+        lim.max_tokens_per_cycle_per_key,
+        lim.future_ttl_s,
+        lim.max_pending_per_model,
+        lim.max_pending_samples,
+        lim.max_samples_per_request,
+    ) == (0, 64, 40, 3, 8192, 86400, 100, 500, 16)
     s = cfg.sampler
-    assert (s.kind, s.url, s.max_adapters, s.colocate, s.max_lora_rank) == \
-        ("sglang", "http://lockstep-sglang:30000", 6, True, 32)
+    assert (s.kind, s.url, s.max_adapters, s.colocate, s.max_lora_rank) == (
+        "sglang",
+        "http://lockstep-sglang:30000",
+        6,
+        True,
+        32,
+    )
     e = cfg.engine
-    assert (e.engine, e.parallel.tp, e.parallel.pp, e.parallel.dp, e.parallel.cp,
-            e.ray_address) == ("megatron", 2, 2, 3, 1, "ray://ray-head:10001")
+    assert (
+        e.kind,
+        e.parallel.tp,
+        e.parallel.pp,
+        e.parallel.dp,
+        e.parallel.cp,
+        e.ray_address,
+        e.ray_placement,
+    ) == ("megatron", 2, 2, 3, 1, "ray://ray-head:10001", "STRICT_SPREAD")
+    container = find(docs, "StatefulSet", "scheduler")["spec"]["template"]["spec"]["containers"][0]
+    env = {v["name"]: v for v in container["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "raycluster-token",
+        "key": "auth_token",
+    }
     gw = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
     assert gateway_parser().parse_args(gw["args"]).max_datums_per_request == 64
     for doc in pod_specs(docs):  # still valid workloads
@@ -303,11 +378,27 @@ def test_unset_values_render_no_flag() -> None:
     docs = render({})
     cfg, args = _scheduler_config(docs)
     flags = {a.split("=")[0] for a in args}
-    assert not flags & {"--max-tenants", "--max-tokens-per-cycle-per-key", "--future-ttl-s",
-                        "--sampler", "--sampler-url", "--max-adapters", "--colocate",
-                        "--engine", "--tp", "--pp", "--dp", "--cp", "--ray-address",
-                        "--max-lora-rank", "--max-datums-per-request"}
+    assert not flags & {
+        "--max-tenants",
+        "--max-tokens-per-cycle-per-key",
+        "--future-ttl",
+        "--sampler",
+        "--sampler-url",
+        "--max-adapters",
+        "--colocate",
+        "--engine",
+        "--tp",
+        "--pp",
+        "--dp",
+        "--cp",
+        "--ray-address",
+        "--ray-placement",
+        "--max-lora-rank",
+        "--max-datums-per-request",
+    }
     assert cfg.limits == type(cfg.limits)() and cfg.sampler == type(cfg.sampler)()
+    container = find(docs, "StatefulSet", "scheduler")["spec"]["template"]["spec"]["containers"][0]
+    assert not any(v["name"].startswith("RAY_") for v in container["env"])
     gw = find(docs, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
     assert not any(a.startswith("--max-datums-per-request") for a in gw["args"])
     # one set value among nulls renders alone (0 counts as set: it means "no limit")

@@ -120,18 +120,63 @@ def test_greedy_is_deterministic_and_matches_full_forward(
     assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
 
 
-def test_sampled_logprobs_are_the_models_own_distribution(
+def _sampling_distribution(lp: torch.Tensor, params: SampleParams) -> torch.Tensor:
+    """log p of what a row draws from: log_softmax(lp / T), then top-k / top-p, renormalised."""
+    scaled = torch.log_softmax(lp.double() / params.temperature, dim=-1)
+    order = scaled.argsort(dim=-1, descending=True, stable=True)
+    sorted_lp = scaled.gather(-1, order)
+    keep = torch.ones_like(sorted_lp, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[:, params.top_k :] = False
+    probs = torch.softmax(sorted_lp.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= (probs.cumsum(-1) - probs) < params.top_p
+    keep[:, 0] = True
+    mask = torch.zeros_like(keep).scatter_(-1, order, keep)
+    return torch.log_softmax(scaled.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def test_sampled_logprobs_are_the_sampling_distribution(
     engine: LocalSamplingEngine, reference: LoraModel
 ) -> None:
-    """Temperature / top-k / top-p change what is drawn, never the reported logprobs."""
+    """A sampled token's logprob is under the distribution it was drawn from: temperature, then
+    top-k / top-p truncation, renormalised (hosted Tinker's log p_T)."""
     p = prompt(engine, "The quick brown fox")
     params = SampleParams(max_tokens=10, temperature=0.7, top_k=50, top_p=0.9, seed=7)
     for seq in one(engine, req(p, params, num_samples=2, adapter="tenant-b")).sequences:
         lp = full_logprobs(reference, p + seq.tokens, "tenant-b")[len(p) - 1 : -1]
-        expected = lp.gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
+        dist = _sampling_distribution(lp, params)
+        expected = dist.gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0].float()
         assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
-        ranks = (lp > expected[:, None]).sum(-1)
-        assert int(ranks.max()) < 50  # every drawn token is within the top 50
+        raw = lp.gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
+        assert (torch.tensor(seq.logprobs) - raw).abs().max() > 1e-2  # not log p_1
+        assert bool(torch.isfinite(expected).all())  # every drawn token was kept
+
+
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.2, 1.8])
+def test_temperature_logprobs_scale_pairwise(
+    engine: LocalSamplingEngine, temperature: float
+) -> None:
+    """tinker-cookbook's temperature check: for tokens i, j of one position,
+    log p_T(i) - log p_T(j) = (1/T) (log p_1(i) - log p_1(j)); and the sampled tokens' logprobs
+    appear in their position's top-k at temperature T."""
+    p = prompt(engine, "English: banana split\nPig Latin:")
+    k = 20
+
+    def first(t: float) -> tuple[list[int], list[float], list[int], list[float]]:
+        params = SampleParams(max_tokens=1, temperature=t, seed=3, stop_at_eos=False)
+        seq = one(engine, req(p, params, topk_sample_logprobs=k)).sequences[0]
+        assert seq.topk_ids is not None and seq.topk_logprobs is not None
+        return seq.topk_ids[0], seq.topk_logprobs[0], seq.tokens, seq.logprobs
+
+    ids_1, lps_1, _, _ = first(1.0)
+    ids_t, lps_t, tokens, logprobs = first(temperature)
+    assert ids_t == ids_1  # scaling keeps the order
+    one_ = torch.tensor(lps_1, dtype=torch.float64)
+    at_t = torch.tensor(lps_t, dtype=torch.float64)
+    expected = (one_[:, None] - one_[None, :]) / temperature
+    assert torch.allclose(at_t[:, None] - at_t[None, :], expected, atol=1e-4, rtol=1e-4)
+    if tokens[0] in ids_t:
+        assert logprobs[0] == pytest.approx(lps_t[ids_t.index(tokens[0])], abs=1e-5)
 
 
 def test_prompt_logprobs_match_full_forward(
@@ -148,8 +193,9 @@ def test_prompt_logprobs_match_full_forward(
     assert torch.allclose(torch.tensor(result.prompt_logprobs[1:]), expected, atol=1e-4, rtol=0)
     assert result.topk_prompt is None
 
-    last = one(engine, req(p, params, adapter="tenant-a", prompt_logprobs=True,
-                           prompt_logprobs_last_n=3)).prompt_logprobs
+    last = one(
+        engine, req(p, params, adapter="tenant-a", prompt_logprobs=True, prompt_logprobs_last_n=3)
+    ).prompt_logprobs
     assert last is not None and len(last) == len(p)
     assert all(math.isnan(x) for x in last[:-3])
     assert last[-3:] == pytest.approx(result.prompt_logprobs[-3:], abs=1e-5)
@@ -159,8 +205,14 @@ def test_topk_prompt_and_sample_logprobs(engine: LocalSamplingEngine) -> None:
     p = prompt(engine, "Space exploration is fun")
     result = one(
         engine,
-        req(p, SampleParams(max_tokens=4, temperature=1.0, seed=3), prompt_logprobs=True,
-            topk_prompt_logprobs=5, topk_sample_logprobs=3, prompt_logprobs_last_n=len(p) - 2),
+        req(
+            p,
+            SampleParams(max_tokens=4, temperature=1.0, seed=3),
+            prompt_logprobs=True,
+            topk_prompt_logprobs=5,
+            topk_sample_logprobs=3,
+            prompt_logprobs_last_n=len(p) - 2,
+        ),
     )
     top, plp = result.topk_prompt, result.prompt_logprobs
     assert top is not None and plp is not None and len(top) == len(p)
@@ -215,7 +267,11 @@ def test_choose_tokens_respects_top_k_and_top_p() -> None:
             RowSampling(1.0, 2, 1.0, torch.Generator().manual_seed(seed)),
             RowSampling(1.0, -1, 0.85, torch.Generator().manual_seed(seed)),
         ]
-        k_tok, p_tok = choose_tokens(logits, rows).tolist()
+        choice = choose_tokens(logits, rows)
+        k_tok, p_tok = choice.tokens.tolist()
+        assert bool(torch.isinf(choice.logprobs[0, 2:]).all())  # truncated: probability 0
+        kept = choice.logprobs[0, :2].exp()
+        assert torch.allclose(kept, torch.tensor([0.5, 0.3]) / 0.8, atol=1e-6)
         draws["k"].add(k_tok)
         draws["p"].add(p_tok)
     assert draws == {"k": {0, 1}, "p": {0, 1, 2}}
@@ -316,8 +372,11 @@ def test_lru_eviction_reloads_transparently(
     mixed = small.sample([req(p, adapter=a, rid=str(a)) for a in (*ADAPTERS, None, *ADAPTERS)])
     assert [r.error for r in mixed] == [None] * 5
     assert [r.sequences[0].tokens for r in mixed] == [
-        expected["tenant-a"], expected["tenant-b"], one(engine, req(p)).sequences[0].tokens,
-        expected["tenant-a"], expected["tenant-b"],
+        expected["tenant-a"],
+        expected["tenant-b"],
+        one(engine, req(p)).sequences[0].tokens,
+        expected["tenant-a"],
+        expected["tenant-b"],
     ]
     small.unload_adapter("tenant-a")
     (gone,) = small.sample([req(p, adapter="tenant-a")])

@@ -16,7 +16,7 @@ from lockstep.engine.losses import (
     validate_pass_request,
 )
 from lockstep.engine.types import Datum, PassRequest
-from lockstep.workers.local.losses import TORCH_LOSSES, elementwise_loss
+from lockstep.training.losses import TORCH_LOSSES, elementwise_loss
 
 VOCAB, CTX = 100, 64
 

@@ -20,6 +20,7 @@ from lockstep.observability.tracking import OTHER, BusyWindow, OwnerCache, Tenan
 from lockstep.scheduler.dispatch import Outcome
 from lockstep.scheduler.planner import CyclePlan, ModelWork
 from lockstep.scheduler.records import QueuedOp
+from lockstep.scheduler.span import ClockMeter
 from tests.promql import (
     alert_rules,
     dashboard,
@@ -117,25 +118,33 @@ def _op(rid: str, model: str, seq: int, kind: str, tokens: int = 0) -> QueuedOp:
 def test_clock_meter_reports_a_cycle() -> None:
     metrics.OWNERS.note("model-a", "owner-a")
     metrics.OWNERS.note("model-b", "owner-b")
-    a = ModelWork("model-a", passes=[_op("r1", "model-a", 1, "forward_backward", 100)],
-                  optim=_op("r2", "model-a", 2, "optim_step"))
-    b = ModelWork("model-b", passes=[_op("r3", "model-b", 1, "forward", 300)],
-                  rejected=[_op("r4", "model-b", 2, "rejected")])
+    a = ModelWork(
+        "model-a",
+        passes=[_op("r1", "model-a", 1, "forward_backward", 100)],
+        optim=_op("r2", "model-a", 2, "optim_step"),
+    )
+    b = ModelWork(
+        "model-b",
+        passes=[_op("r3", "model-b", 1, "forward", 300)],
+        rejected=[_op("r4", "model-b", 2, "rejected")],
+    )
     plan = CyclePlan(models=(a, b), budget=1000, deficits={"model-c": 10})
     queues = {"model-a": a.ops(), "model-b": b.ops()}
     outcomes = {"r1": Outcome(), "r2": Outcome(), "r3": Outcome(error="bad", category="user")}
-    before = {n: value(n) for n in ("lockstep_cycle_tokens_total",
-                                     "lockstep_cycle_token_budget_total")}
+    before = {
+        n: value(n) for n in ("lockstep_cycle_tokens_total", "lockstep_cycle_token_budget_total")
+    }
     work_before = value("lockstep_cycles_total", kind="work")
-    ok_before = value("lockstep_tenant_requests_total", owner="owner-a",
-                      kind="forward_backward", outcome="ok")
+    ok_before = value(
+        "lockstep_tenant_requests_total", owner="owner-a", kind="forward_backward", outcome="ok"
+    )
     user_errors = value("lockstep_errors_total", component="scheduler", category="user")
 
     async def run() -> None:
         async def lookup(model_id: str) -> None:
             raise AssertionError("owners are cached")
 
-        meter = metrics.ClockMeter(1000, lookup)
+        meter = ClockMeter(1000, lookup)
         span = meter.begin()
         await meter.planned(span, queues, plan, runs=True)
         assert value("lockstep_queue_depth", owner="owner-b") == 2
@@ -148,17 +157,27 @@ def test_clock_meter_reports_a_cycle() -> None:
 
     asyncio.run(run())
     assert value("lockstep_cycle_tokens_total") - before["lockstep_cycle_tokens_total"] == 400
-    assert value("lockstep_cycle_token_budget_total") - \
-        before["lockstep_cycle_token_budget_total"] == 1000
+    assert (
+        value("lockstep_cycle_token_budget_total") - before["lockstep_cycle_token_budget_total"]
+        == 1000
+    )
     assert value("lockstep_cycles_total", kind="work") - work_before == 1
-    assert value("lockstep_tenant_requests_total", owner="owner-a", kind="forward_backward",
-                 outcome="ok") - ok_before == 1
-    assert value("lockstep_tenant_requests_total", owner="owner-b", kind="forward",
-                 outcome="failed") >= 1
-    assert value("lockstep_errors_total", component="scheduler",
-                 category="user") - user_errors == 1
-    assert value("lockstep_tenant_requests_total", owner="owner-b", kind="rejected",
-                 outcome="failed") == 0  # counted at submission, not again here
+    assert (
+        value(
+            "lockstep_tenant_requests_total", owner="owner-a", kind="forward_backward", outcome="ok"
+        )
+        - ok_before
+        == 1
+    )
+    assert (
+        value("lockstep_tenant_requests_total", owner="owner-b", kind="forward", outcome="failed")
+        >= 1
+    )
+    assert value("lockstep_errors_total", component="scheduler", category="user") - user_errors == 1
+    assert (
+        value("lockstep_tenant_requests_total", owner="owner-b", kind="rejected", outcome="failed")
+        == 0
+    )  # counted at submission, not again here
     assert value("lockstep_queue_depth", owner="owner-b") == 0  # the queues emptied
     assert value("lockstep_clock_token_budget") == 1000
 
@@ -166,11 +185,14 @@ def test_clock_meter_reports_a_cycle() -> None:
 def test_engine_call_sets_the_phase_and_counts_time() -> None:
     before = value("lockstep_engine_busy_seconds_total", engine="trainer", phase="checkpoint")
     with metrics.engine_call("trainer", "save_state") as timer:
-        assert value("lockstep_engine_phase", engine="trainer",
-                     lockstep_engine_phase="checkpoint") == 1
+        assert (
+            value("lockstep_engine_phase", engine="trainer", lockstep_engine_phase="checkpoint")
+            == 1
+        )
     assert value("lockstep_engine_phase", engine="trainer", lockstep_engine_phase="idle") == 1
-    assert value("lockstep_engine_busy_seconds_total", engine="trainer",
-                 phase="checkpoint") - before == pytest.approx(timer.seconds)
+    assert value(
+        "lockstep_engine_busy_seconds_total", engine="trainer", phase="checkpoint"
+    ) - before == pytest.approx(timer.seconds)
 
 
 def test_submission_counts_new_requests_and_deduplicated_retries() -> None:
@@ -183,9 +205,20 @@ def test_submission_counts_new_requests_and_deduplicated_retries() -> None:
     assert metrics.OWNERS.get("m-sub") == "o"
 
 
-@pytest.mark.parametrize("status, category", [
-    (200, None), (304, None), (400, "user"), (413, "user"), (401, "auth"), (404, "not_found"),
-    (429, "capacity"), (503, "unavailable"), (500, "server")])
+@pytest.mark.parametrize(
+    "status, category",
+    [
+        (200, None),
+        (304, None),
+        (400, "user"),
+        (413, "user"),
+        (401, "auth"),
+        (404, "not_found"),
+        (429, "capacity"),
+        (503, "unavailable"),
+        (500, "server"),
+    ],
+)
 def test_http_error_categories(status: int, category: str | None) -> None:
     assert metrics.http_error_category(status) == category
 
@@ -203,7 +236,7 @@ def test_gateway_metrics_label_routes_by_template() -> None:
     assert 'route="/api/v1/training_runs/{run_id}"' in text
     assert "run-123" not in text
     assert 'route="unmatched"' in text
-    assert 'lockstep_http_requests_in_flight 1.0' in text  # this scrape itself
+    assert "lockstep_http_requests_in_flight 1.0" in text  # this scrape itself
 
 
 # ---------------------------------------------------------------- the scheduler's ops server
@@ -231,7 +264,8 @@ def ops_server() -> Iterator[tuple[OpsServer, asyncio.AbstractEventLoop]]:
 
 
 def test_ops_server_serves_metrics_and_health(
-        ops_server: tuple[OpsServer, asyncio.AbstractEventLoop]) -> None:
+    ops_server: tuple[OpsServer, asyncio.AbstractEventLoop],
+) -> None:
     server, _ = ops_server
     base = f"http://127.0.0.1:{server.port}"
     status, body = _get(base + "/metrics")
@@ -253,8 +287,8 @@ def test_ops_server_serves_metrics_and_health(
 
 
 def test_ops_server_liveness_fails_when_the_loop_is_stuck(
-        ops_server: tuple[OpsServer, asyncio.AbstractEventLoop],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    ops_server: tuple[OpsServer, asyncio.AbstractEventLoop], monkeypatch: pytest.MonkeyPatch
+) -> None:
     server, loop = ops_server
     monkeypatch.setattr("lockstep.observability.ops_server.PROBE_TIMEOUT_S", 0.3)
     import time
@@ -289,8 +323,11 @@ def test_every_metric_appears_on_the_dashboard() -> None:
     used: set[str] = set()
     for expr in dashboard_queries(dashboard()).values():
         used |= promql_metric_names(expr)
-    families = {m.name for m in [*metrics.SCHEDULER.collect(), *metrics.GATEWAY.collect()]
-                if m.name.startswith("lockstep_")}
+    families = {
+        m.name
+        for m in [*metrics.SCHEDULER.collect(), *metrics.GATEWAY.collect()]
+        if m.name.startswith("lockstep_")
+    }
     unused = {f for f in families if not any(u.startswith(f) for u in used)}
     assert not unused
 
@@ -305,14 +342,27 @@ def test_alert_rules_name_declared_metrics() -> None:
 
 
 def test_labels_stay_bounded() -> None:
-    allowed = {"owner", "kind", "outcome", "phase", "engine", "component", "category",
-               "method", "route", "status", "le", "version", "lockstep_engine_phase",
-               "action"}  # action: release | resume (sampler memory transitions)
+    allowed = {
+        "owner",
+        "kind",
+        "outcome",
+        "phase",
+        "engine",
+        "component",
+        "category",
+        "method",
+        "route",
+        "status",
+        "le",
+        "version",
+        "lockstep_engine_phase",
+        "action",
+        "direction",
+    }  # action: release | resume (sampler memory); direction: in | out | freed (model paging)
     for registry in (metrics.SCHEDULER, metrics.GATEWAY):
         for family in registry.collect():
             if not family.name.startswith("lockstep_"):
                 continue  # python_info, process_*: prometheus_client's own, fixed labels
             for sample in family.samples:
-                extra: dict[str, Any] = {k: v for k, v in sample.labels.items()
-                                         if k not in allowed}
+                extra: dict[str, Any] = {k: v for k, v in sample.labels.items() if k not in allowed}
                 assert not extra, (sample.name, extra)

@@ -16,24 +16,30 @@ from lockstep.gateway.settings import GatewaySettings
 
 # SDK paths this server does not serve (the SDK gets a 404), and why.
 NOT_SERVED = {
-    "/api/v1/audit": "hosted-service audit log",
     "/api/v1/auth/token": "JWT exchange; this server uses plain X-API-Key auth",
-    "/api/v1/billing/usage/checkpoints/current": "hosted billing",
-    "/api/v1/billing/usage/events": "hosted billing",
     "/api/v1/cancel_future": "off: client/dynamic_config says sample_cancel_enabled=false",
-    "/api/v1/copy_weights": "cross-run weight copy is not implemented",
     "/api/v1/create_custom_loss": "server-side custom losses are refused",
     "/api/v1/join_sampling_session": "shared sampling sessions are not implemented",
     "/api/v1/retrieve_futures": "the SDK falls back to retrieve_future",
-    "/api/v1/sessions/search": "hosted console search",
     "/api/v1/sessions/test-session": "hosted console",
     "/api/v1/sessions/{}/project": "projects are a hosted console feature",
-    "/api/v1/sessions/{}/trace_export": "hosted tracing",
 }
-MAIN_POSTS = ["create_session", "session_heartbeat", "create_model", "get_info",
-              "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
-              "save_weights_external", "load_weights", "create_sampling_session", "asample",
-              "retrieve_future", "weights_info"]
+MAIN_POSTS = [
+    "create_session",
+    "session_heartbeat",
+    "create_model",
+    "get_info",
+    "forward_backward",
+    "optim_step",
+    "save_weights",
+    "save_weights_for_sampler",
+    "save_weights_external",
+    "load_weights",
+    "create_sampling_session",
+    "asample",
+    "retrieve_future",
+    "weights_info",
+]
 
 
 def sdk_paths() -> set[str]:

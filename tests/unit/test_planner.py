@@ -15,8 +15,9 @@ def kinds(ops: list[QueuedOp]) -> list[tuple[str, int]]:
 
 
 def test_quickstart_step_runs_in_one_cycle() -> None:
-    queues = {"m": [op("m", 1, "forward_backward", 10), op("m", 2, "optim_step"),
-                    op("m", 3, "save")]}
+    queues = {
+        "m": [op("m", 1, "forward_backward", 10), op("m", 2, "optim_step"), op("m", 3, "save")]
+    }
     plan = plan_cycle(queues, {"m": 1}, token_budget=100)
     assert kinds(plan.passes) == [("m", 1)]
     assert kinds(plan.optims) == [("m", 2)]
@@ -25,8 +26,11 @@ def test_quickstart_step_runs_in_one_cycle() -> None:
 
 def test_optim_step_is_a_barrier_for_its_own_model_only() -> None:
     queues = {
-        "a": [op("a", 1, "forward_backward", 5), op("a", 2, "optim_step"),
-              op("a", 3, "forward_backward", 5)],
+        "a": [
+            op("a", 1, "forward_backward", 5),
+            op("a", 2, "optim_step"),
+            op("a", 3, "forward_backward", 5),
+        ],
         "b": [op("b", 1, "forward_backward", 5), op("b", 2, "forward_backward", 5)],
     }
     plan = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
@@ -50,8 +54,14 @@ def test_already_executed_entries_are_skipped() -> None:
 
 
 def test_create_and_load_run_before_the_pass_and_load_is_a_barrier() -> None:
-    queues = {"m": [op("m", 0, "create_model"), op("m", 1, "forward_backward", 3),
-                    op("m", 2, "load"), op("m", 3, "forward_backward", 3)]}
+    queues = {
+        "m": [
+            op("m", 0, "create_model"),
+            op("m", 1, "forward_backward", 3),
+            op("m", 2, "load"),
+            op("m", 3, "forward_backward", 3),
+        ]
+    }
     plan = plan_cycle(queues, {"m": 0}, token_budget=100)
     assert kinds(plan.pre) == [("m", 0)]
     assert kinds(plan.passes) == [("m", 1)]
@@ -59,16 +69,27 @@ def test_create_and_load_run_before_the_pass_and_load_is_a_barrier() -> None:
 
 
 def test_save_before_passes_runs_in_pre_phase() -> None:
-    queues = {"m": [op("m", 1, "save"), op("m", 2, "forward_backward", 3),
-                    op("m", 3, "optim_step"), op("m", 4, "save")]}
+    queues = {
+        "m": [
+            op("m", 1, "save"),
+            op("m", 2, "forward_backward", 3),
+            op("m", 3, "optim_step"),
+            op("m", 4, "save"),
+        ]
+    }
     plan = plan_cycle(queues, {"m": 1}, token_budget=100)
     assert kinds(plan.pre) == [("m", 1)]
     assert kinds(plan.post) == [("m", 4)]
 
 
 def test_pass_after_a_post_save_waits() -> None:
-    queues = {"m": [op("m", 1, "forward_backward", 3), op("m", 2, "save"),
-                    op("m", 3, "forward_backward", 3)]}
+    queues = {
+        "m": [
+            op("m", 1, "forward_backward", 3),
+            op("m", 2, "save"),
+            op("m", 3, "forward_backward", 3),
+        ]
+    }
     plan = plan_cycle(queues, {"m": 1}, token_budget=100)
     assert kinds(plan.passes) == [("m", 1)] and kinds(plan.post) == [("m", 2)]
 
@@ -105,8 +126,10 @@ def test_a_huge_backlog_cannot_starve_a_small_tenant() -> None:
 
 
 def test_chunks_of_one_call_are_admitted_together() -> None:
-    queues = {"a": [op("a", s, "forward_backward", 30) for s in (1, 2, 3)],
-              "b": [op("b", 1, "forward_backward", 40)]}
+    queues = {
+        "a": [op("a", s, "forward_backward", 30) for s in (1, 2, 3)],
+        "b": [op("b", 1, "forward_backward", 40)],
+    }
     first = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
     # a's three chunks (90 tokens) form one unit: never split across cycles
     assert [o.seq_id for o in first.passes if o.model_id == "a"] == []
@@ -116,25 +139,39 @@ def test_chunks_of_one_call_are_admitted_together() -> None:
 
 
 def test_a_deferred_pass_holds_back_everything_after_it() -> None:
-    queues = {"a": [op("a", 1, "forward", 10), op("a", 2, "rejected"),
-                    op("a", 3, "forward_backward", 500), op("a", 4, "optim_step"),
-                    op("a", 5, "save")],
-              "b": [op("b", 1, "forward_backward", 10)]}
+    queues = {
+        "a": [
+            op("a", 1, "forward", 10),
+            op("a", 2, "rejected"),
+            op("a", 3, "forward_backward", 500),
+            op("a", 4, "optim_step"),
+            op("a", 5, "save"),
+        ],
+        "b": [op("b", 1, "forward_backward", 10)],
+    }
     plan = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
     work_a = next(w for w in plan.models if w.model_id == "a")
     assert [o.seq_id for o in work_a.ops()] == [1, 2]  # 3 did not fit: 4 and 5 wait with it
 
 
 def test_plan_totals() -> None:
-    queues = {"a": [op("a", 1, "forward_backward", 7), op("a", 2, "optim_step")],
-              "b": [op("b", 1, "forward", 5)]}
+    queues = {
+        "a": [op("a", 1, "forward_backward", 7), op("a", 2, "optim_step")],
+        "b": [op("b", 1, "forward", 5)],
+    }
     plan = plan_cycle(queues, {"a": 1, "b": 1}, token_budget=100)
     assert plan.tokens == 12 and len(plan.models) == 2 and not plan.empty
 
 
 def test_a_rejected_request_holds_its_seq_without_changing_the_phase() -> None:
-    queues = {"m": [op("m", 1, "forward_backward", 3), op("m", 2, "rejected"),
-                    op("m", 3, "forward_backward", 3), op("m", 4, "optim_step")]}
+    queues = {
+        "m": [
+            op("m", 1, "forward_backward", 3),
+            op("m", 2, "rejected"),
+            op("m", 3, "forward_backward", 3),
+            op("m", 4, "optim_step"),
+        ]
+    }
     plan = plan_cycle(queues, {"m": 1}, token_budget=100)
     assert kinds(plan.passes) == [("m", 1), ("m", 3)]
     assert kinds(plan.optims) == [("m", 4)]
@@ -148,8 +185,11 @@ def key_tokens(plan_passes: list[QueuedOp], owners: dict[str, str], key: str) ->
 
 def test_the_key_cap_bounds_one_keys_tokens_and_the_rest_waits() -> None:
     owners = {"a": "k1", "b": "k1", "c": "k2"}
-    queues = {"a": [op("a", 1, "forward_backward", 60)], "b": [op("b", 1, "forward_backward", 60)],
-              "c": [op("c", 1, "forward_backward", 60)]}
+    queues = {
+        "a": [op("a", 1, "forward_backward", 60)],
+        "b": [op("b", 1, "forward_backward", 60)],
+        "c": [op("c", 1, "forward_backward", 60)],
+    }
     plan = plan_cycle(queues, {"a": 1, "b": 1, "c": 1}, 1000, owners=owners, key_cap=100)
     assert key_tokens(plan.passes, owners, "k1") == 60  # a and b together would be 120 > 100
     assert kinds(plan.passes) == [("a", 1), ("c", 1)]
@@ -160,21 +200,27 @@ def test_the_key_cap_bounds_one_keys_tokens_and_the_rest_waits() -> None:
 
 def test_the_key_cap_leaves_other_keys_alone() -> None:
     owners = {"a": "k1", "c": "k2"}
-    queues = {"a": [op("a", s, "forward", 40) for s in range(1, 6)],
-              "c": [op("c", 1, "forward_backward", 300), op("c", 2, "optim_step")]}
+    queues = {
+        "a": [op("a", s, "forward", 40) for s in range(1, 6)],
+        "c": [op("c", 1, "forward_backward", 300), op("c", 2, "optim_step")],
+    }
     plan = plan_cycle(queues, {"a": 1, "c": 1}, 1000, owners=owners, key_cap=100)
     assert key_tokens(plan.passes, owners, "k1") <= 100
     assert kinds(plan.passes)[-1] == ("c", 1) and kinds(plan.optims) == [("c", 2)]
     # k2 gets the same as with no cap at all
     free = plan_cycle(queues, {"a": 1, "c": 1}, 1000)
-    assert [o for o in free.passes if o.model_id == "c"] == \
-        [o for o in plan.passes if o.model_id == "c"]
+    assert [o for o in free.passes if o.model_id == "c"] == [
+        o for o in plan.passes if o.model_id == "c"
+    ]
 
 
 def test_a_request_larger_than_the_key_cap_runs_alone_for_its_key() -> None:
     owners = {"a": "k1", "b": "k1", "c": "k2"}
-    queues = {"a": [op("a", 1, "forward_backward", 500)], "b": [op("b", 1, "forward_backward", 10)],
-              "c": [op("c", 1, "forward_backward", 10)]}
+    queues = {
+        "a": [op("a", 1, "forward_backward", 500)],
+        "b": [op("b", 1, "forward_backward", 10)],
+        "c": [op("c", 1, "forward_backward", 10)],
+    }
     owed: dict[str, int] = {}
     seen: list[set[str]] = []
     next_seq = {"a": 1, "b": 1, "c": 1}
@@ -205,3 +251,17 @@ def test_models_of_one_capped_key_take_turns() -> None:
         next_seq[done.model_id] += 1
         owed = plan.deficits
     assert ran == {"a": 5, "b": 5}
+
+
+def test_a_models_ops_come_out_in_seq_order_with_rejections_between() -> None:
+    """Commit order is ops() order: a rejected request between passes must not come last, or
+    the model's progress would be written backwards (the pipelined-after-a-400 hang)."""
+    ops = [
+        op("a", 1, "rejected", 0),
+        op("a", 2, "forward_backward"),
+        op("a", 3, "optim_step"),
+        op("a", 4, "rejected", 0),
+        op("a", 5, "save", 0),
+    ]
+    (work,) = plan_cycle({"a": ops}, {"a": 1}, 1000).models
+    assert [o.seq_id for o in work.ops()] == [1, 2, 3, 4, 5]

@@ -8,8 +8,19 @@ from lockstep.scheduler.server import parse_args
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
-    return ["--listen", "127.0.0.1:0", "--redis-url", "redis://127.0.0.1:1", "--data-dir",
-            str(tmp_path), "--model-dir", str(tmp_path), "--served-name", "m", *extra]
+    return [
+        "--listen",
+        "127.0.0.1:0",
+        "--redis-url",
+        "redis://127.0.0.1:1",
+        "--data-dir",
+        str(tmp_path),
+        "--model-dir",
+        str(tmp_path),
+        "--served-name",
+        "m",
+        *extra,
+    ]
 
 
 def test_remote_sampler_rank_bounds_training_runs(tmp_path: Path) -> None:

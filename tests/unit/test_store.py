@@ -8,14 +8,29 @@ import time
 import pytest
 
 from lockstep.scheduler import keys
+from lockstep.scheduler.outcome import Outcome
 from lockstep.scheduler.records import LoraRecord, ModelRecord
 from lockstep.scheduler.store import ClaimConflict, Store, TenantLimitReached
+from lockstep.v1 import scheduler_pb2 as pb
+
+RESULT = pb.JobResult(optim_step=pb.OptimStepResult(metrics={"grad_norm:mean": 1.0}))
+
+
+def done(snapshot_seq: int | None = None) -> Outcome:
+    return Outcome(RESULT, snapshot_seq=snapshot_seq)
 
 
 def model_record(model_id: str = "sess-1:train:0") -> ModelRecord:
     now = time.time()
-    return ModelRecord(model_id=model_id, owner="o", session_id="sess-1", base_model="m",
-                       lora=LoraRecord(rank=4), created=now, last_request_time=now)
+    return ModelRecord(
+        model_id=model_id,
+        owner="o",
+        session_id="sess-1",
+        base_model="m",
+        lora=LoraRecord(rank=4),
+        created=now,
+        last_request_time=now,
+    )
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -26,8 +41,7 @@ def test_a_retried_request_is_claimed_once(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
-        kw = dict(owner="o", model_id="sess-1:train:0", seq_id=1, kind="forward_backward",
-                  tokens=5)
+        kw = dict(owner="o", model_id="sess-1:train:0", seq_id=1, kind="forward_backward", tokens=5)
         rid, created = await store.claim_training(payload=b"a", **kw)  # type: ignore[arg-type]
         again, created_again = await store.claim_training(payload=b"a", **kw)  # type: ignore[arg-type]
         assert created and not created_again and again == rid
@@ -45,10 +59,19 @@ def test_concurrent_claims_of_one_seq_enqueue_once(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
-        results = await asyncio.gather(*[
-            store.claim_training(owner="o", model_id="sess-1:train:0", seq_id=7,
-                                 kind="optim_step", payload=b"same", tokens=0)
-            for _ in range(20)])
+        results = await asyncio.gather(
+            *[
+                store.claim_training(
+                    owner="o",
+                    model_id="sess-1:train:0",
+                    seq_id=7,
+                    kind="optim_step",
+                    payload=b"same",
+                    tokens=0,
+                )
+                for _ in range(20)
+            ]
+        )
         assert len({rid for rid, _ in results}) == 1
         assert sum(created for _, created in results) == 1
         queues, _ = await store.queued_ops()
@@ -62,12 +85,18 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
     async def go() -> None:
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
-        rid, _ = await store.claim_training(owner="o", model_id="sess-1:train:0", seq_id=1,
-                                            kind="forward_backward", payload=b"x", tokens=3)
+        rid, _ = await store.claim_training(
+            owner="o",
+            model_id="sess-1:train:0",
+            seq_id=1,
+            kind="forward_backward",
+            payload=b"x",
+            tokens=3,
+        )
         (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
-        await store.finish_job(op, result=b"result-bytes")
+        assert await store.commit(op, done())
         job = await store.job(rid)
-        assert job is not None and job.status == "done" and job.result == b"result-bytes"
+        assert job is not None and job.status == "done" and job.result == RESULT.SerializeToString()
         assert await store.progress("sess-1:train:0") == (2, None)
         (job,) = await store.replay_log("sess-1:train:0", after_seq=0)
         assert job.request_id == rid and job.payload == b"x"  # kept until the next snapshot
@@ -83,9 +112,15 @@ def test_a_rejected_request_is_failed_but_queued(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
-        rid, _ = await store.claim_training(owner="o", model_id="sess-1:train:0", seq_id=1,
-                                            kind="rejected", payload=b"bad", tokens=0,
-                                            rejection="weights: wrong length")
+        rid, _ = await store.claim_training(
+            owner="o",
+            model_id="sess-1:train:0",
+            seq_id=1,
+            kind="rejected",
+            payload=b"bad",
+            tokens=0,
+            rejection="weights: wrong length",
+        )
         job = await store.job(rid)
         assert job is not None and job.status == "failed" and job.category == "user"
         assert job.error == "weights: wrong length"
@@ -101,16 +136,26 @@ def test_a_snapshot_empties_the_replay_log(clean_redis: str) -> None:
         store = Store.from_url(clean_redis)
         model = "sess-1:train:0"
         await store.put_model(model_record())
-        for seq, kind in ((1, "forward_backward"), (2, "forward_backward"), (3, "optim_step"),
-                          (4, "forward_backward")):
-            await store.claim_training(owner="o", model_id=model, seq_id=seq, kind=kind,
-                                       payload=f"p{seq}".encode(), tokens=1)
+        for seq, kind in (
+            (1, "forward_backward"),
+            (2, "forward_backward"),
+            (3, "optim_step"),
+            (4, "forward_backward"),
+        ):
+            await store.claim_training(
+                owner="o",
+                model_id=model,
+                seq_id=seq,
+                kind=kind,
+                payload=f"p{seq}".encode(),
+                tokens=1,
+            )
         ops = (await store.queued_ops())[0][model]
         for op in ops[:2]:
-            await store.finish_job(op, result=b"r")
+            await store.commit(op, done())
         assert [j.seq_id for j in await store.replay_log(model, after_seq=0)] == [1, 2]
-        await store.finish_job(ops[2], result=b"r", snapshot_seq=3)
-        await store.finish_job(ops[3], result=b"r")
+        await store.commit(ops[2], done(snapshot_seq=3))
+        await store.commit(ops[3], done())
         assert await store.progress(model) == (5, 3)
         assert [j.seq_id for j in await store.replay_log(model, after_seq=3)] == [4]
         first = await store.job(ops[0].request_id)
@@ -128,16 +173,28 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
     async def go() -> None:
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
-        rid, _ = await store.claim_training(owner="o", model_id="sess-1:train:0", seq_id=1,
-                                            kind="forward_backward", payload=b"x", tokens=3)
+        rid, _ = await store.claim_training(
+            owner="o",
+            model_id="sess-1:train:0",
+            seq_id=1,
+            kind="forward_backward",
+            payload=b"x",
+            tokens=3,
+        )
         (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
-        await store.finish_job(op, result=b"r")  # the queue is empty, the model still active
+        await store.commit(op, done())  # the queue is empty, the model still active
         read_model = store.model
 
         async def model_then_claim(model_id: str) -> ModelRecord | None:
             record = await read_model(model_id)
-            await store.claim_training(owner="o", model_id="sess-1:train:0", seq_id=2,
-                                       kind="forward_backward", payload=b"y", tokens=3)
+            await store.claim_training(
+                owner="o",
+                model_id="sess-1:train:0",
+                seq_id=2,
+                kind="forward_backward",
+                payload=b"y",
+                tokens=3,
+            )
             return record
 
         store.model = model_then_claim  # type: ignore[method-assign]
@@ -157,8 +214,7 @@ def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> N
     from lockstep.v1 import scheduler_pb2 as pb
 
     def save(sampling_seq: int | None, name: str | None = None) -> pb.SubmitRequest:
-        op = pb.SaveWeights(model_id="sess-1:train:0", seq_id=3,
-                            kind=pb.CHECKPOINT_KIND_SAMPLER)
+        op = pb.SaveWeights(model_id="sess-1:train:0", seq_id=3, kind=pb.CHECKPOINT_KIND_SAMPLER)
         if sampling_seq is not None:
             op.sampling_session_seq_id = sampling_seq
         if name is not None:
@@ -175,13 +231,16 @@ def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> N
         await store.put_model(model_record())
         kw = dict(owner="o", model_id="sess-1:train:0", seq_id=3, kind="save_weights", tokens=0)
         rid, created = await store.claim_training(  # type: ignore[arg-type]
-            payload=first.SerializeToString(), identity=retry_identity(first), **kw)
+            payload=first.SerializeToString(), identity=retry_identity(first), **kw
+        )
         again, created_again = await store.claim_training(  # type: ignore[arg-type]
-            payload=retry.SerializeToString(), identity=retry_identity(retry), **kw)
+            payload=retry.SerializeToString(), identity=retry_identity(retry), **kw
+        )
         assert created and not created_again and again == rid
         with pytest.raises(ClaimConflict):  # another name under the same seq_id is not a retry
             await store.claim_training(  # type: ignore[arg-type]
-                payload=save(None, "b").SerializeToString(), **kw)
+                payload=save(None, "b").SerializeToString(), **kw
+            )
         await store.close()
 
     run(go())
@@ -189,16 +248,31 @@ def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> N
 
 def _new_run(n: int, owner: str) -> ModelRecord:
     now = time.time()
-    return ModelRecord(model_id=f"sess-{owner}:train:{n}", owner=owner, session_id=f"sess-{owner}",
-                       base_model="m", lora=LoraRecord(rank=4), created=now, last_request_time=now)
+    return ModelRecord(
+        model_id=f"sess-{owner}:train:{n}",
+        owner=owner,
+        session_id=f"sess-{owner}",
+        base_model="m",
+        lora=LoraRecord(rank=4),
+        created=now,
+        last_request_time=now,
+    )
 
 
 async def _create(store: Store, n: int, owner: str, per_key: int, total: int) -> bool:
     run = _new_run(n, owner)
     try:
-        await store.claim_training(owner=owner, model_id=run.model_id, seq_id=0,
-                                   kind="create_model", payload=f"{owner}{n}".encode(), tokens=0,
-                                   new_model=run, max_runs_per_key=per_key, max_runs=total)
+        await store.claim_training(
+            owner=owner,
+            model_id=run.model_id,
+            seq_id=0,
+            kind="create_model",
+            payload=f"{owner}{n}".encode(),
+            tokens=0,
+            new_model=run,
+            max_runs_per_key=per_key,
+            max_runs=total,
+        )
     except TenantLimitReached as exc:
         assert exc.limit == ("max_tenants_per_key" if per_key else "max_tenants")
         assert exc.count == exc.most == (per_key or total)
@@ -209,6 +283,7 @@ async def _create(store: Store, n: int, owner: str, per_key: int, total: int) ->
 def test_concurrent_creations_never_pass_the_tenant_quotas(clean_redis: str) -> None:
     """Eight creations at once, each on its own connection: the count is read under the claim's
     WATCH, so exactly the quota succeeds (a read-then-write check lets several through)."""
+
     async def go() -> None:
         stores = [Store.from_url(clean_redis) for _ in range(8)]
         made = await asyncio.gather(*[_create(s, n, "k", 3, 0) for n, s in enumerate(stores)])
@@ -222,5 +297,103 @@ def test_concurrent_creations_never_pass_the_tenant_quotas(clean_redis: str) -> 
         assert sum(made) == 2  # 3 runs of "k" already held
         for s in stores:
             await s.close()
+
+    run(go())
+
+
+async def _queue(store: Store, model: str, kinds: list[str]) -> list:  # type: ignore[type-arg]
+    for seq, kind in enumerate(kinds, start=1):
+        await store.claim_training(  # type: ignore[arg-type]
+            owner="o",
+            model_id=model,
+            seq_id=seq,
+            kind=kind,
+            payload=f"p{seq}".encode(),
+            tokens=1,
+            rejection="tokens: out of range" if kind == "rejected" else None,
+        )
+    return (await store.queued_ops())[0][model]
+
+
+def test_progress_never_moves_backwards_whatever_the_commit_order(clean_redis: str) -> None:
+    """The hang: a rejected seq 1 committed after the pass at seq 2 used to set next_seq = 2
+    while seq 2 was done, so seq 3 waited forever. The store takes the max, whatever the order."""
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        model = "sess-1:train:0"
+        await store.put_model(model_record())
+        rejected, fb, optim = await _queue(
+            store, model, ["rejected", "forward_backward", "optim_step"]
+        )
+        await store.commit(fb, done())
+        await store.commit(optim, done(snapshot_seq=3))
+        await store.commit(rejected, Outcome())  # late: must not move the model back
+        assert await store.progress(model) == (4, 3)
+        job = await store.job(rejected.request_id)
+        assert job is not None and job.status == "failed" and job.error == "tokens: out of range"
+        assert (await store.queued_ops())[0] == {}
+        await store.close()
+
+    run(go())
+
+
+def test_a_snapshot_mark_never_moves_backwards(clean_redis: str) -> None:
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        model = "sess-1:train:0"
+        await store.put_model(model_record())
+        ops = await _queue(store, model, ["optim_step", "optim_step"])
+        await store.commit(ops[1], done(snapshot_seq=2))
+        await store.commit(ops[0], done(snapshot_seq=1))
+        assert await store.progress(model) == (3, 2)
+        await store.close()
+
+    run(go())
+
+
+def test_commit_is_idempotent(clean_redis: str) -> None:
+    """A second commit of the same op (a re-run after a crash) changes nothing."""
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        model = "sess-1:train:0"
+        await store.put_model(model_record())
+        (fb,) = await _queue(store, model, ["forward_backward"])
+        assert await store.commit(fb, done())
+        assert not await store.commit(fb, Outcome(error="boom"))
+        job = await store.job(fb.request_id)
+        assert job is not None and job.status == "done" and job.error is None
+        assert [j.seq_id for j in await store.replay_log(model, after_seq=0)] == [1]
+        await store.close()
+
+    run(go())
+
+
+def test_commit_records_the_checkpoint_the_model_and_the_sampler_together(clean_redis: str) -> None:
+    from lockstep.scheduler.records import CheckpointRecord, SamplerRecord
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        model = "sess-1:train:0"
+        await store.put_model(model_record())
+        (save,) = await _queue(store, model, ["save"])
+        ckpt = CheckpointRecord(
+            checkpoint_id="sampler_weights/a",
+            checkpoint_type="sampler",
+            tinker_path=f"tinker://{model}/sampler_weights/a",
+            directory="/nowhere",
+            time=time.time(),
+        )
+        sampler = SamplerRecord(
+            sampler_id="sess-1:sample:0", owner="o", session_id="sess-1", base_model="m"
+        )
+        assert await store.commit(save, Outcome(RESULT, checkpoint=ckpt, sampler=sampler))
+        rec = await store.model(model)
+        assert rec is not None and rec.last_sampler_checkpoint == "sampler_weights/a"
+        assert (await store.checkpoint(model, "sampler_weights/a")) == ckpt
+        assert await store.sampler("sess-1:sample:0") == sampler
+        assert await store.progress(model) == (2, None)
+        await store.close()
 
     run(go())

@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from lockstep.gateway.routes import client, files, futures, runs, sampling, sessions, training
+from lockstep.gateway.routes import (
+    accounting,
+    anthropic_messages,
+    client,
+    files,
+    futures,
+    oai_chat,
+    oai_completions,
+    oai_models,
+    runs,
+    sampling,
+    sessions,
+    traces,
+    training,
+)
 
 api_router = APIRouter()
 api_router.include_router(client.health_router)
@@ -15,3 +29,9 @@ api_router.include_router(sampling.router)
 api_router.include_router(futures.router)
 api_router.include_router(runs.router)
 api_router.include_router(files.router)
+api_router.include_router(oai_completions.router)
+api_router.include_router(oai_chat.router)
+api_router.include_router(oai_models.router)
+api_router.include_router(anthropic_messages.router)
+api_router.include_router(accounting.router)
+api_router.include_router(traces.router)

@@ -16,7 +16,7 @@ from lockstep.gateway.deps import (
     Scheduler,
     Settings,
 )
-from lockstep.gateway.errors import ApiError
+from lockstep.gateway.errors import ApiError, bad_request
 from lockstep.gateway.signing import FileRef, check_relative_path, signed_url
 from lockstep.gateway.translate import runs as tr
 from lockstep.gateway.translate.common import utc
@@ -85,6 +85,16 @@ async def delete_checkpoint(
 ) -> dict[str, str]:
     await stub.DeleteCheckpoint(_ref(owner, run_id, segment, name), timeout=CALL_TIMEOUT_S)
     return {}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id}")
+async def delete_checkpoint_bare(run_id: str, checkpoint_id: str, owner: Owner) -> None:
+    """`delete_checkpoint(run, "ckpt-1")`: the id lacks its type segment; say so (not 404)."""
+    raise bad_request(
+        "checkpoint_id",
+        f"{checkpoint_id!r} lacks its type: give '<type>/<name>' with type one of "
+        "weights, sampler_weights, external_weights (e.g. 'weights/" + checkpoint_id + "')",
+    )
 
 
 @router.post(CHECKPOINT + "/publish")

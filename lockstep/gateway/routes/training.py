@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
-from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
+from lockstep.gateway.deps import CALL_TIMEOUT_S, KeyQuota, Owner, Scheduler
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.openapi import body_ref
 from lockstep.gateway.seqhold import hold_seq
@@ -48,9 +48,20 @@ async def submit_sequenced(
 
 @router.post("/create_model")
 async def create_model(
-    body: rq.CreateModelRequest, owner: Owner, stub: Scheduler
+    body: rq.CreateModelRequest, owner: Owner, quota: KeyQuota, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit(stub, tr.create_model(owner, body))
+    request = tr.create_model(owner, body)
+    request.key_max_training_runs = quota  # the keys file's per-key quota, if any
+    return await submit(stub, request)
+
+
+@router.post("/unload_model")
+async def unload_model(
+    body: rq.UnloadModelRequest, owner: Owner, stub: Scheduler
+) -> rs.UntypedAPIFuture:
+    """Frees the model's engine state now (older SDKs); a later request re-hydrates it."""
+    ref = pb.ModelRef(owner=owner, model_id=check_id("model_id", body.model_id))
+    return tr.future(await stub.UnloadModel(ref, timeout=CALL_TIMEOUT_S))
 
 
 @router.post("/get_info")
@@ -59,9 +70,14 @@ async def get_info(body: rq.GetInfoRequest, owner: Owner, stub: Scheduler) -> rs
     return tr.model_info(await stub.GetModelInfo(ref, timeout=CALL_TIMEOUT_S))
 
 
-@router.post("/forward_backward", openapi_extra=body_ref(
-    rq.ForwardBackwardJsonRequest, protobuf="tinker.ForwardBackwardRequest (the SDK's form), "
-    "optionally zstd/gzip-compressed (Content-Encoding)"))
+@router.post(
+    "/forward_backward",
+    openapi_extra=body_ref(
+        rq.ForwardBackwardJsonRequest,
+        protobuf="tinker.ForwardBackwardRequest (the SDK's form), "
+        "optionally zstd/gzip-compressed (Content-Encoding)",
+    ),
+)
 async def forward_backward(request: Request, owner: Owner, stub: Scheduler) -> rs.UntypedAPIFuture:
     """Body: protobuf `ForwardBackwardRequest` (what the SDK sends; zstd already undone by the
     body middleware) or, for robustness, its JSON form."""
@@ -71,52 +87,70 @@ async def forward_backward(request: Request, owner: Owner, stub: Scheduler) -> r
             parsed = rq.ForwardBackwardJsonRequest.model_validate_json(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
-        return await submit_sequenced(stub, owner, parsed.model_id, parsed.seq_id,
-                                      lambda: tr.forward_backward_from_json(owner, parsed))
+        return await submit_sequenced(
+            stub,
+            owner,
+            parsed.model_id,
+            parsed.seq_id,
+            lambda: tr.forward_backward_from_json(owner, parsed),
+        )
     ids = tinker_pb2.ForwardBackwardRequest()
     try:
         ids.ParseFromString(body)
     except DecodeError:
         pass  # reported by the translation below; no ids to hold
-    return await submit_sequenced(stub, owner, ids.model_id or None, ids.seq_id,
-                                  lambda: tr.forward_backward_from_proto(owner, body))
+    return await submit_sequenced(
+        stub,
+        owner,
+        ids.model_id or None,
+        ids.seq_id,
+        lambda: tr.forward_backward_from_proto(owner, body),
+    )
 
 
 @router.post("/optim_step")
 async def optim_step(
     body: rq.OptimStepRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(stub, owner, body.model_id, body.seq_id,
-                                  lambda: tr.optim_step(owner, body))
+    return await submit_sequenced(
+        stub, owner, body.model_id, body.seq_id, lambda: tr.optim_step(owner, body)
+    )
 
 
 @router.post("/save_weights")
 async def save_weights(
     body: rq.SaveWeightsRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(stub, owner, body.model_id, body.seq_id,
-                                  lambda: tr.save_weights(owner, body))
+    return await submit_sequenced(
+        stub, owner, body.model_id, body.seq_id, lambda: tr.save_weights(owner, body)
+    )
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(
     body: rq.SaveWeightsForSamplerRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(stub, owner, body.model_id, body.seq_id,
-                                  lambda: tr.save_weights_for_sampler(owner, body))
+    return await submit_sequenced(
+        stub, owner, body.model_id, body.seq_id, lambda: tr.save_weights_for_sampler(owner, body)
+    )
 
 
 @router.post("/save_weights_external")
 async def save_weights_external(
     body: rq.SaveWeightsExternalRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(stub, owner, body.model_id, body.seq_id,
-                                  lambda: tr.save_weights_external(owner, body))
+    return await submit_sequenced(
+        stub, owner, body.model_id, body.seq_id, lambda: tr.save_weights_external(owner, body)
+    )
 
 
 @router.post("/load_weights")
 async def load_weights(
-    body: rq.LoadWeightsRequest, owner: Owner, stub: Scheduler
+    body: rq.LoadWeightsRequest, owner: Owner, quota: KeyQuota, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(stub, owner, body.model_id, body.seq_id,
-                                  lambda: tr.load_weights(owner, body))
+    def build() -> pb.SubmitRequest:
+        request = tr.load_weights(owner, body)
+        request.key_max_training_runs = quota  # create-via-load makes a run too
+        return request
+
+    return await submit_sequenced(stub, owner, body.model_id, body.seq_id, build)

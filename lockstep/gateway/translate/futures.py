@@ -39,8 +39,11 @@ def json_response(model: BaseModel, status_code: int = 200) -> JSONResponse:
 
 def try_again(request_id: str, queue_state: str = "active", reason: str = "") -> JSONResponse:
     state = cast(QueueState, queue_state if queue_state in _QUEUE_STATES else "active")
-    return json_response(rs.TryAgainResponse(request_id=request_id, queue_state=state,
-                                             queue_state_reason=reason or None))
+    return json_response(
+        rs.TryAgainResponse(
+            request_id=request_id, queue_state=state, queue_state_reason=reason or None
+        )
+    )
 
 
 def failed(message: str, category: str) -> JSONResponse:
@@ -83,6 +86,8 @@ def result_response(result: pb.JobResult, request_type: str | None = None) -> Re
         return Response(result.sample.SerializeToString(), media_type=PROTOBUF)
     if kind == "create_model":
         return json_response(rs.CreateModelResult(model_id=result.create_model.model_id))
+    if kind == "unload_model":
+        return json_response(rs.UnloadModelResult(model_id=result.unload_model.model_id))
     if kind == "optim_step":
         return json_response(rs.OptimStepResult(metrics=dict(result.optim_step.metrics)))
     if kind == "save":

@@ -194,20 +194,21 @@ def save_weights_for_sampler(owner: str, body: rq.SaveWeightsForSamplerRequest) 
         op.name = check_name("path", body.path)
     elif body.sampling_session_seq_id is not None:
         op.sampling_session_seq_id = body.sampling_session_seq_id
+        if body.kind == "inflight":
+            op.sampler_kind = pb.SAMPLER_KIND_INFLIGHT
     else:
         raise bad_request("path", "give a name (path) or a sampling_session_seq_id")
     return pb.SubmitRequest(owner=owner, save_weights=op)
 
 
 def save_weights_external(owner: str, body: rq.SaveWeightsExternalRequest) -> pb.SubmitRequest:
-    if body.age_encryption_recipients:
-        raise bad_request("age_encryption_recipients", "encrypted exports are not supported")
     op = pb.SaveWeights(
         model_id=check_id("model_id", body.model_id),
         seq_id=check_seq_id(body.seq_id),
         kind=pb.CHECKPOINT_KIND_EXTERNAL,
         name=check_name("path", body.path),
         ttl_seconds=body.ttl_seconds,
+        age_recipients=body.age_encryption_recipients or [],
     )
     return pb.SubmitRequest(owner=owner, save_weights=op)
 

@@ -101,6 +101,10 @@ class OptimizerConfig(WireModel):
     type: str = "adamw"
 
 
+class UnloadModelRequest(WireModel):
+    model_id: str
+
+
 class CreateModelRequest(WireModel):
     session_id: str
     model_seq_id: NonNegInt

@@ -108,6 +108,11 @@ class CreateModelResult(WireModel):
     model_id: str
 
 
+class UnloadModelResult(WireModel):
+    type: Literal["unload_model"] = "unload_model"
+    model_id: str
+
+
 class OptimStepResult(WireModel):
     metrics: dict[str, float] | None = None
 

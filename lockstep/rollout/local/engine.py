@@ -98,6 +98,7 @@ class LocalSamplingEngine(SamplingEngine):
             if self._directories.get(adapter_id) == directory and adapter_id in self._resident:
                 self._resident.move_to_end(adapter_id)
                 return
+            self._generator.prefix_cache.forget_adapter(adapter_id)  # new weights, new KV
             try:
                 self._install(adapter_id, directory, keep=())
             except (OSError, ValueError) as exc:
@@ -109,6 +110,7 @@ class LocalSamplingEngine(SamplingEngine):
         with self._lock:
             self._directories.pop(adapter_id, None)
             self._evict(adapter_id)
+            self._generator.prefix_cache.forget_adapter(adapter_id)
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
         with self._lock:
@@ -145,6 +147,11 @@ class LocalSamplingEngine(SamplingEngine):
             self._directories.clear()
 
     # -- adapters -------------------------------------------------------------------------
+
+    def prefill_counts(self) -> tuple[int, int]:
+        """(prompt tokens prefilled, prompt tokens reused from session prefix caches) so far."""
+        with self._lock:
+            return self._generator.prefilled_tokens, self._generator.reused_tokens
 
     def resident_adapters(self) -> list[str]:
         """Adapters currently in memory, least recently used first."""

@@ -3,18 +3,21 @@
 1. Prefill: requests (one row per request, not per sample) are sorted by prompt length and packed
    into left-padded micro-batches under a token budget; each runs one forward that fills its KV
    cache and yields the prompt logprobs (when asked) and the logits of the first new token.
+   A request whose session (`cache_namespace`) already prefilled a matching prompt prefix under
+   the same adapter reuses that prefix's KV (`prefix_cache`) and prefills only the rest.
 2. Decode: the micro-batch caches are merged into one batch of num_samples rows per request, and
    every step feeds each unfinished row its last token (one position, explicit position ids).
    Finished rows leave the batch; leading all-padding columns are trimmed.
 
-Logprobs are `log_softmax` of the raw fp32 logits (the model's own distribution at temperature 1),
-whatever the sampling temperature / top-k / top-p.
+Prompt logprobs are `log_softmax` of the raw fp32 logits (the model's own distribution at
+temperature 1). Sampled-token logprobs (and their top-k) are under the distribution each token
+was drawn from: temperature, then top-k / top-p truncation and renormalisation (sampling.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from lockstep.engine.types import SampledSequence, SampleRequest, SampleResult, StopReason
 from lockstep.modeling.lora import LoraModel
 from lockstep.rollout.local.kvcache import BatchCache, merge
+from lockstep.rollout.local.prefix_cache import Hit, PrefixCache
 from lockstep.rollout.local.sampling import (
     RowSampling,
     choose_tokens,
@@ -30,6 +34,7 @@ from lockstep.rollout.local.sampling import (
     topk_logprobs,
 )
 from lockstep.rollout.local.stops import Decode, StopChecker
+from lockstep.training.logprobs import chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ class GenerateConfig:
     decode: Decode
     prefill_token_budget: int = 8192  # padded prompt tokens per prefill forward
     max_logits_elements: int = 1 << 27  # [rows, T, V] fp32 logits kept by one prefill forward
+    prefix_cache_sessions: int = 64  # sessions whose prompt KV is kept (0: no prefix reuse)
+    prefix_cache_tokens: int = 8192  # cached prompt tokens per session
+    prefix_cache_bytes: int = 1 << 30  # cached keys and values of all sessions together
 
 
 @dataclass
@@ -93,7 +101,7 @@ def _micro_batches(
 
 
 def _prompt_scores(
-    req: SampleRequest, logits: torch.Tensor, result: SampleResult
+    req: SampleRequest, logits: torch.Tensor, result: SampleResult, chunk: int | None = None
 ) -> None:
     """Fill prompt logprobs / top-k from `logits` [L, V] (row i predicts prompt token i + 1)."""
     n = len(req.prompt)
@@ -104,17 +112,21 @@ def _prompt_scores(
         result.topk_prompt = [None] * n
     if start >= n:
         return
-    lp = torch.log_softmax(logits[start - 1 : n - 1].float(), dim=-1)
-    if req.prompt_logprobs:
-        targets = torch.tensor(req.prompt[start:], dtype=torch.long, device=lp.device)
-        values = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu().tolist()
-        assert result.prompt_logprobs is not None
-        result.prompt_logprobs[start:] = values
-    if req.topk_prompt_logprobs > 0:
-        ids, lps = topk_logprobs(lp, req.topk_prompt_logprobs)
-        assert result.topk_prompt is not None
-        for offset, (row_ids, row_lps) in enumerate(zip(ids, lps, strict=True)):
-            result.topk_prompt[start + offset] = list(zip(row_ids, row_lps, strict=True))
+    # fp32 log-softmax in position chunks: never a second [L, V] fp32 copy of the logits.
+    step = chunk or chunk_tokens(logits.shape[-1])
+    for at in range(start, n, step):
+        end = min(n, at + step)
+        lp = torch.log_softmax(logits[at - 1 : end - 1].float(), dim=-1)
+        if req.prompt_logprobs:
+            targets = torch.tensor(req.prompt[at:end], dtype=torch.long, device=lp.device)
+            values = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+            assert result.prompt_logprobs is not None
+            result.prompt_logprobs[at:end] = values
+        if req.topk_prompt_logprobs > 0:
+            ids, lps = topk_logprobs(lp, req.topk_prompt_logprobs)
+            assert result.topk_prompt is not None
+            for offset, (row_ids, row_lps) in enumerate(zip(ids, lps, strict=True)):
+                result.topk_prompt[at + offset] = list(zip(row_ids, row_lps, strict=True))
 
 
 class Generator:
@@ -128,6 +140,11 @@ class Generator:
         embeddings = self.model.get_input_embeddings()
         assert isinstance(embeddings, torch.nn.Embedding)
         self.vocab = int(embeddings.num_embeddings)
+        self.prefix_cache = PrefixCache(
+            cfg.prefix_cache_sessions, cfg.prefix_cache_tokens, cfg.prefix_cache_bytes
+        )
+        self.prefilled_tokens = 0  # prompt tokens fed through prefill forwards (the work done)
+        self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
 
     def _forward(
         self,
@@ -178,7 +195,101 @@ class Generator:
             req = requests[i]
             if _wants_prompt_scores(req):
                 _prompt_scores(req, logits[row, width - len(req.prompt) :], results[i])
-        return BatchCache(cache, mask), logits[:, -1, :].clone()  # frees full prompt logits
+        self.prefilled_tokens += int(mask.sum())
+        part = BatchCache(cache, mask)
+        self._keep_prefixes(requests, batch, part)
+        return part, logits[:, -1, :].clone()  # frees full prompt logits
+
+    # -- prefix reuse within a session ------------------------------------------------------
+
+    def _cacheable(self, req: SampleRequest) -> bool:
+        # Prompt scores need every position's logits, so such requests prefill in full.
+        return (
+            req.cache_namespace is not None
+            and self.cfg.prefix_cache_sessions > 0
+            and not _wants_prompt_scores(req)
+        )
+
+    def _keep_prefixes(
+        self, requests: Sequence[SampleRequest], batch: list[int], part: BatchCache
+    ) -> None:
+        """Copy each cacheable row's prompt KV (the row's real columns) into the cache."""
+        layers = part.layers_kv()
+        for row, i in enumerate(batch):
+            req = requests[i]
+            if not self._cacheable(req):
+                continue
+            real = torch.nonzero(part.mask[row], as_tuple=True)[0]
+            kv = [(k[row : row + 1, :, real, :], v[row : row + 1, :, real, :]) for k, v in layers]
+            assert req.cache_namespace is not None
+            self.prefix_cache.store(req.cache_namespace, req.adapter_id, req.prompt, kv)
+
+    def _prefill_cached(
+        self, requests: Sequence[SampleRequest], hits: list[tuple[int, Hit]]
+    ) -> tuple[BatchCache, torch.Tensor]:
+        """Prefill requests whose first `hit.length` prompt tokens are cached, in one forward:
+        the cached KV is merged (left-padded), and only each prompt's rest is fed, left-padded,
+        at its absolute positions. Padding columns are masked out wherever they sit."""
+        config = self.model.config
+        ones = [torch.ones((1, h.length), dtype=torch.long, device=self.device) for _, h in hits]
+        parts = [
+            BatchCache(
+                DynamicCache(
+                    ddp_cache_data=[(k[:, :, : h.length], v[:, :, : h.length]) for k, v in h.kv],
+                    config=config,
+                ),
+                mask,
+            )
+            for (_, h), mask in zip(hits, ones, strict=True)
+        ]
+        past = merge(parts, [(j, 0) for j in range(len(parts))], config)
+        rests = [requests[i].prompt[h.length :] for i, h in hits]
+        width = max(len(r) for r in rests)
+        ids = torch.full((len(hits), width), self.cfg.pad_id, dtype=torch.long)
+        new = torch.zeros((len(hits), width), dtype=torch.long)
+        positions = torch.zeros((len(hits), width), dtype=torch.long)
+        for row, ((_, h), rest) in enumerate(zip(hits, rests, strict=True)):
+            ids[row, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
+            new[row, width - len(rest) :] = 1
+            positions[row, width - len(rest) :] = torch.arange(h.length, h.length + len(rest))
+        ids, new, positions = ids.to(self.device), new.to(self.device), positions.to(self.device)
+        mask = torch.cat([past.mask, new], dim=1)
+        logits = self._forward(
+            ids,
+            mask,
+            positions,
+            past.cache,
+            [requests[i].adapter_id for i, _ in hits],
+            logits_to_keep=1,
+            valid=new.bool(),
+        )
+        self.prefilled_tokens += sum(len(r) for r in rests)
+        self.reused_tokens += sum(h.length for _, h in hits)
+        part = BatchCache(past.cache, mask)
+        self._keep_prefixes(requests, [i for i, _ in hits], part)
+        return part, logits[:, -1, :].clone()
+
+    def _prefills(
+        self, requests: Sequence[SampleRequest], results: list[SampleResult]
+    ) -> Iterator[tuple[list[int], BatchCache, torch.Tensor]]:
+        """Every request's prefill: cache hits together, the rest in packed micro-batches."""
+        rest: list[int] = []
+        hits: list[tuple[int, Hit]] = []
+        for i, req in enumerate(requests):
+            hit = None
+            if self._cacheable(req):
+                assert req.cache_namespace is not None
+                hit = self.prefix_cache.lookup(req.cache_namespace, req.adapter_id, req.prompt)
+            if hit is None:
+                rest.append(i)
+            else:
+                hits.append((i, hit))
+        if hits:
+            yield ([i for i, _ in hits], *self._prefill_cached(requests, hits))
+        subset = [requests[i] for i in rest]
+        for batch in _micro_batches(subset, self.vocab, self.cfg):
+            picked = [rest[j] for j in batch]
+            yield (picked, *self._prefill(requests, picked, results))
 
     def run(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
         results = [SampleResult(request_id=r.request_id, sequences=[]) for r in requests]
@@ -187,8 +298,7 @@ class Generator:
         rows: list[_Row] = []
         where: list[tuple[int, int]] = []  # (part, row in part) of each decode row
         per_request: list[list[_Row]] = [[] for _ in requests]
-        for batch in _micro_batches(requests, self.vocab, self.cfg):
-            cache, last = self._prefill(requests, batch, results)
+        for batch, cache, last in self._prefills(requests, results):
             parts.append(cache)
             part_logits.append(last)
             for part_row, i in enumerate(batch):
@@ -220,8 +330,8 @@ class Generator:
 
     def _decode(self, batch: BatchCache, rows: list[_Row], logits: torch.Tensor) -> None:
         while True:
-            tokens = choose_tokens(logits, [r.sampling for r in rows])
-            lp = torch.log_softmax(logits, dim=-1)
+            choice = choose_tokens(logits, [r.sampling for r in rows])
+            tokens, lp = choice.tokens, choice.logprobs
             token_lp = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cpu().tolist()
             token_ids = tokens.cpu().tolist()
             k = max(r.topk for r in rows)
@@ -261,4 +371,3 @@ class Generator:
                 logits_to_keep=1,
                 valid=None,
             )[:, -1, :]
-

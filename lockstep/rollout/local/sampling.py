@@ -7,32 +7,12 @@ into or on the device (the draw happens on the CPU; the inverse-CDF lookup uses 
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def sample_seed(seed: int | None, sample_index: int) -> int:
-    """The generator seed of sample `sample_index` of a request (random when `seed` is None).
-
-    Seeds may be any 64-bit value (negative too); distinct (seed, index) pairs give unrelated
-    streams, so the samples of one request differ and seed 5 / sample 1 is not seed 6 / sample 0.
-    """
-    if seed is None:
-        return secrets.randbits(64)
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (sample_index & _MASK64))
+from lockstep.rollout.seeds import sample_seed
 
 
 def make_generator(seed: int | None, sample_index: int) -> torch.Generator:
@@ -51,20 +31,33 @@ class RowSampling:
     generator: torch.Generator | None
 
 
-def choose_tokens(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
-    """Pick one token per row of raw `logits` [R, V]. Returns int64 [R] on the same device.
+@dataclass(frozen=True)
+class Choice:
+    """The chosen token of each row and the distribution it was drawn from."""
+
+    tokens: torch.Tensor  # int64 [R]
+    logprobs: torch.Tensor  # float32 [R, V]: log p of the row's sampling distribution
+
+
+def choose_tokens(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Choice:
+    """Pick one token per row of raw `logits` [R, V] (results on the same device).
 
     Greedy rows take the argmax (the lowest id on ties). Sampling rows scale by 1/temperature,
     keep the top_k most likely tokens, then the smallest prefix (by decreasing probability) whose
     mass reaches top_p, renormalise, and invert the CDF (in vocabulary order) at one uniform draw
     from the row's generator.
+
+    `Choice.logprobs` is what the token was drawn from, as hosted Tinker reports it: a sampling
+    row's log_softmax(logits / T) with truncated tokens at -inf and the rest renormalised; a
+    greedy row's plain log_softmax(logits) (temperature 0 has no distribution of its own).
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
     tokens = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     sampled = [i for i, row in enumerate(rows) if row.temperature > 0.0]
     if not sampled:
-        return tokens
+        return Choice(tokens, logprobs)
     device = logits.device
     vocab = logits.shape[-1]
     idx = torch.tensor(sampled, dtype=torch.long, device=device)
@@ -75,6 +68,7 @@ def choose_tokens(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Te
 
     scaled = logits.index_select(0, idx).to(torch.float64) / temps.to(device).unsqueeze(-1)
     probs = torch.softmax(scaled, dim=-1)
+    dist = torch.log_softmax(scaled, dim=-1)
     restricted = [
         j for j, i in enumerate(sampled) if 0 < rows[i].top_k < vocab or rows[i].top_p < 1.0
     ]
@@ -98,6 +92,8 @@ def choose_tokens(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Te
         drop[:, 0] = False
         vocab_drop = torch.zeros_like(drop).scatter_(-1, sorted_ids, drop)
         probs[ridx] = probs.index_select(0, ridx).masked_fill(vocab_drop, 0.0)
+        kept = scaled.index_select(0, ridx).masked_fill(vocab_drop, float("-inf"))
+        dist[ridx] = torch.log_softmax(kept, dim=-1)
     # ...but the CDF runs in vocabulary order: a tiny change of the logits (another batch shape)
     # then moves the interval boundaries by about as much, instead of reordering near-ties.
     cdf = probs.cumsum(dim=-1)
@@ -105,7 +101,8 @@ def choose_tokens(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Te
     # First position whose CDF exceeds the target: always a kept token with non-zero mass.
     pos = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab - 1)
     tokens[idx] = pos.squeeze(-1)
-    return tokens
+    logprobs[idx] = dist.to(logprobs.dtype)
+    return Choice(tokens, logprobs)
 
 
 def topk_logprobs(logprobs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:

@@ -18,8 +18,10 @@ Release/ResumeMemoryOccupationReqInput) and docs.sglang.io "Sampling Parameters"
   the server needs --enable-memory-saver). After a resume the LoRA memory pool is re-filled by
   loading the resident adapters again.
 
-Logprobs must be the model's raw ones (before temperature): a managed server is started with
-SGLANG_RETURN_ORIGINAL_LOGPROB=1; an attached one must be too.
+A sampled token's logprob is under the distribution it was drawn from (after temperature and
+top-k/top-p renormalisation), like the local sampler and hosted Tinker: SGLang's default; a
+managed server is started with SGLANG_RETURN_ORIGINAL_LOGPROB=0, an attached one must not set it
+to 1 (that returns the raw, temperature-1 logprobs).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from lockstep.engine.types import (
     StopReason,
 )
 from lockstep.rollout.launcher import ServerProcess
-from lockstep.rollout.remote import RemoteSamplingEngine, ServerError, card_from_config
+from lockstep.rollout.remote import RemoteSamplingEngine, ServerError, cache_salt
 from lockstep.rollout.validation import prompt_logprob_start
 
 log = logging.getLogger(__name__)
@@ -63,48 +65,81 @@ class SglangLaunchConfig:
     extra_args: tuple[str, ...] = ()
 
     def argv(self, port: int) -> list[str]:
-        args = [str(self.python), "-m", "sglang.launch_server",
-                "--model-path", str(self.model_dir), "--served-model-name", self.served_name,
-                "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", "float32",  # the trainer's precision: logprobs comparable
-                "--enable-lora", "--max-loras-per-batch", str(self.max_loras),
-                "--max-loaded-loras", str(self.max_loras),
-                "--max-lora-rank", str(self.max_lora_rank),
-                "--lora-target-modules", "all"]
+        args = [
+            str(self.python),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",  # the trainer's precision: logprobs comparable
+            "--enable-lora",
+            "--max-loras-per-batch",
+            str(self.max_loras),
+            "--max-loaded-loras",
+            str(self.max_loras),
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--lora-target-modules",
+            "all",
+        ]
         if self.memory_saver:
             args.append("--enable-memory-saver")
         return [*args, *self.extra_args]
 
     def env(self) -> dict[str, str]:
-        return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HF_HUB_OFFLINE": "1",
-                "PYTHONPATH": "", "VIRTUAL_ENV": ""}
+        return {
+            "SGLANG_RETURN_ORIGINAL_LOGPROB": "0",  # logprobs of the sampling distribution
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": "",
+            "VIRTUAL_ENV": "",
+        }
 
 
 class SglangSamplingEngine(RemoteSamplingEngine):
-    def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
-                 server: ServerProcess | None = None, timeout_s: float = 600.0,
-                 publish_tensors: bool = False) -> None:
+    def __init__(
+        self,
+        card: ModelCard,
+        base_url: str,
+        max_adapters: int,
+        server: ServerProcess | None = None,
+        timeout_s: float = 600.0,
+        publish_tensors: bool = False,
+    ) -> None:
         super().__init__(card, base_url, max_adapters, timeout_s, server=server)
         self.publish_tensors = publish_tensors and _serializer() is not None
         self._released = False
 
     @classmethod
     def launch(cls, config: SglangLaunchConfig) -> SglangSamplingEngine:
-        from lockstep.supervisor import free_port
+        from lockstep.ports import free_port
 
         port = config.port or free_port()
         url = f"http://127.0.0.1:{port}"
-        server = ServerProcess("sglang", config.argv(port), url, "/health", config.env(),
-                               config.log_file)
+        server = ServerProcess(
+            "sglang", config.argv(port), url, "/health", config.env(), config.log_file
+        )
         server.start()
-        return cls(card_from_config(config.model_dir, config.served_name), url,
-                   config.max_loras, server, publish_tensors=True)
+        return cls(
+            ModelCard.from_dir(config.model_dir, config.served_name),
+            url,
+            config.max_loras,
+            server,
+            publish_tensors=True,
+        )
 
     @classmethod
-    def attach(cls, url: str, model_dir: Path, served_name: str,
-               max_adapters: int) -> SglangSamplingEngine:
+    def attach(
+        cls, url: str, model_dir: Path, served_name: str, max_adapters: int
+    ) -> SglangSamplingEngine:
         httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
-        return cls(card_from_config(model_dir, served_name), url, max_adapters)
+        return cls(ModelCard.from_dir(model_dir, served_name), url, max_adapters)
 
     # -- phases (colocated mode) -------------------------------------------------------------
 
@@ -113,8 +148,12 @@ class SglangSamplingEngine(RemoteSamplingEngine):
         with self._lock:
             if self._released:
                 return
-            _check(httpx.post(self.base_url + "/release_memory_occupation",
-                              json={"tags": None}, timeout=120), "release_memory_occupation")
+            _check(
+                httpx.post(
+                    self.base_url + "/release_memory_occupation", json={"tags": None}, timeout=120
+                ),
+                "release_memory_occupation",
+            )
             self._released = True
 
     def resume(self) -> None:
@@ -122,8 +161,12 @@ class SglangSamplingEngine(RemoteSamplingEngine):
         with self._lock:
             if not self._released:
                 return
-            _check(httpx.post(self.base_url + "/resume_memory_occupation",
-                              json={"tags": None}, timeout=120), "resume_memory_occupation")
+            _check(
+                httpx.post(
+                    self.base_url + "/resume_memory_occupation", json={"tags": None}, timeout=120
+                ),
+                "resume_memory_occupation",
+            )
             self._released = False
             resident = [(a, self._directories[a]) for a in self._slots if a in self._directories]
             self._slots.clear()
@@ -139,15 +182,17 @@ class SglangSamplingEngine(RemoteSamplingEngine):
 
     async def _load(self, client: httpx.AsyncClient, adapter_id: str, directory: Path) -> None:
         if self.publish_tensors:
-            response = await client.post("/load_lora_adapter_from_tensors",
-                                         json=_tensor_payload(adapter_id, directory))
+            response = await client.post(
+                "/load_lora_adapter_from_tensors", json=_tensor_payload(adapter_id, directory)
+            )
         else:
-            response = await client.post("/load_lora_adapter",
-                                         json={"lora_name": adapter_id,
-                                               "lora_path": str(directory)})
+            response = await client.post(
+                "/load_lora_adapter", json={"lora_name": adapter_id, "lora_path": str(directory)}
+            )
         if response.status_code == 400:
-            raise UserInputError("path", f"SGLang refused adapter {directory}: "
-                                 f"{_message(response)}")
+            raise UserInputError(
+                "path", f"SGLang refused adapter {directory}: {_message(response)}"
+            )
         _check(response, "load_lora_adapter")
 
     async def _unload(self, client: httpx.AsyncClient, adapter_id: str) -> None:
@@ -162,10 +207,14 @@ class SglangSamplingEngine(RemoteSamplingEngine):
         params = []
         for j in range(n):
             sp: dict[str, Any] = {
-                "max_new_tokens": p.max_tokens, "temperature": p.temperature,
-                "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
-                "stop": list(p.stop_strings), "stop_token_ids": list(p.stop_tokens),
-                "ignore_eos": not p.stop_at_eos, "skip_special_tokens": False,
+                "max_new_tokens": p.max_tokens,
+                "temperature": p.temperature,
+                "top_p": p.top_p,
+                "top_k": p.top_k if p.top_k > 0 else -1,
+                "stop": list(p.stop_strings),
+                "stop_token_ids": list(p.stop_tokens),
+                "ignore_eos": not p.stop_at_eos,
+                "skip_special_tokens": False,
                 "no_stop_trim": True,
             }
             if p.seed is not None:
@@ -180,10 +229,12 @@ class SglangSamplingEngine(RemoteSamplingEngine):
             "top_logprobs_num": max(req.topk_sample_logprobs, req.topk_prompt_logprobs),
             "return_text_in_logprobs": False,
         }
+        salt = cache_salt(req)
+        if salt is not None:  # radix-cache hits only within the request's sampling session
+            body["extra_key"] = [salt] * n
         response = await client.post("/generate", json=body)
         if response.status_code == 400:
-            return SampleResult(req.request_id, [],
-                                error=f"sampling_params: {_message(response)}")
+            return SampleResult(req.request_id, [], error=f"sampling_params: {_message(response)}")
         _check(response, "generate")
         outs = response.json()
         outs = outs if isinstance(outs, list) else [outs]
@@ -195,7 +246,7 @@ class SglangSamplingEngine(RemoteSamplingEngine):
 
 def _serializer() -> Any:
     try:  # SGLang's own wire format for tensors; only importable where sglang is installed
-        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
+        from sglang.srt.utils import MultiprocessingSerializer
     except ImportError:
         return None
     return MultiprocessingSerializer
@@ -218,8 +269,7 @@ def _message(response: httpx.Response) -> str:
     except ValueError:
         return response.text
     if isinstance(data, dict):
-        return str(data.get("error_message") or data.get("message") or data.get("error")
-                   or data)
+        return str(data.get("error_message") or data.get("message") or data.get("error") or data)
     return str(data)
 
 

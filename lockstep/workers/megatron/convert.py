@@ -52,20 +52,24 @@ def hf_to_megatron(
     """The megatron state dict of one (TP rank, PP stage) shard."""
     out: dict[str, Tensor] = {}
     if pp_rank == 0:
-        out["embedding.word_embeddings.weight"] = _chunk(hf["model.embed_tokens.weight"], tp,
-                                                         tp_rank)
+        out["embedding.word_embeddings.weight"] = _chunk(
+            hf["model.embed_tokens.weight"], tp, tp_rank
+        )
     for local, layer in enumerate(stage_layers(arch, pp, pp_rank)):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
         att = src + "self_attn."
-        qkv = fuse_qkv(arch, hf[att + "q_proj.weight"], hf[att + "k_proj.weight"],
-                       hf[att + "v_proj.weight"])
+        qkv = fuse_qkv(
+            arch, hf[att + "q_proj.weight"], hf[att + "k_proj.weight"], hf[att + "v_proj.weight"]
+        )
         out[dst + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp, tp_rank)
         if arch.qkv_bias:
-            bias = fuse_qkv(arch, hf[att + "q_proj.bias"], hf[att + "k_proj.bias"],
-                            hf[att + "v_proj.bias"])
+            bias = fuse_qkv(
+                arch, hf[att + "q_proj.bias"], hf[att + "k_proj.bias"], hf[att + "v_proj.bias"]
+            )
             out[dst + "self_attention.linear_qkv.bias"] = _chunk(bias, tp, tp_rank)
-        out[dst + "self_attention.linear_proj.weight"] = _chunk(hf[att + "o_proj.weight"], tp,
-                                                                tp_rank, dim=1)
+        out[dst + "self_attention.linear_proj.weight"] = _chunk(
+            hf[att + "o_proj.weight"], tp, tp_rank, dim=1
+        )
         if arch.qk_norm:
             out[dst + "self_attention.q_layernorm.weight"] = hf[att + "q_norm.weight"]
             out[dst + "self_attention.k_layernorm.weight"] = hf[att + "k_norm.weight"]
@@ -75,8 +79,9 @@ def hf_to_megatron(
         gate = _chunk(hf[src + "mlp.gate_proj.weight"], tp, tp_rank)
         up = _chunk(hf[src + "mlp.up_proj.weight"], tp, tp_rank)
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-        out[dst + "mlp.linear_fc2.weight"] = _chunk(hf[src + "mlp.down_proj.weight"], tp, tp_rank,
-                                                    dim=1)
+        out[dst + "mlp.linear_fc2.weight"] = _chunk(
+            hf[src + "mlp.down_proj.weight"], tp, tp_rank, dim=1
+        )
     if pp_rank == pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
         head = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
@@ -99,8 +104,10 @@ def megatron_to_hf(
     for local, layer in enumerate(stage_layers(arch, pp, pp_rank)):
         src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
         att = dst + "self_attn."
-        parts = [split_qkv(arch, s[src + "self_attention.linear_qkv.weight"], arch.kv_heads // tp)
-                 for s in shards]
+        parts = [
+            split_qkv(arch, s[src + "self_attention.linear_qkv.weight"], arch.kv_heads // tp)
+            for s in shards
+        ]
         for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
             out[att + f"{name}.weight"] = torch.cat([p[i] for p in parts])
         out[att + "o_proj.weight"] = cat(src + "self_attention.linear_proj.weight", dim=1)
@@ -120,12 +127,21 @@ def megatron_to_hf(
     return out
 
 
-def load_stage(model: torch.nn.Module, hf: dict[str, Tensor], arch: HFArch, tp: int,
-               tp_rank: int, pp: int, pp_rank: int) -> None:
+def load_stage(
+    model: torch.nn.Module,
+    hf: dict[str, Tensor],
+    arch: HFArch,
+    tp: int,
+    tp_rank: int,
+    pp: int,
+    pp_rank: int,
+) -> None:
     """Copy the converted shard into `model`; every real parameter must be covered."""
     state = hf_to_megatron(hf, arch, tp, tp_rank, pp, pp_rank)
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
-        raise ValueError(f"weight conversion mismatch: missing {missing[:4]}, "
-                         f"unexpected {result.unexpected_keys[:4]}")
+        raise ValueError(
+            f"weight conversion mismatch: missing {missing[:4]}, "
+            f"unexpected {result.unexpected_keys[:4]}"
+        )

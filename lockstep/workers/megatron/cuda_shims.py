@@ -60,8 +60,8 @@ def apply() -> None:
     def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
         torch.set_rng_state(new_state)
 
-    mp_random._get_cuda_rng_state = get_state  # type: ignore[assignment]
-    mp_random._set_cuda_rng_state = set_state  # type: ignore[assignment]
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
     cuda: Any = torch.cuda
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
@@ -69,5 +69,5 @@ def apply() -> None:
     cuda.current_device = lambda: "cpu"
     cuda.synchronize = lambda device=None: None
     cuda.current_stream = lambda device=None: None
-    schedules.torch = _CpuZerosTorch()  # type: ignore[attr-defined]
+    schedules.torch = _CpuZerosTorch()
     _applied = True

@@ -7,7 +7,6 @@ engines and parallel layouts), and broadcasts each verb to every rank; rank 0 an
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Literal
@@ -17,10 +16,15 @@ import torch
 from lockstep.engine.interface import TrainingEngine, UserInputError
 from lockstep.engine.losses import resolve_loss_config, validate_pass_request
 from lockstep.engine.types import LoraSpec, ModelCard, OptimRequest, PassRequest, PassResult
-from lockstep.modeling.lora import PEFT_PREFIX, init_adapter_state, validate_spec
+from lockstep.modeling.lora import (
+    PEFT_PREFIX,
+    check_adapter_state,
+    init_adapter_state,
+    validate_spec,
+)
 from lockstep.modeling.peft_io import save_peft_adapter
-from lockstep.workers.local import checkpoint
-from lockstep.workers.local.optim import AdamState, validate_adam
+from lockstep.training import checkpoint
+from lockstep.training.optim import AdamState, validate_adam
 from lockstep.workers.megatron.group import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from lockstep.workers.megatron.lora import MegatronLora
 from lockstep.workers.megatron.model import HFArch
@@ -30,32 +34,36 @@ log = logging.getLogger("lockstep.megatron")
 Launcher = Literal["ray", "process"]
 
 
-def model_card(model_dir: Path, served_name: str, arch: HFArch) -> ModelCard:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    eos = cfg.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return ModelCard(name=served_name, directory=str(Path(model_dir).resolve()),
-                     arch=arch.model_type, vocab_size=arch.vocab,
-                     max_context_length=arch.max_positions,
-                     eos_token_id=None if eos is None else int(eos))
-
-
 class MegatronTrainingEngine(TrainingEngine):
-    def __init__(self, model_dir: Path, served_name: str, parallel: ParallelConfig,
-                 launcher: Launcher = "ray", ray_address: str | None = None,
-                 micro_batch: int = 8) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        served_name: str,
+        parallel: ParallelConfig,
+        launcher: Launcher = "ray",
+        ray_address: str | None = None,
+        micro_batch: int = 8,
+        ray_placement: str = "PACK",
+    ) -> None:
         self._arch = arch = HFArch.from_dir(Path(model_dir))
         parallel.check_model(arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate)
         parallel.check_backend()
-        self._card = model_card(Path(model_dir), served_name, arch)
+        self._card = ModelCard.from_dir(model_dir, served_name)
         self.parallel = parallel
         self._specs: dict[str, LoraSpec] = {}
-        log.info("starting megatron worker group tp=%d pp=%d cp=%d dp=%d via %s", parallel.tp,
-                 parallel.pp, parallel.cp, parallel.dp, launcher)
+        log.info(
+            "starting megatron worker group tp=%d pp=%d cp=%d dp=%d via %s",
+            parallel.tp,
+            parallel.pp,
+            parallel.cp,
+            parallel.dp,
+            launcher,
+        )
         self._group: WorkerGroup
         if launcher == "ray":
-            self._group = RayWorkerGroup(str(model_dir), parallel, micro_batch, ray_address)
+            self._group = RayWorkerGroup(
+                str(model_dir), parallel, micro_batch, ray_address, placement=ray_placement
+            )
         else:
             self._group = ProcessWorkerGroup(str(model_dir), parallel, micro_batch)
 
@@ -105,11 +113,15 @@ class MegatronTrainingEngine(TrainingEngine):
     # -- checkpoints ----------------------------------------------------------------------
 
     def _names(self, spec: LoraSpec) -> list[str]:
-        return [f"{PEFT_PREFIX}{p}.lora_{ab}.weight"
-                for p in MegatronLora.spec_paths(self._arch, spec) for ab in ("A", "B")]
+        return [
+            f"{PEFT_PREFIX}{p}.lora_{ab}.weight"
+            for p in MegatronLora.spec_paths(self._arch, spec)
+            for ab in ("A", "B")
+        ]
 
-    def _gather(self, model_id: str, include_optimizer: bool
-                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, int]:
+    def _gather(
+        self, model_id: str, include_optimizer: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, int]:
         state, moments, step = self._group.call("gather_adapter", model_id, include_optimizer)[0]
         return state, moments, step
 
@@ -129,8 +141,7 @@ class MegatronTrainingEngine(TrainingEngine):
     def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
         state, spec = checkpoint.read_adapter(Path(directory), self._card.name)
         try:
-            validate_spec(spec)
-            self._check_fits(state, spec)
+            check_adapter_state(state, spec, MegatronLora.spec_paths(self._arch, spec))
         except ValueError as exc:
             raise UserInputError("path", f"checkpoint does not fit this base model: {exc}") from exc
         moments, step = None, 0
@@ -140,25 +151,12 @@ class MegatronTrainingEngine(TrainingEngine):
             step = adam.step
             if adam.exp_avg:
                 moments = {f"{n}.exp_avg": m for n, m in zip(names, adam.exp_avg, strict=True)}
-                moments |= {f"{n}.exp_avg_sq": v
-                            for n, v in zip(names, adam.exp_avg_sq, strict=True)}
+                moments |= {
+                    f"{n}.exp_avg_sq": v for n, v in zip(names, adam.exp_avg_sq, strict=True)
+                }
         self._group.call("set_adapter", model_id, state, spec, moments, step)
         self._specs[model_id] = spec
         return spec
-
-    def _check_fits(self, state: dict[str, torch.Tensor], spec: LoraSpec) -> None:
-        """Exactly the layers the spec targets, with this model's shapes (as the local engine)."""
-        expected = set(self._names(spec))
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ValueError(f"adapter keys do not match the spec: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
-        for path, (fan_in, fan_out) in MegatronLora.spec_paths(self._arch, spec).items():
-            a = state[f"{PEFT_PREFIX}{path}.lora_A.weight"]
-            b = state[f"{PEFT_PREFIX}{path}.lora_B.weight"]
-            if tuple(a.shape) != (spec.rank, fan_in) or tuple(b.shape) != (fan_out, spec.rank):
-                raise ValueError(f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
-                                 f"not fit rank {spec.rank} and layer {fan_in}->{fan_out}")
 
     def export_adapter(self, model_id: str, directory: Path) -> int:
         self._require(model_id)

@@ -16,8 +16,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from lockstep.engine.interface import EngineDied
 from lockstep.workers.megatron.parallel import ParallelConfig
-from lockstep.workers.process import EngineDied
 
 log = logging.getLogger("lockstep.megatron")
 
@@ -38,16 +38,24 @@ def free_port() -> int:
 # -- local processes ----------------------------------------------------------------------
 
 
-def _serve_rank(conn: Connection, model_dir: str, parallel: ParallelConfig, rank: int,
-                addr: str, port: int, micro_batch: int) -> None:
+def _serve_rank(
+    conn: Connection,
+    model_dir: str,
+    parallel: ParallelConfig,
+    rank: int,
+    addr: str,
+    port: int,
+    micro_batch: int,
+) -> None:
     import torch
 
     from lockstep.workers.megatron.rank_worker import RankWorker
 
     # The ranks share the machine's cores (OMP_NUM_THREADS, when set, decides).
     threads = os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(int(threads) if threads else
-                          max(1, (os.cpu_count() or 1) // parallel.world_size))
+    torch.set_num_threads(
+        int(threads) if threads else max(1, (os.cpu_count() or 1) // parallel.world_size)
+    )
     try:
         worker = RankWorker(model_dir, parallel, rank, addr, port, micro_batch)
         conn.send(("ok", None))
@@ -75,9 +83,12 @@ class ProcessWorkerGroup:
         self._procs = []
         for rank in range(parallel.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve_rank, daemon=True, name=f"megatron-rank{rank}",
-                               args=(child, model_dir, parallel, rank, "127.0.0.1", port,
-                                     micro_batch))
+            proc = ctx.Process(
+                target=_serve_rank,
+                daemon=True,
+                name=f"megatron-rank{rank}",
+                args=(child, model_dir, parallel, rank, "127.0.0.1", port, micro_batch),
+            )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -133,8 +144,15 @@ class _RankActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, model_dir: str, parallel: ParallelConfig, rank: int, addr: str, port: int,
-              micro_batch: int) -> None:
+    def setup(
+        self,
+        model_dir: str,
+        parallel: ParallelConfig,
+        rank: int,
+        addr: str,
+        port: int,
+        micro_batch: int,
+    ) -> None:
         from lockstep.workers.megatron.rank_worker import RankWorker
 
         self.worker = RankWorker(model_dir, parallel, rank, addr, port, micro_batch)
@@ -144,9 +162,16 @@ class _RankActor:
 
 
 class RayWorkerGroup:
-    def __init__(self, model_dir: str, parallel: ParallelConfig, micro_batch: int = 8,
-                 address: str | None = None, cpus_per_rank: float = 0.5,
-                 gpus_per_rank: float = 0.0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        parallel: ParallelConfig,
+        micro_batch: int = 8,
+        address: str | None = None,
+        cpus_per_rank: float = 0.5,
+        gpus_per_rank: float = 0.0,
+        placement: str = "PACK",
+    ) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -162,21 +187,27 @@ class RayWorkerGroup:
         bundle: dict[str, float] = {"CPU": cpus_per_rank}
         if gpus_per_rank:
             bundle["GPU"] = gpus_per_rank
-        self._pg = placement_group([bundle] * parallel.world_size, strategy="PACK")
+        self._pg = placement_group([bundle] * parallel.world_size, strategy=placement)
         ray.get(self._pg.ready(), timeout=120)
         actor_cls = ray.remote(_RankActor)
         self._actors: list[Any] = [
-            actor_cls.options(  # type: ignore[attr-defined]
-                num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
+            actor_cls.options(
+                num_cpus=cpus_per_rank,
+                num_gpus=gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=rank),
+                    placement_group=self._pg, placement_group_bundle_index=rank
+                ),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
             ).remote()
             for rank in range(parallel.world_size)
         ]
         addr, port = ray.get(self._actors[0].address.remote())
-        ray.get([a.setup.remote(model_dir, parallel, rank, addr, port, micro_batch)
-                 for rank, a in enumerate(self._actors)])
+        ray.get(
+            [
+                a.setup.remote(model_dir, parallel, rank, addr, port, micro_batch)
+                for rank, a in enumerate(self._actors)
+            ]
+        )
 
     def call(self, method: str, *args: Any) -> list[Any]:
         refs = [self._ray.put(a) for a in args]  # one copy in the object store for all ranks

@@ -43,8 +43,9 @@ class Segment:
 
 
 class _LoraLinear(nn.Module):
-    def __init__(self, base: nn.Module, slot: _Slot, segments: list[Segment], tp: int,
-                 tp_rank: int) -> None:
+    def __init__(
+        self, base: nn.Module, slot: _Slot, segments: list[Segment], tp: int, tp_rank: int
+    ) -> None:
         super().__init__()
         self.base = base
         self.segments = segments
@@ -76,8 +77,16 @@ class _LoraLinear(nn.Module):
 class ColumnLora(_LoraLinear):
     """`combine`: "concat" (fc1: [gate; up], LM head) or "qkv" (megatron's grouped layout)."""
 
-    def __init__(self, base: nn.Module, slot: _Slot, segments: list[Segment], tp: int,
-                 tp_rank: int, combine: str, arch: HFArch) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        slot: _Slot,
+        segments: list[Segment],
+        tp: int,
+        tp_rank: int,
+        combine: str,
+        arch: HFArch,
+    ) -> None:
         super().__init__(base, slot, segments, tp, tp_rank)
         self.combine = combine
         self.arch = arch
@@ -144,23 +153,66 @@ class MegatronLora:
             def seg(name: str, fan_in: int, fan_out: int, local: int, pre: str = pre) -> Segment:
                 return Segment(pre + name, fan_in, fan_out, local)
 
-            attn.linear_qkv = self._add(ColumnLora(attn.linear_qkv, self._slot, [
-                seg("self_attn.q_proj", a.hidden, q_out, q_out // tp),
-                seg("self_attn.k_proj", a.hidden, kv_out, kv_out // tp),
-                seg("self_attn.v_proj", a.hidden, kv_out, kv_out // tp)], tp, tp_rank, "qkv", a))
-            attn.linear_proj = self._add(RowLora(attn.linear_proj, self._slot, [
-                seg("self_attn.o_proj", q_out, a.hidden, q_out // tp)], tp, tp_rank))
-            mlp.linear_fc1 = self._add(ColumnLora(mlp.linear_fc1, self._slot, [
-                seg("mlp.gate_proj", a.hidden, a.intermediate, a.intermediate // tp),
-                seg("mlp.up_proj", a.hidden, a.intermediate, a.intermediate // tp)],
-                tp, tp_rank, "concat", a))
-            mlp.linear_fc2 = self._add(RowLora(mlp.linear_fc2, self._slot, [
-                seg("mlp.down_proj", a.intermediate, a.hidden, a.intermediate // tp)],
-                tp, tp_rank))
+            attn.linear_qkv = self._add(
+                ColumnLora(
+                    attn.linear_qkv,
+                    self._slot,
+                    [
+                        seg("self_attn.q_proj", a.hidden, q_out, q_out // tp),
+                        seg("self_attn.k_proj", a.hidden, kv_out, kv_out // tp),
+                        seg("self_attn.v_proj", a.hidden, kv_out, kv_out // tp),
+                    ],
+                    tp,
+                    tp_rank,
+                    "qkv",
+                    a,
+                )
+            )
+            attn.linear_proj = self._add(
+                RowLora(
+                    attn.linear_proj,
+                    self._slot,
+                    [seg("self_attn.o_proj", q_out, a.hidden, q_out // tp)],
+                    tp,
+                    tp_rank,
+                )
+            )
+            mlp.linear_fc1 = self._add(
+                ColumnLora(
+                    mlp.linear_fc1,
+                    self._slot,
+                    [
+                        seg("mlp.gate_proj", a.hidden, a.intermediate, a.intermediate // tp),
+                        seg("mlp.up_proj", a.hidden, a.intermediate, a.intermediate // tp),
+                    ],
+                    tp,
+                    tp_rank,
+                    "concat",
+                    a,
+                )
+            )
+            mlp.linear_fc2 = self._add(
+                RowLora(
+                    mlp.linear_fc2,
+                    self._slot,
+                    [seg("mlp.down_proj", a.intermediate, a.hidden, a.intermediate // tp)],
+                    tp,
+                    tp_rank,
+                )
+            )
         head = getattr(model, "output_layer", None)
         if head is not None and getattr(model, "post_process", False):
-            model.output_layer = self._add(ColumnLora(head, self._slot, [
-                Segment("lm_head", a.hidden, a.vocab, a.vocab // tp)], tp, tp_rank, "concat", a))
+            model.output_layer = self._add(
+                ColumnLora(
+                    head,
+                    self._slot,
+                    [Segment("lm_head", a.hidden, a.vocab, a.vocab // tp)],
+                    tp,
+                    tp_rank,
+                    "concat",
+                    a,
+                )
+            )
 
     def _add(self, wrapper: _LoraLinear) -> _LoraLinear:
         self._wrappers.append(wrapper)
@@ -173,21 +225,24 @@ class MegatronLora:
         out: dict[str, tuple[int, int]] = {}
         for i in range(arch.layers):
             pre = f"model.layers.{i}."
-            out |= {pre + "self_attn.q_proj": (arch.hidden, q_out),
-                    pre + "self_attn.k_proj": (arch.hidden, kv_out),
-                    pre + "self_attn.v_proj": (arch.hidden, kv_out),
-                    pre + "self_attn.o_proj": (q_out, arch.hidden),
-                    pre + "mlp.gate_proj": (arch.hidden, arch.intermediate),
-                    pre + "mlp.up_proj": (arch.hidden, arch.intermediate),
-                    pre + "mlp.down_proj": (arch.intermediate, arch.hidden)}
+            out |= {
+                pre + "self_attn.q_proj": (arch.hidden, q_out),
+                pre + "self_attn.k_proj": (arch.hidden, kv_out),
+                pre + "self_attn.v_proj": (arch.hidden, kv_out),
+                pre + "self_attn.o_proj": (q_out, arch.hidden),
+                pre + "mlp.gate_proj": (arch.hidden, arch.intermediate),
+                pre + "mlp.up_proj": (arch.hidden, arch.intermediate),
+                pre + "mlp.down_proj": (arch.intermediate, arch.hidden),
+            }
         out["lm_head"] = (arch.hidden, arch.vocab)
         return out
 
     @staticmethod
     def spec_paths(arch: HFArch, spec: LoraSpec) -> dict[str, tuple[int, int]]:
         targets = spec_targets(spec)
-        return {p: s for p, s in MegatronLora.all_paths(arch).items()
-                if p.rsplit(".", 1)[-1] in targets}
+        return {
+            p: s for p, s in MegatronLora.all_paths(arch).items() if p.rsplit(".", 1)[-1] in targets
+        }
 
     # -- adapters -------------------------------------------------------------------------
 

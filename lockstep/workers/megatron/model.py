@@ -39,9 +39,10 @@ class HFArch:
         model_type = str(cfg.get("model_type"))
         if model_type not in SUPPORTED:
             raise ValueError(f"the megatron engine converts {SUPPORTED} models, not {model_type!r}")
-        if cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {}).get(
-            "rope_type", "default"
-        ) != "default":
+        if (
+            cfg.get("rope_scaling")
+            or (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default"
+        ):
             raise ValueError("the megatron engine supports plain RoPE only (no rope scaling)")
         heads = int(cfg["num_attention_heads"])
         rope = cfg.get("rope_parameters") or {}
@@ -63,8 +64,9 @@ class HFArch:
         )
 
 
-def transformer_config(arch: HFArch, tp: int, pp: int, cp: int = 1,
-                       sequence_parallel: bool = False) -> Any:
+def transformer_config(
+    arch: HFArch, tp: int, pp: int, cp: int = 1, sequence_parallel: bool = False
+) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -105,10 +107,11 @@ def transformer_config(arch: HFArch, tp: int, pp: int, cp: int = 1,
     )
 
 
-def build_stage(arch: HFArch, tp: int, pp: int, cp: int = 1,
-                sequence_parallel: bool = False) -> Any:
+def build_stage(
+    arch: HFArch, tp: int, pp: int, cp: int = 1, sequence_parallel: bool = False
+) -> Any:
     """This rank's GPTModel: embedding on the first stage, norm + LM head on the last; logits are
-    gathered over TP (parallel_output=False) so the shared torch losses see the full vocab."""
+    stay split over TP (parallel_output=True): the last stage computes logprobs vocab-parallel."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -122,7 +125,7 @@ def build_stage(arch: HFArch, tp: int, pp: int, cp: int = 1,
         max_sequence_length=arch.max_positions,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=False,
+        parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),

@@ -4,9 +4,11 @@ Every rank receives the same calls with the same arguments (the engine broadcast
 keeps only its share: its TP shard of its PP stage, and its DP slice of the batch's rows. Only
 global rank 0 returns results (the rest return None).
 
-- `run_passes`: the cycle's rows are split over DP, packed into equal micro-batches and run with
-  megatron's pipeline schedule (1F1B when PP > 1). Losses are token sums computed by the shared
-  torch losses on the last stage from full-vocab logits.
+- `run_passes`: the cycle's rows are ordered by length, split over DP, cut into micro-batches of
+  `micro_batch` rows each padded to its own longest row, and run with megatron's pipeline
+  schedule (1F1B when PP > 1, shapes sent along: variable_seq_lengths). Losses are token sums
+  computed by the shared torch losses on the last stage from vocab-parallel logprobs
+  (`logprobs.py`: the logits stay split over TP; positions go in the local engine's chunks).
 - `optim_step`: DP-sum each tenant's adapter grads, take the global grad norm over TP x PP, clip,
   then the same batched AdamW as the local engine, on this rank's shards only.
 - `gather_adapter` / `set_adapter`: adapters (and Adam moments) travel unsharded in PEFT keys;
@@ -25,9 +27,11 @@ import numpy as np
 import torch
 
 from lockstep.engine.types import Datum, LoraSpec, OptimRequest, PassRequest, PassResult
-from lockstep.workers.local.losses import datum_loss
-from lockstep.workers.local.optim import AdamGroup, AdamState, batched_adamw_step
+from lockstep.training.logprobs import chunk_tokens, target_logprobs
+from lockstep.training.losses import datum_targets, loss_from_logprobs
+from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
 from lockstep.workers.megatron.convert import load_stage
+from lockstep.workers.megatron.logprobs import vocab_parallel_logprobs
 from lockstep.workers.megatron.lora import MegatronLora, ParamInfo, merge_shards
 from lockstep.workers.megatron.model import HFArch, build_stage
 from lockstep.workers.megatron.parallel import ParallelConfig, init_parallel, shutdown_parallel
@@ -63,8 +67,15 @@ def _load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class RankWorker:
-    def __init__(self, model_dir: str, parallel: ParallelConfig, rank: int, master_addr: str,
-                 master_port: int, micro_batch: int = 8) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        parallel: ParallelConfig,
+        rank: int,
+        master_addr: str,
+        master_port: int,
+        micro_batch: int = 8,
+    ) -> None:
         from megatron.core import parallel_state as ps
 
         init_parallel(parallel, rank, master_addr, master_port)
@@ -78,16 +89,26 @@ class RankWorker:
         self.last = ps.is_pipeline_last_stage()
         self.arch = arch = HFArch.from_dir(Path(model_dir))
         parallel.check_model(arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate)
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
-        model = build_stage(arch, parallel.tp, parallel.pp, parallel.cp,
-                            parallel.sequence_parallel)
-        load_stage(model, _load_hf_weights(Path(model_dir)), arch, parallel.tp, self.tp_rank,
-                   parallel.pp, self.pp_rank)
+        model = build_stage(arch, parallel.tp, parallel.pp, parallel.cp, parallel.sequence_parallel)
+        load_stage(
+            model,
+            _load_hf_weights(Path(model_dir)),
+            arch,
+            parallel.tp,
+            self.tp_rank,
+            parallel.pp,
+            self.pp_rank,
+        )
         self.model = model.to(self.device)
         self.lora = MegatronLora(self.model, arch, parallel.tp, self.tp_rank)
+        self.chunk = chunk_tokens(arch.vocab // parallel.tp)
         self.adam: dict[str, AdamState] = {}
         # Added (as exact zeros) to a stage output that no adapter touched, so the schedule's
         # backward has a graph on every stage even when a tenant trains only the LM head.
@@ -101,8 +122,14 @@ class RankWorker:
 
     # -- adapters -------------------------------------------------------------------------
 
-    def set_adapter(self, aid: str, state: dict[str, torch.Tensor], spec: LoraSpec,
-                    moments: dict[str, torch.Tensor] | None, step: int) -> None:
+    def set_adapter(
+        self,
+        aid: str,
+        state: dict[str, torch.Tensor],
+        spec: LoraSpec,
+        moments: dict[str, torch.Tensor] | None,
+        step: int,
+    ) -> None:
         """Create or replace `aid` from its full PEFT state (+ full Adam moments, if any)."""
         self.lora.load_adapter(aid, state, spec)
         adam = AdamState(step=step)
@@ -130,8 +157,10 @@ class RankWorker:
             moments = None
             if include_optimizer and adam.exp_avg:
                 moments = [
-                    [(m.detach().cpu(), dataclasses.replace(info, key=f"{info.key}.{kind}"))
-                     for m, (_, info) in zip(ms, params, strict=True)]
+                    [
+                        (m.detach().cpu(), dataclasses.replace(info, key=f"{info.key}.{kind}"))
+                        for m, (_, info) in zip(ms, params, strict=True)
+                    ]
                     for kind, ms in (("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq))
                 ]
             mine = (self.pp_rank, self.tp_rank, params, moments, adam.step)
@@ -158,8 +187,9 @@ class RankWorker:
 
     # -- passes ---------------------------------------------------------------------------
 
-    def run_passes(self, requests: list[PassRequest],
-                   configs: list[dict[str, float]]) -> list[PassResult] | None:
+    def run_passes(
+        self, requests: list[PassRequest], configs: list[dict[str, float]]
+    ) -> list[PassResult] | None:
         outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
         train = [i for i, r in enumerate(requests) if not r.forward_only]
         evals = [i for i, r in enumerate(requests) if r.forward_only]
@@ -179,45 +209,59 @@ class RankWorker:
         for i, req in enumerate(requests):
             per = [merged[(i, j)] for j in range(len(req.data))]
             total = torch.tensor([p[2] for p in per], dtype=torch.float32).sum()
-            results.append(PassResult(
-                request_id=req.request_id,
-                outputs=[{"logprobs": p[0], "elementwise_loss": p[1]} for p in per],
-                metrics={"loss:sum": float(total)},
-            ))
+            results.append(
+                PassResult(
+                    request_id=req.request_id,
+                    outputs=[{"logprobs": p[0], "elementwise_loss": p[1]} for p in per],
+                    metrics={"loss:sum": float(total)},
+                )
+            )
         return results
 
-    def _schedule(self, requests: list[PassRequest], indices: list[int],
-                  configs: list[dict[str, float]],
-                  outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]],
-                  forward_only: bool) -> None:
+    def _schedule(
+        self,
+        requests: list[PassRequest],
+        indices: list[int],
+        configs: list[dict[str, float]],
+        outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]],
+        forward_only: bool,
+    ) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        rows = [_Row(i, j, d, int(np.asarray(d.tokens).shape[0]), requests[i].model_id)
-                for i in indices for j, d in enumerate(requests[i].data)]
-        seq = -(-max(r.length for r in rows) // PAD_MULTIPLE) * PAD_MULTIPLE
+        rows = [
+            _Row(i, j, d, int(np.asarray(d.tokens).shape[0]), requests[i].model_id)
+            for i in indices
+            for j, d in enumerate(requests[i].data)
+        ]
+        # Longest first, so each micro-batch pads only to its own longest row (as the local
+        # engine); with PP > 1 the schedule then sends each micro-batch's shape along.
+        rows.sort(key=lambda r: -r.length)
         dp, k = self.parallel.dp, self.dp_rank
-        mine = rows[k * len(rows) // dp:(k + 1) * len(rows) // dp]  # this replica's rows
+        mine = rows[k * len(rows) // dp : (k + 1) * len(rows) // dp]  # this replica's rows
         if not mine:
             return
         mbs = min(self.micro_batch, len(mine))
         batches = []
         for start in range(0, len(mine), mbs):
-            chunk: list[_Row | None] = list(mine[start:start + mbs])
-            chunk += [None] * (mbs - len(chunk))  # p2p needs equal micro-batch shapes
+            chunk: list[_Row | None] = list(mine[start : start + mbs])
+            chunk += [None] * (mbs - len(chunk))  # p2p needs equal micro-batch sizes
+            seq = -(-max(r.length for r in chunk if r is not None) // PAD_MULTIPLE) * PAD_MULTIPLE
             tokens = torch.zeros(mbs, seq, dtype=torch.long)
             for b, row in enumerate(chunk):
                 if row is not None:
-                    tokens[b, :row.length] = torch.from_numpy(
-                        np.asarray(row.datum.tokens, np.int64))
+                    tokens[b, : row.length] = torch.from_numpy(
+                        np.asarray(row.datum.tokens, np.int64)
+                    )
             batches.append(_MicroBatch(chunk, tokens.to(self.device)))
-        positions = torch.arange(seq, device=self.device).expand(mbs, seq)
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=self.device), 1)
-        mask = mask[None, None]  # True = masked: causal
+        self.model.config.variable_seq_lengths = self.parallel.pp > 1
 
         def forward_step(data_iterator: Any, model: Any) -> Any:
             mb: _MicroBatch = next(data_iterator)
+            seq = mb.tokens.shape[1]
+            positions = torch.arange(seq, device=self.device).expand(mbs, seq)
+            mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=self.device), 1)
             with self.lora.route([None if r is None else r.model_id for r in mb.rows]):
-                output = model(mb.tokens, positions, mask)
+                output = model(mb.tokens, positions, mask[None, None])  # True = masked: causal
             if not forward_only and not output.requires_grad:
                 output = output + self._anchor
             return output, functools.partial(self._loss, mb, requests, configs, outs)
@@ -227,22 +271,31 @@ class RankWorker:
             data_iterator=iter(batches),
             model=self.model,
             num_microbatches=len(batches),
-            seq_length=seq,
+            seq_length=batches[0].tokens.shape[1],  # the longest; per micro-batch with PP > 1
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
 
-    def _loss(self, mb: _MicroBatch, requests: list[PassRequest],
-              configs: list[dict[str, float]],
-              outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]],
-              logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def _loss(
+        self,
+        mb: _MicroBatch,
+        requests: list[PassRequest],
+        configs: list[dict[str, float]],
+        outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]],
+        logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         sums = []
         for b, row in enumerate(mb.rows):
             if row is None:
                 continue
             req = requests[row.request]
-            logp, loss = datum_loss(logits[b, :row.length], row.datum, req.loss_fn,
-                                    configs[row.request])
+            targets = datum_targets(row.datum, logits.device)
+            # Vocab-parallel, in the local engine's position chunks: this rank's logits shard
+            # is log-softmaxed against TP-reduced statistics, never gathered.
+            logp = target_logprobs(
+                logits[b, : row.length], targets, _identity, self.chunk, vocab_parallel_logprobs
+            )
+            logp, loss = loss_from_logprobs(logp, row.datum, req.loss_fn, configs[row.request])
             total = loss.sum()
             sums.append(total)
             outs[(row.request, row.index)] = (_np(logp), _np(loss), float(total.detach()))
@@ -260,8 +313,7 @@ class RankWorker:
         tenants = [r.model_id for r in requests]
         params = {t: self.lora.params(t) for t in tenants}
         # A tenant steps when ANY replica has its grads (rows go to one DP replica only).
-        has = torch.tensor([float(any(p.grad is not None for p, _ in params[t]))
-                            for t in tenants])
+        has = torch.tensor([float(any(p.grad is not None for p, _ in params[t])) for t in tenants])
         dist.all_reduce(has, op=dist.ReduceOp.MAX)
         live = [t for t, h in zip(tenants, has.tolist(), strict=True) if h > 0]
         grads = []
@@ -275,33 +327,34 @@ class RankWorker:
             dist.all_reduce(flat, group=ps.get_data_parallel_group())
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         # Global norm per tenant: TP shards add up, TP-replicated tensors count once.
         sq = torch.zeros(len(tenants), dtype=torch.float64)
         for n, t in enumerate(tenants):
             if t in live:
                 sq[n] = sum(
-                    (float((_grad(p).double() ** 2).sum()) for p, info in params[t]
-                     if info.cat_dim is not None or self.tp_rank == 0), 0.0)
+                    (
+                        float((_grad(p).double() ** 2).sum())
+                        for p, info in params[t]
+                        if info.cat_dim is not None or self.tp_rank == 0
+                    ),
+                    0.0,
+                )
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         norms = sq.sqrt().tolist()
-        groups = []
+        groups, group_norms = [], []
         for n, req in enumerate(requests):
             t = req.model_id
             if t not in live:
                 continue
-            max_norm = req.adam.grad_clip_norm
-            if max_norm > 0:
-                total = torch.tensor(norms[n], dtype=torch.float32)
-                coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))  # as the local one
-                torch._foreach_mul_([_grad(p) for p, _ in params[t]], coef)
             plist = [p for p, _ in params[t]]
             if not plist:
                 self.adam[t].step += 1  # this stage holds none of its layers: count the step
-            groups.append(AdamGroup(plist, self.adam[t],
-                                    dataclasses.replace(req.adam, grad_clip_norm=0.0)))
-        batched_adamw_step(groups)
+            groups.append(AdamGroup(plist, self.adam[t], req.adam))
+            group_norms.append(norms[n])
+        # Clipped with the global (TP x PP) norm, by the same rule as the local engine.
+        batched_adamw_step(groups, group_norms)
         if self.rank != 0:
             return None
         return {
@@ -312,6 +365,10 @@ class RankWorker:
             }
             for n, req in enumerate(requests)
         }
+
+
+def _identity(logits: torch.Tensor) -> torch.Tensor:
+    return logits
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

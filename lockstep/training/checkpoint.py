@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling.peft_io import load_peft_adapter, save_peft_adapter
-from lockstep.workers.local.optim import AdamState
+from lockstep.training.optim import AdamState
 
 FORMAT = "lockstep-lora-state-v1"
 STATE_JSON = "lockstep_state.json"
@@ -97,11 +97,11 @@ def read_adam(directory: Path, names: list[str], params: list[torch.Tensor]) -> 
     return state
 
 
-def _read_meta(directory: Path) -> dict | None:  # type: ignore[type-arg]
+def _read_meta(directory: Path) -> dict | None:
     path = directory / STATE_JSON
     if not path.is_file():
         return None
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise UserInputError("path", f"unknown checkpoint format {meta.get('format')!r}")
-    return meta  # type: ignore[no-any-return]
+    return meta

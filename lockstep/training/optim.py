@@ -52,33 +52,50 @@ def validate_adam(config: AdamConfig) -> None:
         raise UserInputError("adam_params.grad_clip_norm", "must be a number")
 
 
-@torch.no_grad()
-def batched_adamw_step(groups: list[AdamGroup]) -> list[float]:
-    """Step every group, then drop its grads. Returns each group's pre-clip global grad norm.
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor `clip_grad_norm_` scales gradients by: max_norm / (norm + 1e-6), at most 1.
+    max_norm <= 0: no clipping (1.0). Every training engine clips through this."""
+    if max_norm <= 0:
+        return 1.0
+    total = torch.tensor(total_norm, dtype=torch.float32)
+    return float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
+
+def global_grad_norms(groups: list[AdamGroup]) -> list[float]:
+    """Each group's global L2 grad norm over its own tensors (0.0 without gradients)."""
+    out = [0.0] * len(groups)
+    live = [i for i, g in enumerate(groups) if any(p.grad is not None for p in g.params)]
+    flat = [_grad(p) for i in live for p in groups[i].params]
+    per_tensor = list(torch._foreach_norm(flat)) if flat else []
+    offset = 0
+    for i in live:
+        n = len(groups[i].params)
+        out[i] = float(torch.linalg.vector_norm(torch.stack(per_tensor[offset : offset + n])))
+        offset += n
+    return out
+
+
+@torch.no_grad()
+def batched_adamw_step(groups: list[AdamGroup], norms: list[float] | None = None) -> list[float]:
+    """Clip, step every group, then drop its grads. Returns each group's pre-clip grad norm.
+
+    `norms`: the groups' global grad norms when an engine holds only shards of each adapter
+    (Megatron sums them over TP x PP); by default each group's own tensors make its norm.
     A group with no gradient at all (no forward_backward since its last step) is left untouched,
     as torch.optim skips parameters whose `.grad` is None.
     """
-    norms_out = [0.0] * len(groups)
     live = [i for i, g in enumerate(groups) if any(p.grad is not None for p in g.params)]
+    norms_out = global_grad_norms(groups) if norms is None else list(norms)
     if not live:
         return norms_out
     grads = {i: [_grad(p) for p in groups[i].params] for i in live}
-    flat_grads = [t for i in live for t in grads[i]]
-    per_tensor_norms = torch._foreach_norm(flat_grads)
     clip_tensors: list[torch.Tensor] = []
     clip_scalars: list[float] = []
-    offset = 0
     for i in live:
-        n = len(grads[i])
-        total = torch.linalg.vector_norm(torch.stack(per_tensor_norms[offset : offset + n]))
-        offset += n
-        norms_out[i] = float(total)
-        max_norm = groups[i].config.grad_clip_norm
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as clip_grad_norm_
+        coef = clip_coefficient(norms_out[i], groups[i].config.grad_clip_norm)
+        if groups[i].config.grad_clip_norm > 0:
             clip_tensors += grads[i]
-            clip_scalars += [float(coef)] * n
+            clip_scalars += [coef] * len(grads[i])
     if clip_tensors:
         torch._foreach_mul_(clip_tensors, clip_scalars)
 

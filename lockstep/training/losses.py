@@ -34,6 +34,7 @@ import torch
 
 from lockstep.engine.losses import LOSSES, loss_def
 from lockstep.engine.types import Datum
+from lockstep.training.logprobs import Head, LogprobFn, gather_logprobs, target_logprobs
 
 Inputs = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Inputs, dict[str, float]], torch.Tensor]
@@ -117,19 +118,38 @@ def elementwise_loss(
     return TORCH_LOSSES[loss_fn](logp, inputs, config)
 
 
-def datum_loss(
-    logits: torch.Tensor, datum: Datum, loss_fn: str, config: dict[str, float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs of the targets, elementwise loss) of one datum from its [T, vocab] logits, both
-    shaped like target_tokens. Every training engine computes its losses through this."""
-    ldef = loss_def(loss_fn)
+def datum_targets(datum: Datum, device: torch.device) -> torch.Tensor:
+    """The datum's target_tokens as int64 [T, K] (K = 1 for 1-D targets) on `device`."""
     targets = torch.from_numpy(np.asarray(datum.loss_inputs["target_tokens"], np.int64))
-    targets = targets.to(logits.device)
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
-    logp = logp_all.gather(-1, targets.reshape(targets.shape[0], -1)).reshape(targets.shape)
+    return targets.reshape(targets.shape[0], -1).to(device)
+
+
+def loss_from_logprobs(
+    logp: torch.Tensor, datum: Datum, loss_fn: str, config: dict[str, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, elementwise loss) of one datum from its target logprobs [T, K], both shaped like
+    target_tokens. Every training engine computes its losses through this."""
+    ldef = loss_def(loss_fn)
+    logp = logp.reshape(np.asarray(datum.loss_inputs["target_tokens"]).shape)
     inputs = {
-        key: torch.as_tensor(np.asarray(datum.loss_inputs[key], np.float32), device=logits.device)
+        key: torch.as_tensor(np.asarray(datum.loss_inputs[key], np.float32), device=logp.device)
         for key in ldef.required_inputs[1:] + ldef.optional_inputs
         if key in datum.loss_inputs
     }
     return logp, elementwise_loss(loss_fn, logp, inputs, config)
+
+
+def datum_loss(
+    hidden: torch.Tensor,
+    datum: Datum,
+    loss_fn: str,
+    config: dict[str, float],
+    head: Head,
+    chunk: int,
+    logprob_fn: LogprobFn = gather_logprobs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, elementwise loss) of one datum from its final hidden states [T, H]; the LM head
+    runs in chunks of `chunk` positions (`lockstep.training.logprobs`)."""
+    targets = datum_targets(datum, hidden.device)
+    logp = target_logprobs(hidden, targets, head, chunk, logprob_fn)
+    return loss_from_logprobs(logp, datum, loss_fn, config)

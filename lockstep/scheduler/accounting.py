@@ -1,0 +1,195 @@
+"""Accounting per API key: usage counters by hour and session, and an append-only audit log.
+
+Both live in Redis beside the rest of the state. Usage is a hash per (owner, UTC hour) of
+`<session>|<base_model>|<counter>` -> amount, written by the clock (training) and the sampling
+lane (samples); a range query reads the hours it covers. The audit log is a Redis stream per
+owner (XADD only: entries are never edited), trimmed by age to the retention.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from lockstep.engine.types import SampleRequest, SampleResult
+from lockstep.scheduler import keys
+from lockstep.scheduler.store import Job, Store
+from lockstep.v1 import scheduler_pb2 as pb
+
+if TYPE_CHECKING:
+    from lockstep.scheduler.dispatch import Outcome
+    from lockstep.scheduler.planner import CyclePlan
+
+HOUR_S = 3600
+
+
+class Counter(StrEnum):
+    TOKENS_TRAINED = "tokens_trained"
+    TOKENS_PREFILL = "tokens_prefill"
+    TOKENS_SAMPLED = "tokens_sampled"
+    STEPS = "steps"
+    SAMPLES = "samples"
+    CYCLE_SECONDS = "cycle_seconds"
+    CHECKPOINTS = "checkpoints"
+
+
+class AuditEvent(StrEnum):
+    """`<resource>_<action>`, the SDK's AuditLogEntry.event convention."""
+
+    SESSION_CREATED = "session_created"
+    SESSION_FINISHED = "session_finished"
+    SESSION_EXPIRED = "session_expired"
+    TRAINING_RUN_CREATED = "training_run_created"
+    MODEL_UNLOADED = "model_unloaded"
+    CHECKPOINT_CREATED = "checkpoint_created"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_READ = "checkpoint_read"
+    CHECKPOINT_DELETED = "checkpoint_deleted"
+    CHECKPOINT_PUBLISHED = "checkpoint_published"
+    CHECKPOINT_UNPUBLISHED = "checkpoint_unpublished"
+    CHECKPOINT_COPIED = "checkpoint_copied"
+
+
+class Accounting:
+    def __init__(self, store: Store, retention_s: float) -> None:
+        self.redis = store.redis
+        self.store = store
+        self.retention_s = retention_s
+        self._models: dict[str, tuple[str, str, str]] = {}  # model -> owner, session, base
+
+    # ---------------------------------------------------------------- usage
+    async def add(
+        self, owner: str, session_id: str, base_model: str, counts: dict[Counter, float]
+    ) -> None:
+        now = time.time()
+        key = keys.usage(owner, int(now // HOUR_S))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for counter, amount in counts.items():
+                if amount:
+                    pipe.hincrbyfloat(key, f"{session_id}|{base_model}|{counter}", amount)
+            pipe.expire(key, int(self.retention_s) + HOUR_S)
+            await pipe.execute()
+
+    async def _model(self, model_id: str) -> tuple[str, str, str] | None:
+        if model_id not in self._models:
+            rec = await self.store.model(model_id)
+            if rec is None:
+                return None
+            self._models[model_id] = (rec.owner, rec.session_id, rec.base_model)
+        return self._models[model_id]
+
+    async def on_cycle(
+        self, plan: CyclePlan, outcomes: Mapping[str, Outcome], seconds: float
+    ) -> None:
+        """The clock's hook after collect: each model's pass tokens and steps, its share of the
+        cycle's wall time (by pass tokens; equal shares in a cycle without passes), the
+        checkpoints it saved, and an audit entry per new checkpoint."""
+        total = plan.tokens
+        for work in plan.models:
+            who = await self._model(work.model_id)
+            if who is None:
+                continue
+            saved = [
+                o.checkpoint
+                for op in work.ops()
+                if (o := outcomes.get(op.request_id)) is not None and o.checkpoint is not None
+            ]
+            share = work.tokens / total if total else 1 / len(plan.models)
+            await self.add(
+                *who,
+                {
+                    Counter.TOKENS_TRAINED: sum(
+                        op.tokens for op in work.passes if op.kind == "forward_backward"
+                    ),
+                    Counter.STEPS: int(work.optim is not None),
+                    Counter.CYCLE_SECONDS: seconds * share,
+                    Counter.CHECKPOINTS: len(saved),
+                },
+            )
+            for ckpt in saved:
+                await self.audit(
+                    who[0],
+                    AuditEvent.CHECKPOINT_CREATED,
+                    tinker_path=ckpt.tinker_path,
+                    size_bytes=ckpt.size_bytes,
+                    session_id=who[1],
+                )
+
+    async def on_sampled(
+        self,
+        jobs: Sequence[Job],
+        requests: Sequence[SampleRequest],
+        results: Sequence[SampleResult],
+    ) -> None:
+        """The sampling lane's hook after a batch: prompt and generated tokens, samples."""
+        for job, req, res in zip(jobs, requests, results, strict=True):
+            if res.error is not None:
+                continue
+            sampler = await self.store.sampler(job.model_id)
+            session = sampler.session_id if sampler else ""
+            base = sampler.base_model if sampler else ""
+            await self.add(
+                job.owner,
+                session,
+                base,
+                {
+                    Counter.TOKENS_PREFILL: len(req.prompt),
+                    Counter.TOKENS_SAMPLED: sum(len(s.tokens) for s in res.sequences),
+                    Counter.SAMPLES: len(res.sequences),
+                },
+            )
+
+    async def usage(self, owner: str, start: float, end: float) -> list[pb.UsageBucket]:
+        buckets: dict[tuple[int, str, str], pb.UsageBucket] = {}
+        for hour in range(int(start // HOUR_S), int((end - 1e-9) // HOUR_S) + 1):
+            raw = await self.redis.hgetall(keys.usage(owner, hour))
+            for field, value in raw.items():
+                session, base, counter = field.decode().rsplit("|", 2)
+                b = buckets.setdefault(
+                    (hour, session, base),
+                    pb.UsageBucket(start=hour * HOUR_S, session_id=session, base_model=base),
+                )
+                amount = float(value)
+                if counter == Counter.CYCLE_SECONDS:
+                    b.cycle_seconds += amount
+                else:
+                    setattr(b, counter, getattr(b, counter) + round(amount))
+        return [buckets[k] for k in sorted(buckets)]
+
+    # ---------------------------------------------------------------- audit log
+    async def audit(self, owner: str, event: AuditEvent, **details: Any) -> None:
+        now = time.time()
+        entry = json.dumps({"api_key_owner": owner, **details}, sort_keys=True, default=str)
+        await self.redis.xadd(
+            keys.audit(owner),
+            {"event": str(event), "details": entry},
+            minid=str(int((now - self.retention_s) * 1000)),
+            approximate=True,
+        )
+
+    async def audit_log(self, owner: str, start: float, end: float) -> list[pb.AuditEntry]:
+        low = str(max(int(start * 1000), int((time.time() - self.retention_s) * 1000), 0))
+        high = str(max(int(end * 1000) - 1, 0))
+        out = []
+        for entry_id, fields in await self.redis.xrange(keys.audit(owner), low, high):
+            out.append(
+                pb.AuditEntry(
+                    time=int(entry_id.decode().split("-")[0]) / 1000,
+                    event=fields[b"event"].decode(),
+                    details_json=fields[b"details"].decode(),
+                )
+            )
+        return out
+
+
+def per_hour(buckets: Iterable[pb.UsageBucket]) -> dict[str, float]:
+    """Totals of a usage answer (the operator CLI's summary line)."""
+    totals: dict[str, float] = defaultdict(float)
+    for b in buckets:
+        for counter in Counter:
+            totals[counter] += getattr(b, counter)
+    return dict(totals)

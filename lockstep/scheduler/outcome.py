@@ -1,0 +1,45 @@
+"""What one executed op produced: the unit `Store.commit` records in ONE Redis transaction.
+
+Dispatch builds these (no Redis writes there); the clock commits them in seq_id order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lockstep.engine.interface import EngineDied, UserInputError
+from lockstep.scheduler import storage
+from lockstep.scheduler.records import CheckpointRecord, InflightTarget, SamplerRecord
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import ErrorCategory
+
+
+@dataclass
+class Outcome:
+    result: pb.JobResult | None = None
+    error: str | None = None
+    category: ErrorCategory = ErrorCategory.USER
+    checkpoint: CheckpointRecord | None = None  # a named checkpoint to register
+    sampler: SamplerRecord | None = None  # an ephemeral sampler to register
+    adapter_dir: Path | None = None  # new sampler weights to publish
+    snapshot_seq: int | None = None  # the model's state after this op is its new snapshot
+    inflight: InflightTarget | None = None  # the model's new inflight weights target
+
+
+NO_OUTCOME = Outcome(
+    error="internal error: the request produced no outcome", category=ErrorCategory.SERVER
+)
+
+
+def failure(exc: BaseException, what: str = "the request") -> Outcome:
+    """The outcome of an op that raised. A dead engine is not the request's fault: re-raised so
+    the cycle is abandoned (nothing recorded) and runs again on a fresh engine. A full disk is
+    said plainly (the future fails at once; the same request works once space is freed)."""
+    if isinstance(exc, EngineDied):
+        raise exc
+    if isinstance(exc, UserInputError):
+        return Outcome(error=str(exc), category=ErrorCategory.USER)
+    if storage.is_out_of_space(exc):
+        return Outcome(error=storage.out_of_space_message(what), category=ErrorCategory.SERVER)
+    return Outcome(error=f"{type(exc).__name__}: {exc}", category=ErrorCategory.SERVER)

@@ -1,0 +1,117 @@
+"""The clock's span object: what one cycle reports to the metrics as it goes.
+
+`Clock` opens a `CycleSpan` per cycle (`ClockMeter.begin`) and marks each step; the meter turns
+the plan, the queues and the outcomes into the series defined in `observability.metrics`. It
+lives here, not beside the metric definitions, because it reads scheduler types (plans,
+queued ops, outcomes): the metrics module stays a leaf that every process may import.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lockstep.observability import metrics
+from lockstep.observability.tracking import BusyWindow, HasOwner
+
+if TYPE_CHECKING:
+    from lockstep.scheduler.dispatch import Outcome
+    from lockstep.scheduler.planner import CyclePlan
+    from lockstep.scheduler.records import QueuedOp
+
+
+@dataclass
+class CycleSpan:
+    """Timestamps of one cycle (time.monotonic)."""
+
+    start: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        previous = max(self.marks.values(), default=self.start)
+        metrics.CYCLE_PHASE_SECONDS.labels(phase).observe(now - previous)
+        self.marks[phase] = now
+
+
+class ClockMeter:
+    """What the clock reports about each cycle; `Clock` calls it at each step of a cycle."""
+
+    def __init__(
+        self,
+        token_budget: int,
+        lookup_model: Callable[[str], Awaitable[HasOwner | None]],
+        window_s: float = 60.0,
+    ) -> None:
+        self.lookup_model = lookup_model
+        self.busy = BusyWindow(window_s)
+        metrics.CLOCK_TOKEN_BUDGET.set(token_budget)
+        metrics.CLOCK_BUSY_RATIO.set_function(self.busy.ratio)
+        self._queued_owners: set[str] = set()
+
+    def begin(self) -> CycleSpan:
+        return CycleSpan()
+
+    async def planned(
+        self,
+        span: CycleSpan,
+        queues: Mapping[str, list[QueuedOp]],
+        plan: CyclePlan,
+        runs: bool,
+    ) -> None:
+        """The queues were read and planned; `runs`: the cycle goes on (work or periodic)."""
+        await metrics.OWNERS.resolve(queues, self.lookup_model)
+        depth: dict[str, int] = {}
+        for model_id, ops in queues.items():
+            label = metrics.TENANTS.label(metrics.OWNERS.get(model_id))
+            depth[label] = depth.get(label, 0) + len(ops)
+        for label in self._queued_owners - depth.keys():
+            metrics.QUEUE_DEPTH.labels(label).set(0)
+        for label, n in depth.items():
+            metrics.QUEUE_DEPTH.labels(label).set(n)
+            metrics.TENANTS.track(label, metrics.QUEUE_DEPTH, (label,))
+        self._queued_owners = set(depth)
+        metrics.FUTURES_PENDING.labels("training").set(sum(depth.values()))
+        metrics.TENANTS_WAITING.set(len(plan.deficits))
+        if runs:
+            span.mark("plan")
+            if not plan.empty:
+                self.busy.begin(span.start)
+
+    def dispatched(self, span: CycleSpan) -> None:
+        span.mark("dispatch")
+
+    def finished(self, span: CycleSpan, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
+        span.mark("collect")
+        seconds = time.monotonic() - span.start
+        metrics.CYCLE_SECONDS.observe(seconds)
+        metrics.CYCLES.labels("idle" if plan.empty else "work").inc()
+        metrics.CYCLE_TOKENS.inc(plan.tokens)
+        metrics.CYCLE_BUDGET.inc(plan.budget)
+        if plan.budget > 0:
+            metrics.CYCLE_TOKEN_UTILIZATION.observe(plan.tokens / plan.budget)
+        if plan.empty:
+            return
+        metrics.CLOCK_BUSY_SECONDS.inc(self.busy.end())
+        metrics.CYCLE_TENANTS.observe(len(plan.models))
+        for work in plan.models:
+            owner = metrics.OWNERS.get(work.model_id)
+            for op in work.ops():
+                if op.kind == "rejected":  # refused at submission, counted there
+                    continue
+                outcome = outcomes.get(op.request_id)
+                ok = outcome is not None and outcome.error is None
+                outcome_label = "ok" if ok else "failed"
+                metrics.tenant_inc(metrics.TENANT_REQUESTS, owner, op.kind, outcome_label)
+                if not ok:
+                    metrics.scheduler_error(outcome.category if outcome is not None else "server")
+                elif op.kind in metrics.PASS_KINDS:
+                    metrics.tenant_inc(metrics.TENANT_TOKENS, owner, op.kind, amount=op.tokens)
+
+    def failed(self, category: str = "cycle") -> None:
+        """The cycle raised ("cycle"; the clock logs it and goes on) or was abandoned because
+        the engine died ("engine"; it runs again on a fresh engine)."""
+        metrics.CLOCK_BUSY_SECONDS.inc(self.busy.end())
+        metrics.scheduler_error(category)

@@ -1,0 +1,233 @@
+"""Tenancy: the end of a session frees its models' engine state; accounting answers per key.
+
+`Tenancy` holds the settings and the logic; `TenancyRpcs` is the slice of the gRPC service that
+serves it (mixed into SchedulerService). A session ends when its client closes it, when it sends
+no heartbeat for `session_expiry_s`, or (for one run) on `unload_model`; its durable state
+(snapshots, replay log, checkpoints) stays, so an unloaded run of a live session is restored on
+its next request, while requests for an ended session get a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from lockstep.config import TenancyConfig
+from lockstep.engine.interface import UserInputError
+from lockstep.paths import TinkerPath, checkpoint_dir
+from lockstep.scheduler import keys
+from lockstep.scheduler.accounting import Accounting, AuditEvent
+from lockstep.scheduler.catalog import Catalog
+from lockstep.scheduler.records import CheckpointRecord, SessionRecord
+from lockstep.scheduler.residency import Residency
+from lockstep.scheduler.store import Store, new_request_id
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import JobStatus, OpKind
+
+log = logging.getLogger(__name__)
+
+
+class Tenancy:
+    def __init__(
+        self,
+        config: TenancyConfig,
+        store: Store,
+        catalog: Catalog,
+        residency: Residency,
+        accounting: Accounting,
+        wake_clock: Callable[[], None],
+        unload_adapters: Callable[[list[str]], Awaitable[None]],
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.catalog = catalog
+        self.residency = residency
+        self.accounting = accounting
+        self.wake_clock = wake_clock
+        self.unload_adapters = unload_adapters  # the sampling lane's
+
+    # ---------------------------------------------------------------- lifecycle
+    async def session_started(self, rec: SessionRecord) -> None:
+        await self.store.redis.zadd(keys.SESSION_BEATS, {rec.session_id: rec.created})
+        await self.accounting.audit(
+            rec.owner, AuditEvent.SESSION_CREATED, session_id=rec.session_id
+        )
+
+    async def heartbeat(self, session_id: str) -> None:
+        await self.store.redis.zadd(keys.SESSION_BEATS, {session_id: time.time()}, xx=True)
+
+    async def end_session(self, rec: SessionRecord, event: AuditEvent) -> None:
+        """Mark the session ended and free its models' engine state at the next cycle."""
+        if not rec.finished:
+            rec.finished = True
+            await self.store.put_session(rec)
+        await self.store.redis.zrem(keys.SESSION_BEATS, rec.session_id)
+        models, samplers = await self.store.session_members(rec.session_id)
+        self.residency.end(models)
+        self.wake_clock()
+        adapters = []
+        for sampler_id in samplers:
+            sampler = await self.store.sampler(sampler_id)
+            if sampler is not None and sampler.adapter_id is not None:
+                adapters.append(sampler.adapter_id)
+        await self.unload_adapters(adapters)
+        await self.accounting.audit(rec.owner, event, session_id=rec.session_id, models=models)
+
+    async def unload_model(self, owner: str, model_id: str) -> pb.SubmitReply:
+        """Free one run's engine state; answered as an already finished future (older SDKs
+        poll it). The run stays usable: its next request restores it."""
+        model = await self.catalog.owned_model(owner, model_id)
+        self.residency.end([model.model_id])
+        self.wake_clock()
+        rid = new_request_id()
+        result = pb.JobResult(unload_model=pb.UnloadModelResult(model_id=model.model_id))
+        fields = {
+            "request_id": rid,
+            "kind": OpKind.UNLOAD_MODEL,
+            "owner": owner,
+            "model_id": model.model_id,
+            "seq_id": 0,
+            "status": JobStatus.DONE,
+            "result": result.SerializeToString(),
+            "created": time.time(),
+        }
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.job(rid), mapping=fields)
+            pipe.expire(keys.job(rid), self.store.result_ttl_s)
+            await pipe.execute()
+        await self.accounting.audit(owner, AuditEvent.MODEL_UNLOADED, model_id=model.model_id)
+        return pb.SubmitReply(request_id=rid, model_id=model.model_id)
+
+    async def expire_silent(self) -> int:
+        """End every session whose last heartbeat is older than the expiry."""
+        if not self.config.session_expiry_s:
+            return 0
+        cutoff = time.time() - self.config.session_expiry_s
+        silent = await self.store.redis.zrangebyscore(keys.SESSION_BEATS, "-inf", cutoff)
+        for raw in silent:
+            rec = await self.store.session(raw.decode())
+            if rec is None:
+                await self.store.redis.zrem(keys.SESSION_BEATS, raw)
+                continue
+            log.info("session %s silent for %.0f s: ended", rec.session_id, time.time() - cutoff)
+            await self.end_session(rec, AuditEvent.SESSION_EXPIRED)
+        return len(silent)
+
+    async def run_expiry(self) -> None:
+        period = max(min(self.config.session_expiry_s / 4, 30.0), 0.2)
+        while self.config.session_expiry_s:
+            await asyncio.sleep(period)
+            try:
+                await self.expire_silent()
+            except Exception:  # a Redis hiccup must not stop the expiry loop
+                log.exception("session expiry scan failed")
+
+    # ---------------------------------------------------------------- accounting
+    async def storage_usage(self, owner: str) -> pb.StorageUsageReply:
+        recs = await self.catalog.list_checkpoints(owner, None)
+        return pb.StorageUsageReply(
+            checkpoint_count=len(recs), size_bytes=sum(r.size_bytes for r in recs)
+        )
+
+    async def search_sessions(self, req: pb.SearchSessionsRequest) -> pb.SessionSummaryList:
+        ids, _ = await self.store.owner_sessions(req.owner, 0, 1 << 30)
+        limit = req.limit or 50
+        out: list[pb.SessionSummary] = []
+        for sid in ids:  # newest first
+            rec = await self.store.session(sid)
+            if rec is None or not self._matches(rec, req):
+                continue
+            if req.HasField("before_created") and (rec.created, rec.session_id) >= (
+                req.before_created,
+                req.before_session_id,
+            ):
+                continue
+            if len(out) == limit:
+                return pb.SessionSummaryList(sessions=out, more=True)
+            out.append(await self._summary(rec))
+        return pb.SessionSummaryList(sessions=out, more=False)
+
+    @staticmethod
+    def _matches(rec: SessionRecord, req: pb.SearchSessionsRequest) -> bool:
+        status = "client_finished" if rec.finished else "active"
+        if req.statuses and status not in req.statuses:
+            return False
+        if any(rec.user_metadata.get(k) != v for k, v in req.user_metadata.items()):
+            return False
+        by_id = req.HasField("session_id")
+        by_name = req.HasField("display_name")
+        if not (by_id or by_name):
+            return True
+        name = (rec.display_name or "").lower()
+        return (by_id and rec.session_id == req.session_id) or (
+            by_name and all(w in name for w in req.display_name.lower().split())
+        )
+
+    async def _summary(self, rec: SessionRecord) -> pb.SessionSummary:
+        models, _ = await self.store.session_members(rec.session_id)
+        count = size = 0
+        for m in models:
+            for c in await self.store.checkpoints(m):
+                count += 1
+                size += c.size_bytes
+        s = pb.SessionSummary(
+            session_id=rec.session_id,
+            created=rec.created,
+            status="client_finished" if rec.finished else "active",
+            checkpoints_count=count,
+            user_metadata=rec.user_metadata,
+            checkpoint_storage_bytes=size,
+        )
+        if rec.display_name is not None:
+            s.display_name = rec.display_name
+        if rec.project_id is not None:
+            s.project_id = rec.project_id
+        return s
+
+    async def copy_weights(self, req: pb.CopyWeightsRequest) -> pb.CopyWeightsReply:
+        """A checkpoint the caller may read, copied (files and record) into a run it owns."""
+        if not (req.HasField("session_id") and req.HasField("model_seq_id")):
+            raise UserInputError(
+                "session_id",
+                "give session_id and model_seq_id of your training run to copy into "
+                "(projects are not served here)",
+            )
+        source = TinkerPath.parse(req.source_path, "source_path")
+        src = await self.catalog.readable_checkpoint(req.owner, source, field="source_path")
+        dest_id = f"{req.session_id}:train:{req.model_seq_id}"
+        await self.catalog.owned_model(req.owner, dest_id)
+        if dest_id == source.model_id:
+            raise UserInputError("model_seq_id", "the checkpoint already belongs to this run")
+        if req.HasField("ttl_seconds") and req.ttl_seconds < 3600:
+            raise UserInputError("ttl_seconds", "must be at least 3600 (or absent)")
+        dest = TinkerPath(dest_id, source.segment, source.name)
+        if await self.store.checkpoint(dest_id, dest.checkpoint_id) is not None:
+            raise UserInputError("source_path", f"{dest} already exists in the destination run")
+        directory = checkpoint_dir(self.catalog.data_dir, dest)
+        await asyncio.to_thread(shutil.copytree, Path(src.directory), directory)
+        now = time.time()
+        rec = CheckpointRecord(
+            checkpoint_id=dest.checkpoint_id,
+            checkpoint_type=dest.checkpoint_type,
+            tinker_path=str(dest),
+            directory=str(directory),
+            time=now,
+            size_bytes=src.size_bytes,
+            expires_at=now + req.ttl_seconds if req.HasField("ttl_seconds") else None,
+            user_metadata=dict(src.user_metadata),
+        )
+        await self.store.put_checkpoint(dest_id, rec)
+        await self.accounting.audit(
+            req.owner, AuditEvent.CHECKPOINT_COPIED, source=req.source_path, tinker_path=str(dest)
+        )
+        return pb.CopyWeightsReply(tinker_path=str(dest))
+
+
+def details(entry: pb.AuditEntry) -> dict[str, Any]:
+    return dict(json.loads(entry.details_json or "{}"))

@@ -1,0 +1,80 @@
+"""The service's closed vocabularies, in one place: every layer (gateway, scheduler, engines,
+storage) compares against these members instead of spelling the strings again.
+
+They are `StrEnum`s so a member is its wire / Redis string: records written before these enums
+existed decode unchanged, and JSON, protobuf string fields and Prometheus labels take them as is.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class OpKind(StrEnum):
+    """What a queued job does. Training kinds queue per model in seq_id order; samples do not."""
+
+    CREATE_MODEL = "create_model"
+    LOAD = "load"
+    FORWARD = "forward"
+    FORWARD_BACKWARD = "forward_backward"
+    OPTIM_STEP = "optim_step"
+    SAVE = "save"
+    SAMPLE = "sample"
+    # Answered at submission, never queued (older SDKs poll its future): frees a run's state.
+    UNLOAD_MODEL = "unload_model"
+    # Refused at submission (bad input): it failed with a 400 but still holds its seq_id, so the
+    # model's later requests are not stuck behind a hole. It never reaches an engine.
+    REJECTED = "rejected"
+
+
+PASS_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+
+
+class JobStatus(StrEnum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class ErrorCategory(StrEnum):
+    """The SDK's RequestErrorCategory: "user" errors are final, the SDK may retry others."""
+
+    USER = "user"
+    SERVER = "server"
+    UNKNOWN = "unknown"
+
+
+class QueueState(StrEnum):
+    """Why a future is still pending (the SDK's TryAgain queue_state)."""
+
+    ACTIVE = "active"
+    PAUSED_CAPACITY = "paused_capacity"
+    PAUSED_RATE_LIMIT = "paused_rate_limit"
+
+
+class CheckpointType(StrEnum):
+    TRAINING = "training"
+    SAMPLER = "sampler"
+    EXTERNAL = "external"
+
+
+class ClockPolicy(StrEnum):
+    """How cycles start (`--clock-policy`): when work arrives, or every period."""
+
+    TRIGGERED = "triggered"
+    PERIODIC = "periodic"
+
+
+class EngineKind(StrEnum):
+    """Training backends (`lockstep serve --engine`)."""
+
+    LOCAL = "local"
+    MEGATRON = "megatron"
+
+
+class SamplerKind(StrEnum):
+    """Sampling backends (`lockstep serve --sampler`)."""
+
+    LOCAL = "local"
+    VLLM = "vllm"
+    SGLANG = "sglang"

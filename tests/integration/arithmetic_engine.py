@@ -1,0 +1,196 @@
+"""A deterministic FAKE training and sampling engine, for model-based tests of the request path.
+
+Named as a fake on purpose: it exists for speed (hundreds of ops per second) and for exact
+expectations. Its "adapter" is 4 float64 weights; a pass adds a feature vector of its data to the
+accumulated gradient and reports loss = w . f; a step does w -= lr * g. Everything else (state
+files, restarts losing every model) behaves like a real engine behind the same contract.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine, UserInputError
+from lockstep.engine.types import (
+    Datum,
+    LoraSpec,
+    ModelCard,
+    OptimRequest,
+    PassRequest,
+    PassResult,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+)
+
+VOCAB = 64
+DIM = 4
+
+
+def card(directory: Path) -> ModelCard:
+    return ModelCard(
+        name="Fake/arithmetic",
+        directory=str(directory),
+        arch="arithmetic",
+        vocab_size=VOCAB,
+        max_context_length=256,
+        eos_token_id=None,
+    )
+
+
+def features(data: list[Datum] | list[list[int]]) -> np.ndarray:
+    """The gradient contribution of one request's data (also what its loss is a dot with)."""
+    f = np.zeros(DIM)
+    for d in data:
+        tokens = d.tokens if isinstance(d, Datum) else np.asarray(d[:-1])
+        f += [tokens.mean() / VOCAB, len(tokens) / 16.0, (tokens % 7).sum() / 32.0, 1.0]
+    return f
+
+
+def initial_weights(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=DIM)
+
+
+def weights_token(w: np.ndarray) -> int:
+    """The one token the fake sampler answers with: a function of the adapter's exact bits."""
+    return zlib.crc32(np.asarray(w, dtype=np.float64).tobytes()) % VOCAB
+
+
+@dataclass
+class _State:
+    w: np.ndarray
+    g: np.ndarray = field(default_factory=lambda: np.zeros(DIM))
+
+
+def _write(directory: Path, w: np.ndarray) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "weights.json").write_text(json.dumps([float(x) for x in w]))
+    return (directory / "weights.json").stat().st_size
+
+
+def read_weights(directory: Path) -> np.ndarray:
+    return np.asarray(json.loads((directory / "weights.json").read_text()), dtype=np.float64)
+
+
+class ArithmeticTrainingEngine(TrainingEngine):
+    def __init__(self, directory: Path) -> None:
+        self._card = card(directory)
+        self.models: dict[str, _State] = {}
+        self.die_at_next_pass = False
+        self.dead = False  # like a dead process: every call fails until restart()
+        self.restarts = 0
+        self.in_flight: list[tuple[str, Path]] = []  # background snapshots being written
+        self.ready: list[tuple[str, Path]] = []  # written; reported at the next call
+        self._lock = threading.Lock()
+
+    def card(self) -> ModelCard:
+        return self._card
+
+    def create_model(self, model_id: str, spec: LoraSpec) -> None:
+        self._check_alive()
+        self.models[model_id] = _State(initial_weights(spec.seed or 0))
+
+    def delete_model(self, model_id: str) -> None:
+        self.models.pop(model_id, None)
+
+    def has_model(self, model_id: str) -> bool:
+        return model_id in self.models
+
+    def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
+        with self._lock:
+            if self.die_at_next_pass:
+                self.die_at_next_pass, self.dead = False, True
+        self._check_alive()
+        for r in requests:  # validate everything first: a failed call leaves no gradient
+            if r.model_id not in self.models:
+                raise UserInputError("model_id", f"{r.model_id} is not resident")
+        results = []
+        for r in requests:
+            state, f = self.models[r.model_id], features(r.data)
+            if not r.forward_only:
+                state.g = state.g + f
+            outputs = [{"logprobs": np.zeros(len(d.tokens), np.float32)} for d in r.data]
+            results.append(PassResult(r.request_id, outputs, {"loss:sum": float(state.w @ f)}))
+        return results
+
+    def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
+        self._check_alive()
+        out = {}
+        for r in requests:
+            state = self.models[r.model_id]
+            out[r.model_id] = {"grad_norm:mean": float(np.linalg.norm(state.g))}
+            state.w = state.w - r.adam.learning_rate * state.g
+            state.g = np.zeros(DIM)
+        return out
+
+    def save_state(self, model_id: str, directory: Path, include_optimizer: bool) -> int:
+        self._check_alive()
+        return _write(directory, self.models[model_id].w)
+
+    def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
+        self._check_alive()
+        self.models[model_id] = _State(read_weights(directory))
+        return LoraSpec(rank=1)
+
+    def export_adapter(self, model_id: str, directory: Path) -> int:
+        self._check_alive()
+        return _write(directory, self.models[model_id].w)
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise EngineDied("fake engine killed by the test")
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def snapshot(self, model_id: str, directory: Path) -> bool:
+        """Like a background writer that lags: reported durable only by the second
+        `durable_snapshots` call after it, and lost if the engine dies first (so every step
+        since the recorded snapshot must be replayable from the log)."""
+        self._check_alive()
+        _write(directory, self.models[model_id].w)
+        self.in_flight.append((model_id, directory))
+        return False
+
+    def durable_snapshots(self) -> list[tuple[str, Path]]:
+        self._check_alive()
+        done, self.ready, self.in_flight = self.ready, self.in_flight, []
+        return done
+
+    def restart(self) -> None:
+        self.models.clear()  # like a fresh process: every tenant's state is gone
+        self.in_flight, self.ready = [], []  # background snapshots in flight are lost
+        self.dead = False
+        self.restarts += 1
+
+
+class ArithmeticSamplingEngine(SamplingEngine):
+    def __init__(self, directory: Path) -> None:
+        self._card = card(directory)
+        self.adapters: dict[str, np.ndarray] = {}
+
+    def card(self) -> ModelCard:
+        return self._card
+
+    def load_adapter(self, adapter_id: str, directory: Path) -> None:
+        self.adapters[adapter_id] = read_weights(directory)
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        self.adapters.pop(adapter_id, None)
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        out = []
+        for r in requests:
+            w = self.adapters.get(r.adapter_id or "")
+            if w is None:
+                out.append(SampleResult(r.request_id, [], error=f"{r.adapter_id} not loaded"))
+                continue
+            seq = SampledSequence([weights_token(w)], [0.0], "length")
+            out.append(SampleResult(r.request_id, [seq] * r.num_samples))
+        return out

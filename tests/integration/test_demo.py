@@ -1,0 +1,55 @@
+"""`lockstep demo` end to end, as README's main command runs it (with few steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lockstep.supervisor import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def test_demo_trains_three_tenants_in_shared_cycles(tmp_path: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    argv = [sys.executable, "-m", "lockstep.cli", "demo", "--data-dir", str(tmp_path / "data")]
+    argv += ["--port", str(free_port()), "--steps", "2", "--solo-steps", "1"]
+    proc = subprocess.run(
+        [*argv, "--summary-json", str(summary_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    server_log = tmp_path / "data" / "demo-serve.log"
+    assert proc.returncode == 0, proc.stdout + proc.stderr + server_log.read_text()[-5000:]
+    out = proc.stdout
+    summary = json.loads(summary_path.read_text())
+
+    tenants = {t["name"]: t for t in summary["tenants"]}
+    assert list(tenants) == ["piglatin", "rl", "capitals"]
+    assert [t["rank"] for t in tenants.values()] == [32, 16, 8]
+    for t in tenants.values():
+        assert t["steps"] == 1 + 2 + 1  # warm-up, together, alone
+        assert t["together_s_per_step"] > 0 and t["alone_s_per_step"] > 0
+        assert t["greedy"] and t["greedy"] in out
+    # SFT losses fall over four Adam steps on a fixed batch; the reward is a share of 32 samples.
+    assert tenants["piglatin"]["last"] < tenants["piglatin"]["first"]
+    assert tenants["capitals"]["last"] < tenants["capitals"]["first"]
+    assert 0.0 <= tenants["rl"]["last"] <= 1.0
+    assert tenants["piglatin"]["greedy"].startswith("'English: banana split\\nPig Latin:' -> ")
+
+    # Three tenants stepping at once must have shared cycles (the server's own metrics).
+    assert summary["cycles_together"] >= 2
+    assert summary["cycles_shared"] >= 1 and summary["tenants_per_cycle"] > 1.0
+    assert summary["one_after_another_s"] > 0 and summary["together_s"] > 0
+    for text in ("summary", "greedy samples", "one after another", "cycles together"):
+        assert text in out
+    # The server's own output went to the log, not over the live view.
+    assert "Uvicorn running" in server_log.read_text() and "Uvicorn" not in out
