@@ -14,6 +14,7 @@ is skipped.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +67,17 @@ def small_disk_server(tmp_path: Path) -> Iterator[Server]:
             subprocess.run(["umount", "-l", str(directory)], check=False)
 
 
+def settle(state: Path, timeout: float = 30.0) -> None:
+    """Wait until every background snapshot is written and the older ones are pruned (one
+    snapshot per model, nothing half-written), so no write or delete races the filler."""
+    deadline, stable = time.monotonic() + timeout, 0
+    while stable < 3:  # unchanged over three polls, longer than the idle durability tick
+        assert time.monotonic() < deadline, sorted(str(p) for p in state.rglob("*"))
+        models = [m for m in state.iterdir() if m.is_dir()]
+        stable = stable + 1 if models and all(len(list(m.iterdir())) == 1 for m in models) else 0
+        time.sleep(0.5)
+
+
 def fill(directory: Path) -> Path:
     """Leave LEFT_FREE bytes free on `directory`'s filesystem."""
     import shutil
@@ -106,6 +118,7 @@ def test_disk_full_fails_clearly_and_training_resumes(small_disk_server: Server)
         step(t, data[0])
     step(reference, data[1])  # the run the disturbed one must end up equal to
 
+    settle(server.data_dir / "state")
     fillers = [fill(server.data_dir / name) for name in MOUNTS]
     fb = trainer.forward_backward([data[1]], "cross_entropy")
     opt = trainer.optim_step(ADAM)
