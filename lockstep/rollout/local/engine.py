@@ -9,7 +9,6 @@ distinct adapters than fit is served in several consecutive sub-batches.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.rollout.local.generate import GenerateConfig, Generator
 from lockstep.rollout.local.kvcache import check_supported
+from lockstep.rollout.pager import AdapterPager
 from lockstep.rollout.validation import validate_sample_request
 
 
@@ -50,8 +50,6 @@ class LocalSamplingEngine(SamplingEngine):
         max_batch_rows: int = 256,
         prefill_token_budget: int = 8192,
     ) -> None:
-        if max_adapters < 1:
-            raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
         base, self._card = load_base_model(model_dir, served_name, device)
         check_supported(base.config)
         self._lora = LoraModel(base)
@@ -70,10 +68,8 @@ class LocalSamplingEngine(SamplingEngine):
                 prefill_token_budget=prefill_token_budget,
             ),
         )
-        self._max_adapters = max_adapters
+        self._pager = AdapterPager(max_adapters)
         self._max_batch_rows = max_batch_rows
-        self._directories: dict[str, Path] = {}  # every known adapter -> its PEFT directory
-        self._resident: OrderedDict[str, None] = OrderedDict()  # LRU order, oldest first
         self._lock = threading.RLock()
 
     # -- SamplingEngine -------------------------------------------------------------------
@@ -95,8 +91,8 @@ class LocalSamplingEngine(SamplingEngine):
         """
         directory = Path(directory)
         with self._lock:
-            if self._directories.get(adapter_id) == directory and adapter_id in self._resident:
-                self._resident.move_to_end(adapter_id)
+            if self._pager.is_loaded(adapter_id, directory):
+                self._pager.touch([adapter_id])
                 return
             self._generator.prefix_cache.forget_adapter(adapter_id)  # new weights, new KV
             try:
@@ -104,12 +100,12 @@ class LocalSamplingEngine(SamplingEngine):
             except (OSError, ValueError) as exc:
                 message = f"cannot load adapter from {directory}: {exc}"
                 raise UserInputError("path", message) from exc
-            self._directories[adapter_id] = directory
+            self._pager.remember(adapter_id, directory)
 
     def unload_adapter(self, adapter_id: str) -> None:
         with self._lock:
-            self._directories.pop(adapter_id, None)
-            self._evict(adapter_id)
+            if self._pager.forget(adapter_id):
+                self._lora.remove_adapter(adapter_id)
             self._generator.prefix_cache.forget_adapter(adapter_id)
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
@@ -122,7 +118,7 @@ class LocalSamplingEngine(SamplingEngine):
                     valid.append(i)
                 except UserInputError as exc:
                     results[i] = SampleResult(req.request_id, [], error=str(exc))
-            for chunk in self._chunks(requests, valid):
+            for chunk in self._pager.chunks(requests, valid, self._max_batch_rows):
                 failed = self._make_resident({requests[i].adapter_id for i in chunk} - {None})
                 runnable = []
                 for i in chunk:
@@ -142,9 +138,8 @@ class LocalSamplingEngine(SamplingEngine):
 
     def close(self) -> None:
         with self._lock:
-            for adapter_id in list(self._resident):
-                self._evict(adapter_id)
-            self._directories.clear()
+            for adapter_id in self._pager.forget_all():
+                self._lora.remove_adapter(adapter_id)
 
     # -- adapters -------------------------------------------------------------------------
 
@@ -154,26 +149,20 @@ class LocalSamplingEngine(SamplingEngine):
             return self._generator.prefilled_tokens, self._generator.reused_tokens
 
     def resident_adapters(self) -> list[str]:
-        """Adapters currently in memory, least recently used first."""
+        """Adapters currently in memory (in no particular order)."""
         with self._lock:
-            return list(self._resident)
-
-    def _evict(self, adapter_id: str) -> None:
-        self._resident.pop(adapter_id, None)
-        self._lora.remove_adapter(adapter_id)
+            return self._pager.loaded()
 
     def _install(self, adapter_id: str, directory: Path, keep: Iterable[str]) -> None:
-        """Read `directory` into the LoRA model, evicting LRU adapters (never those in `keep`)."""
+        """Read `directory` into the LoRA model, paging out LRU adapters (never those in `keep`)."""
         state, spec = load_peft_adapter(directory)
-        protected = set(keep) | {adapter_id}
-        while adapter_id not in self._resident and len(self._resident) >= self._max_adapters:
-            victim = next((a for a in self._resident if a not in protected), None)
-            if victim is None:
-                break
-            self._evict(victim)
-        self._load_state(adapter_id, state, spec)
-        self._resident[adapter_id] = None
-        self._resident.move_to_end(adapter_id)
+        for victim in self._pager.admit(adapter_id, directory, keep):
+            self._lora.remove_adapter(victim)
+        try:
+            self._load_state(adapter_id, state, spec)
+        except BaseException:
+            self._pager.unloaded(adapter_id)
+            raise
 
     def _load_state(self, adapter_id: str, state: dict[str, torch.Tensor], spec: LoraSpec) -> None:
         with torch.no_grad():
@@ -184,12 +173,12 @@ class LocalSamplingEngine(SamplingEngine):
     def _make_resident(self, adapter_ids: set[str | None]) -> dict[str | None, str]:
         """Ensure every adapter of a chunk is in memory; returns adapter_id -> error message."""
         failed: dict[str | None, str] = {}
-        wanted = {a for a in adapter_ids if a is not None}
-        for adapter_id in sorted(wanted):
-            if adapter_id in self._resident:
-                self._resident.move_to_end(adapter_id)
+        wanted = sorted(a for a in adapter_ids if a is not None)
+        self._pager.touch(wanted)
+        for adapter_id in wanted:
+            if self._pager.is_loaded(adapter_id):
                 continue
-            directory = self._directories[adapter_id]
+            directory = self._pager.directory(adapter_id)
             try:
                 self._install(adapter_id, directory, keep=wanted)
             except (OSError, ValueError) as exc:
@@ -197,32 +186,6 @@ class LocalSamplingEngine(SamplingEngine):
                     f"adapter_id: cannot reload {adapter_id!r} from {directory}: {exc}"
                 )
         return failed
-
-    # -- batching -------------------------------------------------------------------------
-
-    def _chunks(self, requests: Sequence[SampleRequest], indices: list[int]) -> list[list[int]]:
-        """Split into sub-batches with <= max_adapters distinct adapters and <= max_batch_rows
-        rows (a single oversized request still runs, alone)."""
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        adapters: set[str] = set()
-        rows = 0
-        for i in indices:
-            req = requests[i]
-            new_adapters = adapters | ({req.adapter_id} if req.adapter_id is not None else set())
-            if current and (
-                len(new_adapters) > self._max_adapters
-                or rows + req.num_samples > self._max_batch_rows
-            ):
-                chunks.append(current)
-                current, rows = [], 0
-                new_adapters = {req.adapter_id} if req.adapter_id is not None else set()
-            current.append(i)
-            adapters = new_adapters
-            rows += req.num_samples
-        if current:
-            chunks.append(current)
-        return chunks
 
     # -- validation -----------------------------------------------------------------------
 
@@ -239,5 +202,5 @@ class LocalSamplingEngine(SamplingEngine):
     def _validate(self, req: SampleRequest) -> None:
         """Raise UserInputError naming the first bad field of `req`."""
         validate_sample_request(req, self._card)  # shared with the vLLM / SGLang engines
-        if req.adapter_id is not None and req.adapter_id not in self._directories:
+        if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
             raise UserInputError("adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)")

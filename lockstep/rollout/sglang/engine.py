@@ -168,15 +168,13 @@ class SglangSamplingEngine(RemoteSamplingEngine):
                 "resume_memory_occupation",
             )
             self._released = False
-            resident = [(a, self._directories[a]) for a in self._slots if a in self._directories]
-            self._slots.clear()
-            self._run(self._reload(resident))
+            self._run(self._reload(self._pager.unload_all()))
 
-    async def _reload(self, adapters: list[tuple[str, Path]]) -> None:
+    async def _reload(self, adapters: list[str]) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
-            for adapter_id, _ in adapters:
+            for adapter_id in adapters:
                 await self._unload(client, adapter_id)
-            await self._make_resident(client, [a for a, _ in adapters])
+            await self._make_resident(client, adapters)
 
     # -- server verbs ------------------------------------------------------------------------
 
