@@ -87,13 +87,14 @@ def _datum(n: int = 48) -> types.Datum:
 def _tenant(base_url: str, key: str, barrier: threading.Barrier) -> None:
     client = tinker.ServiceClient(base_url=base_url, api_key=key)
     trainer = client.create_lora_training_client(base_model=DEFAULT_MODEL_NAME, rank=8).result()
-    barrier.wait(120)
     adam = types.AdamParams(learning_rate=1e-3)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         fb = trainer.forward_backward([_datum()], "cross_entropy")
         opt = trainer.optim_step(adam)
         fb.result()
         opt.result()
+        if step == 0:  # both tenants' counters exist and were scraped: rates see the rest
+            barrier.wait(120)
     sampler = trainer.save_weights_and_get_sampling_client().result()
     sampler.sample(
         prompt=types.ModelInput.from_ints([1, 2, 3, 4]),
@@ -102,8 +103,19 @@ def _tenant(base_url: str, key: str, barrier: threading.Barrier) -> None:
     ).result()
 
 
-def _two_tenants(base_url: str) -> None:
-    barrier = threading.Barrier(len(KEYS))
+def _scraped_both_owners(prometheus: str) -> None:
+    """Until Prometheus holds a token counter of every tenant. A run shorter than one scrape
+    interval would otherwise show up only at its final value, and rate() of a series that first
+    appears at its final value is 0."""
+    deadline = time.monotonic() + 60
+    query = "count by (owner) (lockstep_tenant_tokens_total)"
+    while len(_api(prometheus, "query", query=query)["result"]) < len(KEYS):
+        assert time.monotonic() < deadline, "Prometheus never scraped both tenants' counters"
+        time.sleep(0.5)
+
+
+def _two_tenants(base_url: str, prometheus: str) -> None:
+    barrier = threading.Barrier(len(KEYS), action=lambda: _scraped_both_owners(prometheus))
     errors: list[BaseException] = []
 
     def run(key: str) -> None:
@@ -198,7 +210,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     try:
         _wait_for_targets(base)
         start = time.time()
-        _two_tenants(server.base_url)
+        _two_tenants(server.base_url, base)
         _retry_and_error(server.base_url)
         time.sleep(5)  # a few more scrapes and rule evaluations after the last request
         yield Run(base, start, time.time())
