@@ -112,7 +112,7 @@ class RedisCounter:
 
 def through_sdk(server: Server, n: int, counter: RedisCounter) -> dict[str, Any]:
     client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-    trainer = client.create_lora_training_client(base_model=MODEL, rank=32, seed=1)
+    trainer = client.create_lora_training_client(base_model=MODEL, rank=32, seed=1).result()
     sampler = client.create_sampling_client(base_model=MODEL)
     one = types.Datum(
         model_input=types.ModelInput.from_ints([5]),
@@ -123,12 +123,12 @@ def through_sdk(server: Server, n: int, counter: RedisCounter) -> dict[str, Any]
     )
     prompt = types.ModelInput.from_ints([5])
     params = types.SamplingParams(max_tokens=1, seed=0)
-    done = trainer.forward([one], "cross_entropy")
-    done.result()
+    # The SDK does not expose its futures' request ids: take one from a request made over plain
+    # HTTP (unloading a throwaway model) and retrieve it once it has finished.
+    spare = client.create_lora_training_client(base_model=MODEL, rank=4).result()
     http = httpx.Client(base_url=server.base_url, headers={"X-API-Key": API_KEY}, timeout=30)
-    # A forward's SDK future combines its chunks' futures; this one has one chunk.
-    chunks: Any = done
-    retrieve = {"request_id": chunks.futures[0].untyped_future.request_id}
+    unload = {"model_id": spare.model_id, "type": "unload_model"}
+    retrieve = {"request_id": http.post("/api/v1/unload_model", json=unload).json()["request_id"]}
 
     def retrieve_once() -> None:
         http.post("/api/v1/retrieve_future", json=retrieve).raise_for_status()
@@ -155,7 +155,7 @@ def scheduler_cpu(server: Server, tenants: int, steps: int) -> dict[str, float]:
     )
     client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     trainers = [
-        client.create_lora_training_client(base_model=MODEL, rank=16, seed=i)
+        client.create_lora_training_client(base_model=MODEL, rank=16, seed=i).result()
         for i in range(tenants)
     ]
     rng = np.random.default_rng(0)

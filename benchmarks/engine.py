@@ -296,7 +296,7 @@ def main() -> None:
         "--sections",
         nargs="+",
         default=["mixed", "rss", "multi_lora", "snapshot"],
-        help="mixed: mixed vs uniform; rss: peak RSS; multi_lora: K tenants (tiny model only); "
+        help="mixed: mixed vs uniform; rss: peak RSS; multi_lora: K tenants; "
         "snapshot: per-step snapshot cost",
     )
     p.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8])
@@ -334,7 +334,7 @@ def main() -> None:
                     / rate
                 )
                 save(results, name)  # partial results survive an interrupted run
-            if "multi_lora" in args.sections and name == "tiny":
+            if "multi_lora" in args.sections:
                 res["multi_lora"] = multi_lora(name, engine, reps, rate, args.ks)
                 save(results, name)
             if "snapshot" in args.sections:
