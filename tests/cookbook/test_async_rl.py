@@ -16,6 +16,7 @@ deterministic.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,9 @@ def test_async_rl_raises_reward_within_staleness(k: int, async_runs: dict[int, P
     # Staleness of the groups each step trained on: training step - sampler's step.
     stale = [rows[s]["training_client/step"] - rows[s]["sampling_client/step_min"] for s in rows]
     print(f"K={k} reward: {[round(r, 3) for r in rewards]}; staleness per step: {stale}")
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
+    # The median of the last four steps: one step's dipping batch must not decide (runs are not
+    # bit-identical; see test_recipes.py). 5 runs here: 0.98-1.0.
+    first, last = sum(rewards[:2]) / 2, statistics.median(rewards[-4:])
     assert 0.25 <= first <= 0.75, rewards  # the baseline is about 0.5
     assert last >= 0.75 and last >= first + 0.2, rewards
     assert all(0 <= s <= k for s in stale), stale  # the cookbook's bound held

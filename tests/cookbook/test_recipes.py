@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,11 @@ def test_rl_train_raises_bandit_reward(
         f"{max(abs(k) for k in kls):.2e}"
     )
     assert 0.3 <= sum(rewards[:3]) / 3 <= 0.7, rewards  # the baseline is about 0.5
-    assert max(rewards) >= 0.8 and sum(rewards[-3:]) / 3 >= 0.8, rewards
+    # Learned: most of the second half at the optimum. Runs are not bit-identical (a tenant's
+    # numbers equal packed ones to 1e-5, not bitwise, and a sampled token can flip), and a single
+    # step's batch can dip (down to 0.36 once in 10 runs with importance_sampling; a mean of the
+    # last three steps failed CI that way), so no single step decides.
+    assert max(rewards) >= 0.95 and statistics.median(rewards[10:]) >= 0.9, rewards
     assert all(abs(k) < 1e-3 for k in kls), kls  # sampler and trainer hold the same weights
     assert all(rows[s]["optim/entropy"] > 0 for s in rows)
 
