@@ -96,6 +96,8 @@ def test_closed_sessions_give_their_memory_back(
     final = [p.memory_info().rss for p in engines]
     assert _metric(port, "lockstep_resident_models") == 0
     ratios = [f / b for f, b in zip(final, baseline, strict=True)]
+    print(f"{SESSIONS} sessions on {model}: trainer, sampler RSS after the last / after the tenth")
+    print(f"  {[round(r, 3) for r in ratios]} ({baseline} -> {final} bytes)")
     assert max(ratios) <= 1.15, f"engine RSS grew {ratios} ({baseline} -> {final})"
 
     # the freed run's checkpoint still loads, into a new session
