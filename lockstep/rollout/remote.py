@@ -58,7 +58,6 @@ class RemoteSamplingEngine(SamplingEngine):
     ) -> None:
         self._card = card
         self.base_url = base_url.rstrip("/")
-        self.max_adapters = max_adapters
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._concurrency = max_concurrency
         self._pager = AdapterPager(max_adapters)
@@ -141,7 +140,7 @@ class RemoteSamplingEngine(SamplingEngine):
 
     async def _publish(self, adapters: Sequence[tuple[str, Path]]) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
-            for adapter_id, directory in adapters[-self.max_adapters :]:
+            for adapter_id, directory in adapters[-self._pager.max_adapters :]:
                 if self._pager.is_loaded(adapter_id, directory):
                     self._pager.touch([adapter_id])
                     continue
@@ -154,7 +153,7 @@ class RemoteSamplingEngine(SamplingEngine):
                 except UserInputError:
                     self._pager.forget(adapter_id)
                     raise
-            for adapter_id, directory in adapters[: -self.max_adapters]:
+            for adapter_id, directory in adapters[: -self._pager.max_adapters]:
                 self._pager.remember(adapter_id, directory)  # more than fit: loaded on demand
 
     async def _make_resident(self, client: httpx.AsyncClient, wanted: Sequence[str]) -> None:
