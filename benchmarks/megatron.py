@@ -54,7 +54,7 @@ from lockstep.workers.megatron.parallel import ParallelConfig  # noqa: E402
 NAME = "megatron"
 
 
-def _common():  # type: ignore[no-untyped-def]
+def _common():
     """benchmarks/common.py, loaded by path (its folder is off sys.path, see above)."""
     import importlib.util
 

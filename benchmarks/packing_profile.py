@@ -88,7 +88,7 @@ def main() -> None:
     packed_ops = op_times(packed_cycle, args.steps)
     py = python_profile(packed_cycle, args.steps, args.top)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in set(solo_ops) | set(packed_ops):
         s_ms, s_n = solo_ops.get(name, (0.0, 0.0))
         p_ms, p_n = packed_ops.get(name, (0.0, 0.0))

@@ -52,7 +52,7 @@ def _train(base_url: str, args: argparse.Namespace) -> tuple[float, list[str]]:
     ]
     data = quickstart_data(trainers[0].get_tokenizer())
     t0 = time.perf_counter()
-    pending = []
+    pending: list[Any] = []
     for step in range(args.steps):
         for i, t in enumerate(trainers):
             batch = [data[(i + step + k) % len(data)] for k in range(4)]

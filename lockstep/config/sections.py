@@ -275,8 +275,8 @@ class EngineConfig:
         default=False,
         metadata=flag(
             "--activation-checkpointing",
-            help="recompute decoder layers in backward instead of keeping their activations "
-            "(--engine local)",
+            help="recompute decoder layers in backward instead of keeping their activations, "
+            "and on CPU return freed activation memory to the OS (--engine local)",
             on=SCHEDULER,
         ),
     )

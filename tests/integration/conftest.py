@@ -28,7 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
-def service_client(server: Server):  # type: ignore[no-untyped-def]
+def service_client(server: Server):
     import tinker
 
     return tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)

@@ -44,6 +44,7 @@ from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
 from lockstep.training.losses import datum_loss
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
+from lockstep.workers.local import host_memory
 from lockstep.workers.snapshots import SnapshotWriter
 
 PAD_MULTIPLE = 8  # padded length is a multiple of 8, so every GEMM has M >= 8 rows
@@ -112,6 +113,12 @@ class LocalTrainingEngine(TrainingEngine):
         )
         self._budget = micro_batch_tokens
         self._device: torch.device = next(model.parameters()).device
+        if activation_checkpointing and self._device.type == "cpu":  # memory over speed
+            element = next(model.parameters()).element_size()
+            hidden = int(model.config.hidden_size)
+            host_memory.release_big_frees(
+                host_memory.mmap_threshold(micro_batch_tokens, hidden, element)
+            )
         self._adam: dict[str, AdamState] = {}
         self._snapshots = SnapshotWriter()  # snapshots leave the cycle's critical path
 
