@@ -84,3 +84,25 @@ def fmt(value: object) -> str:
 
 def check(ok: bool) -> str:
     return "[green]met[/green]" if ok else "[red]missed[/red]"
+
+
+ROLES = {"lockstep.scheduler": "scheduler", "lockstep.gateway": "gateway", "valkey": "redis"}
+
+
+def cpu_seconds_by_role(server: Server) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process of `server` by role (engine worker
+    processes count as "engines") plus this process ("client": the benchmark's SDK clients)."""
+    import psutil
+
+    out = {"client": sum(os.times()[:2])}
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+            times = proc.cpu_times()
+        except psutil.Error:  # exited meanwhile
+            continue
+        role = next((r for key, r in ROLES.items() if key in cmd), None)
+        if role is None:
+            role = "engines" if "multiprocessing" in cmd else "other"
+        out[role] = out.get(role, 0.0) + times.user + times.system
+    return out

@@ -35,7 +35,9 @@ import numpy as np
 from clock_cycles import TIMEOUT_S
 from common import (
     API_KEY,
+    Server,
     check,
+    cpu_seconds_by_role,
     environment,
     figure_path,
     print_table,
@@ -100,13 +102,13 @@ async def pipelined(
 
 
 def run_tenants(
-    base_url: str, base_model: str, data: list[list[Any]], args: argparse.Namespace, tag: str
+    server: Server, base_model: str, data: list[list[Any]], args: argparse.Namespace, tag: str
 ) -> dict[str, Any]:
     """One SDK client per entry of `data` (that client's datums), all pipelined at once."""
     import tinker
 
     k = len(data)
-    service = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     clients = [
         service.create_lora_training_client(
             base_model=base_model, rank=RANKS[i % len(RANKS)], seed=100 + i
@@ -123,10 +125,12 @@ def run_tenants(
 
     threads = [threading.Thread(target=tenant, args=(i,)) for i in range(k)]
     t0 = time.perf_counter()
+    cpu0 = cpu_seconds_by_role(server)
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    cpu1 = cpu_seconds_by_role(server)
     bar.close()
     if any(len(r) != args.steps for r in results):
         raise RuntimeError(f"{tag} K={k}: a tenant did not finish its steps")
@@ -144,6 +148,9 @@ def run_tenants(
         "cycles_per_step": statistics.median(cycles),
         "losses": [[x[1] for x in r] for r in results],
         "total_s": time.perf_counter() - t0,
+        # CPU seconds per step (all K tenants' step) by process role, over every step: on a
+        # 2-core box where the clients share the cores, this is where packed time goes.
+        "cpu_s_per_step": {r: (cpu1[r] - cpu0.get(r, 0.0)) / args.steps for r in cpu1},
     }
 
 
@@ -167,15 +174,15 @@ def measure(args: argparse.Namespace) -> dict[str, dict[int, dict[str, Any]]]:
             # allocator growth), and K=1 is the baseline every ratio divides by.
             kmax = max(args.tenants)
             data = [tenant_data(i, args.batch, args.tokens, vocab) for i in range(kmax)]
-            run_tenants(server.base_url, DEFAULT_MODEL_NAME, data[:1], args, f"{mode} warm-up")
+            run_tenants(server, DEFAULT_MODEL_NAME, data[:1], args, f"{mode} warm-up")
             for k in args.tenants:
                 out.setdefault(mode, {})[k] = run_tenants(
-                    server.base_url, DEFAULT_MODEL_NAME, data[:k], args, mode
+                    server, DEFAULT_MODEL_NAME, data[:k], args, mode
                 )
                 if budget is None:  # one client with all K tenants' datums, interleaved by K
                     merged = [[d for t in data[:k] for d in t]]
                     out.setdefault("one-tenant", {})[k] = run_tenants(
-                        server.base_url, DEFAULT_MODEL_NAME, merged, args, "one tenant"
+                        server, DEFAULT_MODEL_NAME, merged, args, "one tenant"
                     )
         finally:
             stop_server(server)
@@ -210,6 +217,10 @@ def summarize(raw: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]
                 "packed_cycles_per_step": p["cycles_per_step"],
                 "one_per_cycle_cycles_per_step": s["cycles_per_step"],
                 "loss_max_rel_diff": max(diffs),
+                "cpu_s_per_step": {
+                    "packed": p["cpu_s_per_step"],
+                    "one_tenant": one[k]["cpu_s_per_step"],
+                },
             }
         )
     return rows
@@ -249,6 +260,21 @@ def report(rows: list[dict[str, Any]]) -> None:
         ],
     )
     last = rows[-1]
+    cpu = last["cpu_s_per_step"]
+    roles = sorted(set(cpu["packed"]) | set(cpu["one_tenant"]))
+    print_table(
+        f"CPU ms per step by process at K={last['tenants']}: packed vs one tenant, same datums",
+        ["process", "packed", "one tenant", "extra"],
+        [
+            [
+                role,
+                1e3 * cpu["packed"].get(role, 0.0),
+                1e3 * cpu["one_tenant"].get(role, 0.0),
+                1e3 * (cpu["packed"].get(role, 0.0) - cpu["one_tenant"].get(role, 0.0)),
+            ]
+            for role in roles
+        ],
+    )
     print_table(
         f"Targets at K={last['tenants']} (reported, not asserted)",
         ["target", "measured", ""],
