@@ -86,23 +86,47 @@ def check(ok: bool) -> str:
     return "[green]met[/green]" if ok else "[red]missed[/red]"
 
 
-ROLES = {"lockstep.scheduler": "scheduler", "lockstep.gateway": "gateway", "valkey": "redis"}
+def server_processes(pid: int) -> list[tuple[str, Any]]:
+    """(role, psutil.Process) of a `lockstep serve` (pid) and everything under it: supervisor,
+    gateway, scheduler, redis, engines (the trainer and sampler processes under the scheduler).
+    Empty once the server is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for proc in procs:
+        try:
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:  # exited meanwhile
+            continue
+        if proc.pid == pid:
+            role = "supervisor"
+        elif "lockstep.gateway" in cmd:
+            role = "gateway"
+        elif "lockstep.scheduler" in cmd:
+            role = "scheduler"
+        elif "valkey" in cmd or "redis" in cmd:
+            role = "redis"
+        else:
+            role = "engines"
+        out.append((role, proc))
+    return out
 
 
 def cpu_seconds_by_role(server: Server) -> dict[str, float]:
-    """CPU seconds (user + system) so far of every process of `server` by role (engine worker
-    processes count as "engines") plus this process ("client": the benchmark's SDK clients)."""
+    """CPU seconds (user + system) so far of the server's processes by role (`server_processes`)
+    plus this process ("client": the benchmark's SDK clients)."""
     import psutil
 
     out = {"client": sum(os.times()[:2])}
-    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+    for role, proc in server_processes(server.proc.pid):
         try:
-            cmd = " ".join(proc.cmdline())
             times = proc.cpu_times()
         except psutil.Error:  # exited meanwhile
             continue
-        role = next((r for key, r in ROLES.items() if key in cmd), None)
-        if role is None:
-            role = "engines" if "multiprocessing" in cmd else "other"
         out[role] = out.get(role, 0.0) + times.user + times.system
     return out

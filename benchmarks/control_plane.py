@@ -30,13 +30,13 @@ from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 import redis
 import tinker
 from common import (
     API_KEY,
     Server,
     check,
+    cpu_seconds_by_role,
     environment,
     figure_path,
     print_table,
@@ -148,11 +148,6 @@ def through_sdk(server: Server, n: int, counter: RedisCounter) -> dict[str, Any]
 
 def scheduler_cpu(server: Server, tenants: int, steps: int) -> dict[str, float]:
     """8 pipelined tenants; the scheduler process's CPU seconds (not its engine children)."""
-    proc = next(
-        p
-        for p in psutil.Process(server.proc.pid).children(recursive=True)
-        if "lockstep.scheduler" in " ".join(p.cmdline())
-    )
     client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     trainers = [
         client.create_lora_training_client(base_model=MODEL, rank=16, seed=i).result()
@@ -178,14 +173,14 @@ def scheduler_cpu(server: Server, tenants: int, steps: int) -> dict[str, float]:
 
     for t in trainers:  # warm-up: every adapter's first step
         t.forward_backward(data, "cross_entropy").result()
-    cpu0, wall0 = proc.cpu_times(), time.monotonic()
+    cpu0, wall0 = cpu_seconds_by_role(server)["scheduler"], time.monotonic()
     threads = [threading.Thread(target=loop, args=(t,)) for t in trainers]
     for th in threads:
         th.start()
     for th in tqdm(threads, desc=f"{tenants} tenants x {steps} steps"):
         th.join()
-    cpu1, wall = proc.cpu_times(), time.monotonic() - wall0
-    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    cpu = cpu_seconds_by_role(server)["scheduler"] - cpu0
+    wall = time.monotonic() - wall0
     return {"tenants": tenants, "steps": steps, "wall_s": wall, "cpu_s": cpu, "share": cpu / wall}
 
 

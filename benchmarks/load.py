@@ -28,6 +28,7 @@ from common import (
     environment,
     figure_path,
     print_table,
+    server_processes,
     start_server,
     stop_server,
     write_json,
@@ -122,27 +123,11 @@ def client_loop(
 def server_rss(pid: int) -> dict[str, float]:
     """MiB per server process, named by role (the supervisor and everything under it)."""
     out: dict[str, float] = {}
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for p in procs:
+    for role, p in server_processes(pid):
         try:
-            cmd = " ".join(p.cmdline())
             rss = p.memory_info().rss / 2**20
         except psutil.Error:
             continue
-        if p.pid == pid:
-            role = "supervisor"
-        elif "lockstep.gateway" in cmd:
-            role = "gateway"
-        elif "lockstep.scheduler" in cmd:
-            role = "scheduler"
-        elif "valkey" in cmd or "redis" in cmd:
-            role = "redis"
-        else:
-            role = "engines"  # the trainer and sampler processes under the scheduler
         out[role] = out.get(role, 0.0) + rss
     return out
 
