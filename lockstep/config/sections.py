@@ -27,6 +27,9 @@ RayPlacement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 DtypeName = Literal["float32", "bfloat16"]  # lockstep.engine.types.Dtype
 # A 4096-token micro-batch of SmolLM2-135M keeps ~7.5 GB of fp32 activations; 1024 fits a CPU box.
 DEFAULT_MICRO_BATCH_TOKENS = 1024
+# Snapshots cost I/O per tenant (a Qwen3-8B rank-32 adapter + Adam moments is ~1 GB); the replay
+# log covers the steps between them, so a restart recomputes at most this much of a run's work.
+DEFAULT_SNAPSHOT_INTERVAL_S = 10.0
 TRACE_RETENTION_S = 7 * 24 * 3600
 LogLevel = Literal["debug", "info", "warning", "error"]
 TE_MISSING = (
@@ -262,6 +265,16 @@ class EngineConfig:
             on=SCHEDULER,
         ),
     )
+    snapshot_interval_s: float = field(
+        default=DEFAULT_SNAPSHOT_INTERVAL_S,
+        metadata=flag(
+            "--snapshot-interval",
+            help="seconds between background snapshots of a training run's adapter and Adam "
+            "state (taken at an optim_step; 0: every step). A restart or a page-in replays the "
+            "steps since the last one; with --max-resident-models every step is snapshotted",
+            on=SCHEDULER,
+        ),
+    )
     dtype: DtypeName | None = field(
         default=None,
         metadata=flag(
@@ -297,6 +310,8 @@ class EngineConfig:
             raise ValueError(f"--micro-batch must be >= 1, got {self.micro_batch}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"--micro-batch-tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.snapshot_interval_s < 0:
+            raise ValueError(f"--snapshot-interval must be >= 0, got {self.snapshot_interval_s}")
         if self.kind == "megatron":
             p.check_backend()
 

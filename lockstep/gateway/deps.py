@@ -45,12 +45,20 @@ def authenticate(
     return owner_of(api_key)
 
 
-def get_settings(request: Request) -> GatewaySettings:
+# Dependencies are `async def` though they never await: FastAPI runs a plain `def` dependency
+# in its thread pool, two thread hops per request for reading an attribute.
+
+
+def settings_of(request: Request) -> GatewaySettings:
     settings: GatewaySettings = request.app.state.settings
     return settings
 
 
-def get_scheduler(request: Request) -> Any:
+async def get_settings(request: Request) -> GatewaySettings:
+    return settings_of(request)
+
+
+async def get_scheduler(request: Request) -> Any:
     """The `SchedulerStub` bound to the app's grpc.aio channel (opened in the lifespan)."""
     return request.app.state.scheduler
 
@@ -58,7 +66,7 @@ def get_scheduler(request: Request) -> Any:
 async def require_owner(
     request: Request, x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None
 ) -> str:
-    return authenticate(get_settings(request), x_api_key, request.app.state.keyring)
+    return authenticate(settings_of(request), x_api_key, request.app.state.keyring)
 
 
 async def key_quota(
@@ -80,7 +88,7 @@ Limit = Annotated[int, Query(ge=1, le=100_000)]
 Offset = Annotated[int, Query(ge=0, le=2**31 - 1)]
 
 
-def get_file_url_secret(request: Request) -> bytes:
+async def get_file_url_secret(request: Request) -> bytes:
     """The key signing checkpoint download URLs (settings', or a random one per process)."""
     secret: bytes = request.app.state.file_url_secret
     return secret
@@ -101,7 +109,7 @@ async def require_bearer_owner(
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
             key = token.strip()
-    return authenticate(get_settings(request), key)
+    return authenticate(settings_of(request), key)
 
 
 BearerOwner = Annotated[str, Depends(require_bearer_owner)]

@@ -4,12 +4,13 @@ Order inside a cycle: PRE ops (creations, loads, early saves) -> ONE fused pass 
 tenant's forward/forward_backward -> ONE batched optimizer step -> POST ops (saves). Each op
 yields an Outcome; nothing is written to Redis here (that is `collect`).
 
-Durability: after every op that changes a model's weights (create, load, optim_step) its state
-is written to a snapshot directory, recorded in Redis with the op's outcome. An engine that
-restarted (a crash, a new scheduler) has no adapters; before a model's next cycle its snapshot
-is loaded and the forward_backward passes since then are re-run to rebuild its gradients, so a
-crash loses nothing and applies nothing twice. If the engine dies during a cycle, the cycle is
-abandoned before anything is written and runs again on a fresh engine.
+Durability: after a create or load a model's state is written to a snapshot directory before
+the op is recorded; after an optim_step it is snapshotted in the background when its last
+snapshot is `snapshot_interval_s` old (every step under paging), and recorded in Redis once
+durable. An engine that restarted (a crash, a new scheduler) has no adapters; before a model's
+next cycle its snapshot is loaded and the passes and steps since then (the replay log) are re-run,
+so a crash loses nothing and applies nothing twice. If the engine dies during a cycle, the cycle
+is abandoned before anything is written and runs again on a fresh engine.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, ephemeral_dir
 from lockstep.scheduler import encryption, storage, tracing, translate
+from lockstep.scheduler.cadence import SnapshotCadence
 from lockstep.scheduler.outcome import Outcome, failure
 from lockstep.scheduler.planner import CyclePlan
 from lockstep.scheduler.records import (
@@ -59,13 +61,20 @@ class CycleAborted(RuntimeError):
 
 class Dispatcher:
     def __init__(
-        self, store: Store, engine: TrainingEngine, data_dir: Path, max_resident: int = 0
+        self,
+        store: Store,
+        engine: TrainingEngine,
+        data_dir: Path,
+        max_resident: int = 0,
+        snapshot_interval_s: float = 0.0,
     ) -> None:
         self.store = store
         self.engine = engine
         self.data_dir = data_dir
+        # Paging restores a model from its snapshot + replay log: keep page-ins cheap.
+        self.cadence = SnapshotCadence(0.0 if max_resident else snapshot_interval_s)
         # Models whose state the engine holds right now, in LRU order; frees and pages them.
-        self.resident = Residency(engine, max_resident)
+        self.resident = Residency(engine, max_resident, before_drop=self._snapshot_pending)
         # Ops that run alone (not fused), by kind: PRE and POST phases of a cycle.
         self._handlers: dict[OpKind, Callable[[QueuedOp, pb.SubmitRequest], Awaitable[Outcome]]]
         self._handlers = {
@@ -83,6 +92,7 @@ class Dispatcher:
         its own ops (with the reason) and the other tenants' work goes on."""
         try:
             await self.resident.make_room([w.model_id for w in plan.models])  # paging
+            self.cadence.keep(self.resident)
             outcomes: dict[str, Outcome] = {}
             for work in plan.models:
                 broken = await self._restore(work.model_id)
@@ -128,6 +138,7 @@ class Dispatcher:
     async def _snapshot(self, model_id: str, seq: int) -> bool:
         """Snapshot the model's state after op `seq`; True if it is durable already (else the
         engine writes it in the background and `record_durable` records it later)."""
+        self.cadence.taken(model_id)
         with tracing.model_phase("snapshot", model_id):  # [trace hook]
             return bool(
                 await self._call(self.engine.snapshot, model_id, self.snapshot_dir(model_id, seq))
@@ -139,15 +150,34 @@ class Dispatcher:
         try:
             with storage.atomic_dir(self.snapshot_dir(model_id, seq)) as tmp:  # complete or absent
                 await self._call(self.engine.save_state, model_id, tmp, True)
+            self.cadence.taken(model_id)
         except Exception:
             # The engine is now ahead of the recorded state: restore it before its next op.
             self.resident.discard(model_id)
             raise
 
+    async def _snapshot_pending(self, model_id: str) -> None:
+        """Snapshot the model's steps no snapshot holds yet (`cadence`), outside a cycle."""
+        seq = self.cadence.pending(model_id)
+        if seq is None:
+            return
+        try:
+            durable = await self._snapshot(model_id, seq)
+        except Exception as exc:  # its snapshot + replay log stand; its next step tries again
+            log.warning("snapshot of %s at seq %d failed: %s", model_id, seq, exc)
+            self.cadence.failed(model_id)
+            return
+        if durable:
+            kept = await self.store.mark_snapshot(model_id, seq)
+            await asyncio.to_thread(self.prune_snapshots, model_id, kept)
+
     async def record_durable(self) -> None:
-        """Record the background snapshots the engine finished (each trims its model's replay
-        log), then drop the older snapshot files. Between cycles, so never on the critical
-        path; a snapshot lost in flight simply is never recorded."""
+        """Snapshot the models whose pending steps are due (idle ones included), then record
+        the background snapshots the engine finished (each trims its model's replay log) and
+        drop the older snapshot files. Between cycles, so never on the critical path; a
+        snapshot lost in flight simply is never recorded."""
+        for model_id, _ in self.cadence.lagging():
+            await self._snapshot_pending(model_id)
         for model_id, directory in await self._call(self.engine.durable_snapshots):
             seq = int(directory.name.removeprefix("seq-"))
             kept = await self.store.mark_snapshot(model_id, seq)
@@ -362,11 +392,16 @@ class Dispatcher:
             return outcomes | {rid: failure(exc) for rid in requests}
         seq_of = {op.request_id: op.seq_id for op in ops}
         for rid, r in requests.items():
+            durable = False
             try:
-                durable = await self._snapshot(r.model_id, seq_of[rid])
+                if self.cadence.due(r.model_id):
+                    durable = await self._snapshot(r.model_id, seq_of[rid])
+                else:  # the replay log holds it until a later snapshot does
+                    self.cadence.skipped(r.model_id, seq_of[rid])
             except Exception as exc:  # not recorded: the engine rolls back to the recorded state
                 log.warning("optim_step %s: snapshot failed: %s", rid, exc)
                 self.resident.discard(r.model_id)
+                self.cadence.failed(r.model_id)
                 outcomes[rid] = failure(exc, f"the optimizer step of {r.model_id}")
                 continue
             result = pb.OptimStepResult(metrics=metrics.get(r.model_id, {}))

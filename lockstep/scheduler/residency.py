@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from lockstep.engine.interface import TrainingEngine
@@ -30,8 +30,14 @@ Q = TypeVar("Q", bound=Sequence[QueuedOp])
 
 
 class Residency:
-    def __init__(self, engine: TrainingEngine, max_resident: int = 0) -> None:
+    def __init__(
+        self,
+        engine: TrainingEngine,
+        max_resident: int = 0,
+        before_drop: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.engine = engine
+        self.before_drop = before_drop  # the model's last state leaves a snapshot behind
         self.max_resident = max_resident  # 0: no limit (only ended models are freed)
         self._lru: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._ended: set[str] = set()  # to free once they have no queued work
@@ -120,6 +126,8 @@ class Residency:
             self.page_outs += 1
 
     async def _drop(self, model_id: str, direction: str) -> None:
+        if self.before_drop is not None:
+            await self.before_drop(model_id)
         with metrics.engine_call("trainer", "delete_model"):
             await asyncio.to_thread(self.engine.delete_model, model_id)
         self._lru.pop(model_id, None)

@@ -156,7 +156,13 @@ def assemble(
     card = trainer.card()
     board = FutureBoard(store)
     lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
-    dispatcher = Dispatcher(store, trainer, cfg.data_dir, cfg.tenancy.max_resident_models)
+    dispatcher = Dispatcher(
+        store,
+        trainer,
+        cfg.data_dir,
+        cfg.tenancy.max_resident_models,
+        cfg.engine.snapshot_interval_s,
+    )
     clock = Clock(
         store,
         dispatcher,

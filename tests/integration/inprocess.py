@@ -14,7 +14,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from lockstep.config import ClockConfig
+from lockstep.config import ClockConfig, EngineConfig
+from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
 from lockstep.scheduler.server import SchedulerConfig, assemble
 from lockstep.scheduler.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
@@ -29,7 +30,9 @@ OWNER = "tml-in-process"
 class Scheduler:
     """The real scheduler on its own event loop thread, served over gRPC on loopback."""
 
-    def __init__(self, redis_url: str, data_dir: Path) -> None:
+    def __init__(
+        self, redis_url: str, data_dir: Path, snapshot_interval_s: float = DEFAULT_SNAPSHOT_S
+    ) -> None:
         self.trainer = ArithmeticTrainingEngine(data_dir)
         self.sampler = ArithmeticSamplingEngine(data_dir)
         self.data_dir = data_dir
@@ -43,6 +46,7 @@ class Scheduler:
             model_dir=data_dir,
             served_names=("Fake/arithmetic",),
             clock=ClockConfig(gather_s=0.002),
+            engine=EngineConfig(snapshot_interval_s=snapshot_interval_s),
         )
         port = self.run(self._start(cfg))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")

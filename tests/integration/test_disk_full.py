@@ -57,7 +57,7 @@ def small_disk_server(tmp_path: Path) -> Iterator[Server]:
             if not _mount(data / name):
                 pytest.skip("cannot mount a size-limited tmpfs here (needs root)")
             mounted.append(data / name)
-        server = start_server(data)
+        server = start_server(data, "--snapshot-interval", "0")  # every step writes one
         try:
             yield server
         finally:

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 PROTO = {"content-type": "application/x-protobuf"}
 BASE = "Lockstep/tiny-qwen3"
 MAX_TOKENS, MAX_DATUMS, PER_KEY, POOL, TTL = 16, 4, 2, 7, 3
+SNAPSHOT_S = 1  # a step's result keeps no TTL until a snapshot holds the step
 CYCLE_CAP = 8  # --max-tokens-per-cycle-per-key: one 2-datum batch of 4 tokens
 KEYS = [f"tml-limits-{i}" for i in range(11)]
 OWNER, SDK_KEY, RACER, *SPARE = KEYS
@@ -102,6 +103,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         str(PER_KEY),
         "--future-ttl",
         str(TTL),
+        "--snapshot-interval",
+        str(SNAPSHOT_S),
         "--max-tokens-per-cycle-per-key",
         str(CYCLE_CAP),
     )
@@ -190,8 +193,8 @@ def test_future_ttl(tenant: Tenant) -> None:
     rid = step.json()["request_id"]
     assert wait(tenant.http, rid).status_code == 200
     done = time.monotonic()
-    # At least TTL: a step's result is kept while its snapshot is still being written (it is in
-    # the replay log), so the clock may set the expiry up to about a second after the step.
+    # At least TTL: a step's result is kept until a snapshot holds it (it is in the replay
+    # log), so the clock may set the expiry up to --snapshot-interval + ~1 s after the step.
     time.sleep(TTL - 1)
     assert wait(tenant.http, rid).status_code == 200, "expired before its TTL"
     deadline = done + TTL + 15
