@@ -28,14 +28,14 @@ class FutureBoard:
         event = self._events.setdefault(request_id, asyncio.Event())
         self._waiters[request_id] += 1
         try:
-            job = await self.store.job(request_id)
+            job = await self.store.job(request_id, payload=False)
             if job is None or job.status != JobStatus.PENDING or timeout <= 0:
                 return job
             try:
                 await asyncio.wait_for(event.wait(), timeout)
             except TimeoutError:
                 pass
-            return await self.store.job(request_id)
+            return await self.store.job(request_id, payload=False)
         finally:
             self._waiters[request_id] -= 1
             if self._waiters[request_id] <= 0:

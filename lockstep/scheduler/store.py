@@ -71,6 +71,21 @@ class Job:
     tokens: int
 
 
+# Every field of a job hash but its payload.
+JOB_OUTCOME_FIELDS = (
+    "kind",
+    "owner",
+    "model_id",
+    "seq_id",
+    "digest",
+    "status",
+    "result",
+    "error",
+    "category",
+    "tokens",
+)
+
+
 class ClaimConflict(Exception):
     """A different payload was submitted under an already used (model, seq_id)."""
 
@@ -319,11 +334,17 @@ class Store:
             "created": time.time(),
         }
 
-    async def job(self, request_id: str) -> Job | None:
-        raw = await self.redis.hgetall(keys.job(request_id))
-        if not raw:
+    async def job(self, request_id: str, payload: bool = True) -> Job | None:
+        """The job; without its payload (`payload=False`: futures only need the outcome, and a
+        forward_backward's payload can be megabytes read on every poll)."""
+        if payload:
+            raw = await self.redis.hgetall(keys.job(request_id))
+            f = {k.decode(): v for k, v in raw.items()}
+        else:
+            values = await self.redis.hmget(keys.job(request_id), JOB_OUTCOME_FIELDS)
+            f = {k: v for k, v in zip(JOB_OUTCOME_FIELDS, values, strict=True) if v is not None}
+        if not f:
             return None
-        f = {k.decode(): v for k, v in raw.items()}
         text = lambda name: f[name].decode() if name in f else None  # noqa: E731
         return Job(
             request_id=request_id,

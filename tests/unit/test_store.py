@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -97,6 +98,10 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
         assert await store.commit(op, done())
         job = await store.job(rid)
         assert job is not None and job.status == "done" and job.result == RESULT.SerializeToString()
+        outcome = await store.job(rid, payload=False)  # what a future reads: all but the payload
+        assert outcome is not None and outcome.payload == b"" and job.payload == b"x"
+        assert outcome == dataclasses.replace(job, payload=b"")
+        assert await store.job("req-unknown", payload=False) is None
         assert await store.progress("sess-1:train:0") == (2, None)
         (job,) = await store.replay_log("sess-1:train:0", after_seq=0)
         assert job.request_id == rid and job.payload == b"x"  # kept until the next snapshot
