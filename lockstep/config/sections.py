@@ -260,8 +260,9 @@ class EngineConfig:
         default=DEFAULT_MICRO_BATCH_TOKENS,
         metadata=flag(
             "--micro-batch-tokens",
-            help="padded tokens per training micro-batch: rows are sorted by length and cut "
-            "under this budget, padded only within a micro-batch (--engine local)",
+            help="tokens per training micro-batch: rows are sorted by length, cut under this "
+            "budget and packed into one sequence, each padded only to a multiple of 8 "
+            "(--engine local)",
             on=SCHEDULER,
         ),
     )

@@ -6,6 +6,9 @@ adapter (sorted segments): each adapter's rows take one GEMM pair with that adap
 so a row's output does not depend on which other rows or adapters share the batch, and K
 adapters cost K small GEMM pairs per layer (no per-row copies of adapter weights).
 
+A "row" of the routing is a batch row, or a fixed-size block of one packed sequence (the trainer
+concatenates a micro-batch's rows, each padded to whole blocks, so every block has one adapter).
+
 Adapter parameters are NOT registered as submodule parameters: the base model's `state_dict()`
 keeps its HF key names, and the engines reach adapters through `adapter_parameters(...)`.
 """
@@ -132,7 +135,9 @@ class _Routing:
     def segments(self, x: torch.Tensor, in_features: int) -> list[_Segment]:
         """Segments for x viewed as [rows, per_row, in], in row order (cached per layout)."""
         rows = len(self.adapter_ids)
-        if x.shape[0] != rows:
+        # A batch of `rows` rows, or ONE packed sequence routed in `rows` equal blocks.
+        packed = x.shape[0] == 1 and x.numel() % max(1, rows * in_features) == 0
+        if x.shape[0] != rows and not packed:
             raise ValueError(f"batch has {x.shape[0]} rows but {rows} adapter ids were routed")
         per_row = x.numel() // (rows * in_features) if rows else 0
         key = (per_row, x.device)
@@ -197,7 +202,7 @@ class MultiLoRALinear(nn.Module):
         segments = [s for s in routing.segments(x, self.in_features) if s.adapter_id in self.lora_A]
         if not segments:
             return y
-        rows = x.shape[0]
+        rows = len(routing.adapter_ids)  # batch rows, or blocks of one packed sequence
         x3 = x.reshape(rows, -1, self.in_features)
         per_row = x3.shape[1]
         deltas = []
@@ -205,12 +210,13 @@ class MultiLoRALinear(nn.Module):
             a, b = self.lora_A[seg.adapter_id], self.lora_B[seg.adapter_id]
             xs = x3[seg.start : seg.stop] if seg.index is None else x3.index_select(0, seg.index)
             n = xs.shape[0]
-            # One bmm over the segment's rows with the adapter's weights broadcast (no copies):
-            # each row is its own [tokens, in] GEMM, so its bits do not depend on the group size.
-            h = torch.bmm(xs.to(a.dtype), a.t().expand(n, -1, -1))
+            # One GEMM pair over the segment's tokens with the adapter's own weights (no copies).
+            # M = its tokens, a multiple of 8 in the trainer: the kernel class a tenant's tokens
+            # take does not depend on what they are packed with, as for the base matmul.
+            h = xs.reshape(n * per_row, -1).to(a.dtype) @ a.t()
             scale = self.scale[seg.adapter_id]
-            h = h * scale if seg.mask is None else h * (seg.mask.view(n, per_row, 1) * scale)
-            deltas.append(torch.bmm(h, b.t().expand(n, -1, -1)))
+            h = h * scale if seg.mask is None else h * (seg.mask.view(n * per_row, 1) * scale)
+            deltas.append((h @ b.t()).view(n, per_row, -1))
         return y + self._assemble(segments, deltas, rows, per_row).to(y.dtype).view(y.shape)
 
     def _assemble(

@@ -96,10 +96,11 @@ def test_micro_batches_order_by_length_under_the_budget() -> None:
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     flat = [lengths[i] for b in batches for i in b]
     assert flat == sorted(lengths, reverse=True)  # longest first
-    for b in batches:
-        width = padded(max(lengths[i] for i in b))
-        assert len(b) == 1 or len(b) * width <= 256  # only an over-long row goes alone
+    for b in batches:  # rows packed end to end, each padded only to whole blocks
+        packed = sum(padded(lengths[i]) for i in b)
+        assert len(b) == 1 or packed <= 256  # only an over-long row goes alone
     assert [6] in batches and [1] in batches
+    assert [3, 4, 7, 2, 5, 0] in batches  # 64+64+40+24+16+8 = 216: short rows share one pass
 
 
 def _run(

@@ -4,16 +4,20 @@ A clock cycle is `run_passes` (the fused forward/backward of every tenant's datu
 `optim_step` (one batched AdamW over every adapter that asked).
 
 The fused pass orders rows by length and cuts them into micro-batches of at most
-`micro_batch_tokens` padded tokens (`micro_batches`); a row is padded only to the longest row of
-its own micro-batch. Each micro-batch runs forward then backward at once (gradients accumulate
-in the adapters' .grad), so activations live for one micro-batch. Inside a micro-batch rows are
-ordered by adapter so each LoRA layer takes one GEMM pair per adapter (`modeling.lora`). Target
-logprobs come from the final hidden states in token chunks (`training.logprobs`): full-vocabulary
-logits never exist beyond one chunk.
+`micro_batch_tokens` tokens (`micro_batches`). A micro-batch is ONE packed sequence: its rows
+concatenated, each padded only to a whole block of 8 tokens, positions restarting per row, and
+attention run row by row on each row's own span (`modeling.attention`): no row is padded to
+another's length. Each micro-batch runs forward then backward at once (gradients accumulate in
+the adapters' .grad), so activations live for one micro-batch. Inside a micro-batch rows are
+ordered by adapter and the LoRA routing names the adapter of each 8-token block, so each LoRA
+layer takes one GEMM pair per adapter (`modeling.lora`). Target logprobs come from the final
+hidden states in token chunks (`training.logprobs`): full-vocabulary logits never exist beyond
+one chunk.
 
 Packing never changes a tenant's numbers beyond float rounding (fp32 <= 1e-5): every op is per
-row or per token, padding is masked out of attention and the LoRA path, and every base matmul
-sees >= 8 rows so CPU GEMM takes the same kernel class whether a tenant runs alone or packed.
+row, per block or per token, block padding is masked out of attention and the LoRA path, and
+every base matmul sees >= 8 rows so CPU GEMM takes the same kernel class whether a tenant runs
+alone or packed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from lockstep.engine.types import (
     PassRequest,
     PassResult,
 )
-from lockstep.modeling.attention import ROW_ATTENTION, row_lengths
+from lockstep.modeling.attention import ROW_ATTENTION, row_spans
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel, validate_spec
 from lockstep.modeling.peft_io import save_peft_adapter
@@ -47,7 +51,7 @@ from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, va
 from lockstep.workers.local import host_memory
 from lockstep.workers.snapshots import SnapshotWriter
 
-PAD_MULTIPLE = 8  # padded length is a multiple of 8, so every GEMM has M >= 8 rows
+PAD_MULTIPLE = 8  # a row takes whole blocks of 8 tokens: every GEMM has M >= 8 rows
 
 
 @dataclass
@@ -64,17 +68,19 @@ def padded(length: int) -> int:
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Row indices cut into micro-batches: longest first, each at most `budget` padded tokens
-    (rows x the padded length of its longest row); a row longer than the budget goes alone."""
+    """Row indices cut into micro-batches: longest first, each at most `budget` tokens once its
+    rows are packed (each padded to whole blocks); a row longer than the budget goes alone."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
-    width = 0
+    used = 0
     for i in order:
-        if batches and (len(batches[-1]) + 1) * width <= budget:
+        need = padded(lengths[i])
+        if batches and used + need <= budget:
             batches[-1].append(i)
+            used += need
         else:
             batches.append([i])
-            width = padded(lengths[i])
+            used = need
     return batches
 
 
@@ -216,30 +222,36 @@ class LocalTrainingEngine(TrainingEngine):
         outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
         backward: bool,
     ) -> None:
-        seq = padded(max(r.length for r in rows))
-        input_ids = torch.zeros(len(rows), seq, dtype=torch.long)
-        valid = torch.zeros(len(rows), seq, dtype=torch.bool)
-        for b, row in enumerate(rows):
-            input_ids[b, : row.length] = torch.from_numpy(np.asarray(row.datum.tokens, np.int64))
-            valid[b, : row.length] = True
-        input_ids, valid = input_ids.to(self._device), valid.to(self._device)
-        positions = torch.arange(seq, device=self._device).expand(len(rows), seq)
+        # One packed sequence: row i at starts[i], padded to whole blocks (module docstring).
+        widths = [padded(r.length) for r in rows]
+        starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(int).tolist()
+        total = sum(widths)
+        input_ids = torch.zeros(1, total, dtype=torch.long)
+        positions = torch.zeros(1, total, dtype=torch.long)
+        valid = torch.zeros(total, dtype=torch.bool)
+        for row, start in zip(rows, starts, strict=True):
+            span = slice(start, start + row.length)
+            input_ids[0, span] = torch.from_numpy(np.asarray(row.datum.tokens, np.int64))
+            positions[0, span] = torch.arange(row.length)
+            valid[span] = True
+        blocks = [
+            r.model_id for r, w in zip(rows, widths, strict=True) for _ in range(w // PAD_MULTIPLE)
+        ]
         with (
-            self._lora.row_adapters([r.model_id for r in rows], valid=valid),
-            row_lengths([r.length for r in rows]),
+            self._lora.row_adapters(blocks, valid=valid.view(-1, PAD_MULTIPLE).to(self._device)),
+            row_spans([(start, r.length) for r, start in zip(rows, starts, strict=True)]),
         ):
             hidden = self._decoder(
-                input_ids=input_ids,
-                attention_mask=valid.long(),
-                position_ids=positions,
+                input_ids=input_ids.to(self._device),
+                position_ids=positions.to(self._device),
                 use_cache=False,
-            ).last_hidden_state
+            ).last_hidden_state[0]
             sums = []
-            for row, row_hidden in zip(rows, hidden.unbind(0), strict=True):
+            for row, start in zip(rows, starts, strict=True):
                 req = requests[row.request]
                 head = functools.partial(self._row_head, row.model_id)
                 logp, loss = datum_loss(
-                    row_hidden[: row.length],
+                    hidden[start : start + row.length],
                     row.datum,
                     req.loss_fn,
                     configs[row.request],
