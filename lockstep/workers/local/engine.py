@@ -228,17 +228,17 @@ class LocalTrainingEngine(TrainingEngine):
         total = sum(widths)
         input_ids = torch.zeros(1, total, dtype=torch.long)
         positions = torch.zeros(1, total, dtype=torch.long)
-        valid = torch.zeros(total, dtype=torch.bool)
         for row, start in zip(rows, starts, strict=True):
             span = slice(start, start + row.length)
             input_ids[0, span] = torch.from_numpy(np.asarray(row.datum.tokens, np.int64))
             positions[0, span] = torch.arange(row.length)
-            valid[span] = True
+        # No padding mask for the LoRA path: a pad position is outside every attention span and
+        # every op on it is per token, so nothing computed there reaches a real token or a loss.
         blocks = [
             r.model_id for r, w in zip(rows, widths, strict=True) for _ in range(w // PAD_MULTIPLE)
         ]
         with (
-            self._lora.row_adapters(blocks, valid=valid.view(-1, PAD_MULTIPLE).to(self._device)),
+            self._lora.row_adapters(blocks),
             row_spans([(start, r.length) for r, start in zip(rows, starts, strict=True)]),
         ):
             hidden = self._decoder(
