@@ -44,9 +44,9 @@ class SnapshotCadence:
     def pending(self, model_id: str) -> int | None:
         return self._pending.get(model_id)
 
-    def lagging(self) -> list[tuple[str, int]]:
-        """(model, step) of every pending step whose model is due a snapshot."""
-        return [(m, seq) for m, seq in self._pending.items() if self.due(m)]
+    def lagging(self) -> list[str]:
+        """The models with a pending step that are due a snapshot."""
+        return [m for m in self._pending if self.due(m)]
 
     def keep(self, models: Container[str]) -> None:
         """Forget models the engine no longer holds: back, they are snapshotted at their next

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
 from lockstep.engine.interface import EngineDied, TrainingEngine, UserInputError
 from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest
 from lockstep.observability import metrics
@@ -66,7 +67,7 @@ class Dispatcher:
         engine: TrainingEngine,
         data_dir: Path,
         max_resident: int = 0,
-        snapshot_interval_s: float = 0.0,
+        snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -176,7 +177,7 @@ class Dispatcher:
         the background snapshots the engine finished (each trims its model's replay log) and
         drop the older snapshot files. Between cycles, so never on the critical path; a
         snapshot lost in flight simply is never recorded."""
-        for model_id, _ in self.cadence.lagging():
+        for model_id in self.cadence.lagging():
             await self._snapshot_pending(model_id)
         for model_id, directory in await self._call(self.engine.durable_snapshots):
             seq = int(directory.name.removeprefix("seq-"))

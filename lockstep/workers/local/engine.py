@@ -15,14 +15,14 @@ hidden states in token chunks (`training.logprobs`): full-vocabulary logits neve
 one chunk.
 
 Packing never changes a tenant's numbers beyond float rounding (fp32 <= 1e-5): every op is per
-row, per block or per token, block padding is masked out of attention and the LoRA path, and
-every base matmul sees >= 8 rows so CPU GEMM takes the same kernel class whether a tenant runs
-alone or packed.
+row, per adapter or per token, block padding lies outside every attention span, and every matmul
+sees >= 8 rows so CPU GEMM takes the same kernel class whether a tenant runs alone or packed.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,8 +224,7 @@ class LocalTrainingEngine(TrainingEngine):
     ) -> None:
         # One packed sequence: row i at starts[i], padded to whole blocks (module docstring).
         widths = [padded(r.length) for r in rows]
-        starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(int).tolist()
-        total = sum(widths)
+        *starts, total = itertools.accumulate(widths, initial=0)
         input_ids = torch.zeros(1, total, dtype=torch.long)
         positions = torch.zeros(1, total, dtype=torch.long)
         for row, start in zip(rows, starts, strict=True):
