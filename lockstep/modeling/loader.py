@@ -26,13 +26,14 @@ def load_base_model(
     served_name: str,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "eager",
+    attn_implementation: str | None = "eager",
 ) -> tuple[PreTrainedModel, ModelCard]:
     """Load `directory` in `dtype`, eval mode, every base parameter frozen.
 
     Eager attention by default (the samplers): a plain matmul + softmax whose masked columns add
-    exact zeros, whatever the padded length. The trainer asks for row-wise SDPA
-    (`modeling.attention`): no [heads, T, T] scores kept for backward, and still batch-invariant.
+    exact zeros, whatever the padded length. None: the model's own default (the trainer, which
+    switches the packed families to row-wise attention, `modeling.attention`, once it has looked
+    at the model).
     """
     directory = Path(directory).resolve()
     dev = torch.device(device) if device is not None else default_device()

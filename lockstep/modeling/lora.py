@@ -1,10 +1,13 @@
 """Multi-tenant LoRA: many adapters live in one base model; each batch ROW picks its own adapter.
 
-`LoraModel` swaps every targeted `nn.Linear` of a HF model for a `MultiLoRALinear`, which computes
-`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row. Rows are grouped by
-adapter (sorted segments): each adapter's rows take one GEMM pair with that adapter's own A / B,
-so a row's output does not depend on which other rows or adapters share the batch, and K
-adapters cost K small GEMM pairs per layer (no per-row copies of adapter weights).
+`LoraModel` swaps every LoRA target of a HF model (`architecture.py` says which: by role, not by
+name) for a multi-adapter layer: an `nn.Linear` becomes a `MultiLoRALinear`, which computes
+`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row; a fused experts
+module becomes a `MultiLoRAExperts` (`experts.py`: a LoRA on every expert's w1 / w3 / w2, held
+as 3-D tensors). Rows are grouped by adapter (sorted segments): each adapter's rows take one GEMM
+pair with that adapter's own A / B, so a row's output does not depend on which other rows or
+adapters share the batch, and K adapters cost K small GEMM pairs per layer (no per-row copies of
+adapter weights).
 
 A "row" of the routing is a batch row, or a fixed-size block of one packed sequence (the trainer
 concatenates a micro-batch's rows, each padded to whole blocks, so every block has one adapter).
@@ -17,9 +20,9 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,21 +30,64 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lockstep.engine.types import LoraSpec
+from lockstep.modeling import packing
+from lockstep.modeling.architecture import Architecture, Role, describe
+from lockstep.modeling.experts import MultiLoRAExperts
+from lockstep.modeling.routing import Routing, RoutingSlot, Segment
 
+# The dense layout's leaf names (Llama / Qwen3), which the Megatron engine converts.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_TARGETS = ("lm_head",)
-DEFAULT_TARGETS = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
 PEFT_PREFIX = "base_model.model."
 
 
 def spec_targets(spec: LoraSpec) -> tuple[str, ...]:
-    """Leaf module names an adapter with this spec trains."""
+    """Leaf module names an adapter with this spec trains in the dense layout (Megatron)."""
     return (
         (ATTN_TARGETS if spec.train_attn else ())
         + (MLP_TARGETS if spec.train_mlp else ())
         + (UNEMBED_TARGETS if spec.train_unembed else ())
     )
+
+
+def dense_spec_of(state: Mapping[str, torch.Tensor], rank: int, alpha: float) -> LoraSpec:
+    """The spec of an adapter file in the dense layout, from its leaf names (Megatron)."""
+    leaves = {k.rsplit(".", 3)[-3] for k in state}
+    return LoraSpec(
+        rank=rank,
+        alpha=alpha,
+        seed=None,
+        train_attn=bool(leaves & set(ATTN_TARGETS)),
+        train_mlp=bool(leaves & set(MLP_TARGETS)),
+        train_unembed=bool(leaves & set(UNEMBED_TARGETS)),
+    )
+
+
+def spec_roles(spec: LoraSpec) -> dict[Role, str]:
+    """Roles an adapter with this spec trains -> the LoraConfig field that asks for each."""
+    asked = {
+        Role.ATTN: ("train_attn", spec.train_attn),
+        Role.MLP: ("train_mlp", spec.train_mlp),
+        Role.UNEMBED: ("train_unembed", spec.train_unembed),
+    }
+    return {role: field for role, (field, on) in asked.items() if on}
+
+
+class LoraShape(NamedTuple):
+    """A LoRA target's shape: A [rank, in] / B [out, rank], or per expert [experts, ...]."""
+
+    fan_in: int
+    fan_out: int
+    experts: int | None = None
+
+    def a(self, rank: int) -> tuple[int, ...]:
+        lead = () if self.experts is None else (self.experts,)
+        return (*lead, rank, self.fan_in)
+
+    def b(self, rank: int) -> tuple[int, ...]:
+        lead = () if self.experts is None else (self.experts,)
+        return (*lead, self.fan_out, rank)
 
 
 def validate_spec(spec: LoraSpec) -> None:
@@ -51,31 +97,29 @@ def validate_spec(spec: LoraSpec) -> None:
         raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
 
 
-def init_adapter_state(
-    spec: LoraSpec, shapes: dict[str, tuple[int, int]]
-) -> dict[str, torch.Tensor]:
-    """A fresh adapter in PEFT keys for layers `path -> (in, out)`: A ~ kaiming-uniform (PEFT's
-    init) from a generator seeded by (spec.seed, path), B = 0. Shared by every training engine so
-    the same seed gives the same adapter whatever engine or sharding holds it."""
+def init_adapter_state(spec: LoraSpec, shapes: Mapping[str, LoraShape]) -> dict[str, torch.Tensor]:
+    """A fresh adapter in PEFT keys for layers `path -> shape`: A ~ kaiming-uniform (PEFT's init,
+    every expert alike) from a generator seeded by (spec.seed, path), B = 0. Shared by every
+    training engine so the same seed gives the same adapter whatever engine or sharding holds it."""
     seed = spec.seed if spec.seed is not None else 0
     state: dict[str, torch.Tensor] = {}
-    for path, (fan_in, fan_out) in shapes.items():
+    for path, shape in shapes.items():
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63)
-        bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5))
-        a = (torch.rand(spec.rank, fan_in, generator=gen) * 2 - 1) * bound
+        bound = 1.0 / math.sqrt(shape.fan_in)  # kaiming_uniform_(a=sqrt(5))
+        a = (torch.rand(shape.a(spec.rank), generator=gen) * 2 - 1) * bound
         state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a
-        state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.zeros(fan_out, spec.rank)
+        state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = torch.zeros(shape.b(spec.rank))
     return state
 
 
 def check_adapter_state(
-    state: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
     spec: LoraSpec,
-    shapes: dict[str, tuple[int, int]],
+    shapes: Mapping[str, LoraShape],
     strict: bool = True,
 ) -> list[str]:
-    """Check PEFT-named tensors against the layers `shapes` (path -> (in, out)) that `spec`
-    targets on a model; returns the paths present. Every engine loads adapters through this.
+    """Check PEFT-named tensors against the layers `shapes` (path -> shape) that `spec` targets
+    on a model; returns the paths present. Every engine loads adapters through this.
 
     strict: the keys must be exactly those layers (our own checkpoints). With strict=False a
     subset is accepted (external PEFT adapters that skip some layers), but every layer present
@@ -96,83 +140,16 @@ def check_adapter_state(
         )
     paths = list(dict.fromkeys(expected.values()))
     for path in paths:
-        fan_in, fan_out = shapes[path]
+        shape = shapes[path]
         a = state[f"{PEFT_PREFIX}{path}.lora_A.weight"]
         b = state[f"{PEFT_PREFIX}{path}.lora_B.weight"]
-        if tuple(a.shape) != (spec.rank, fan_in) or tuple(b.shape) != (fan_out, spec.rank):
+        if tuple(a.shape) != shape.a(spec.rank) or tuple(b.shape) != shape.b(spec.rank):
+            experts = "" if shape.experts is None else f" x {shape.experts} experts"
             raise ValueError(
                 f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank "
-                f"{spec.rank} and layer {fan_in}->{fan_out}"
+                f"{spec.rank} and layer {shape.fan_in}->{shape.fan_out}{experts}"
             )
     return paths
-
-
-@dataclass
-class _Segment:
-    """The batch rows of one adapter: a slice when contiguous, else an index."""
-
-    adapter_id: str
-    start: int
-    stop: int
-    index: torch.Tensor | None  # None: rows start..stop-1, contiguous
-    mask: torch.Tensor | None  # [n * per_row] fp32, 0 on padding; None: no padding
-
-
-class _Routing:
-    """Which adapter each batch row uses, grouped into per-adapter segments once per layout.
-
-    Rows of one adapter go through that adapter's matmuls together ([n * tokens, in] @ A.T), so a
-    layer costs one small GEMM pair per adapter present, never a per-row copy of the weights.
-    Callers that can (the training engine) order rows by adapter, so segments are plain slices.
-    """
-
-    def __init__(self, adapter_ids: Sequence[str | None], valid: torch.Tensor | None) -> None:
-        self.adapter_ids = list(adapter_ids)
-        self.valid = valid
-        self._valid_cpu = None if valid is None else valid.detach().to("cpu", torch.bool)
-        self._segments: dict[tuple[int, torch.device], list[_Segment]] = {}
-
-    def segments(self, x: torch.Tensor, in_features: int) -> list[_Segment]:
-        """Segments for x viewed as [rows, per_row, in], in row order (cached per layout)."""
-        rows = len(self.adapter_ids)
-        # A batch of `rows` rows, or ONE packed sequence routed in `rows` equal blocks.
-        packed = x.shape[0] == 1 and x.numel() % max(1, rows * in_features) == 0
-        if x.shape[0] != rows and not packed:
-            raise ValueError(f"batch has {x.shape[0]} rows but {rows} adapter ids were routed")
-        per_row = x.numel() // (rows * in_features) if rows else 0
-        key = (per_row, x.device)
-        if key not in self._segments:
-            self._segments[key] = self._build(per_row, x.device)
-        return self._segments[key]
-
-    def _build(self, per_row: int, device: torch.device) -> list[_Segment]:
-        groups: dict[str, list[int]] = {}
-        for row, aid in enumerate(self.adapter_ids):
-            if aid is not None:
-                groups.setdefault(aid, []).append(row)
-        masked = self.valid is not None and tuple(self.valid.shape) == (
-            len(self.adapter_ids),
-            per_row,
-        )
-        out = []
-        for aid, rows in groups.items():
-            contiguous = rows == list(range(rows[0], rows[-1] + 1))
-            index = None if contiguous else torch.tensor(rows, dtype=torch.long, device=device)
-            mask = None
-            if masked:
-                assert self.valid is not None and self._valid_cpu is not None
-                if not bool(self._valid_cpu[rows].all()):
-                    sel = self.valid[rows[0] : rows[-1] + 1] if index is None else self.valid[index]
-                    mask = sel.to(device, torch.float32).reshape(-1)
-            out.append(_Segment(aid, rows[0], rows[-1] + 1, index, mask))
-        return sorted(out, key=lambda seg: seg.start)
-
-
-class _RoutingSlot:
-    """Shared by every MultiLoRALinear of a LoraModel: the routing of the current forward."""
-
-    def __init__(self) -> None:
-        self.current: _Routing | None = None
 
 
 class MultiLoRALinear(nn.Module):
@@ -183,7 +160,7 @@ class MultiLoRALinear(nn.Module):
     The base matmul runs in the model's dtype; the adapter path in fp32 (the adapters' dtype).
     """
 
-    def __init__(self, base: nn.Linear, slot: _RoutingSlot) -> None:
+    def __init__(self, base: nn.Linear, slot: RoutingSlot) -> None:
         super().__init__()
         self.in_features = base.in_features
         self.out_features = base.out_features
@@ -193,6 +170,10 @@ class MultiLoRALinear(nn.Module):
         self.lora_A: dict[str, nn.Parameter] = {}
         self.lora_B: dict[str, nn.Parameter] = {}
         self.scale: dict[str, float] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
@@ -220,7 +201,7 @@ class MultiLoRALinear(nn.Module):
         return y + self._assemble(segments, deltas, rows, per_row).to(y.dtype).view(y.shape)
 
     def _assemble(
-        self, segments: list[_Segment], deltas: list[torch.Tensor], rows: int, per_row: int
+        self, segments: list[Segment], deltas: list[torch.Tensor], rows: int, per_row: int
     ) -> torch.Tensor:
         """[rows, per_row, out] from per-segment deltas; rows without an adapter get zeros."""
         first = deltas[0]
@@ -248,23 +229,51 @@ class MultiLoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
 
 
-class LoraModel:
-    """A HF causal LM whose targeted linear layers carry many tenants' LoRA adapters."""
+class _Slot(Protocol):
+    """One LoRA target's adapters: a MultiLoRALinear, or one projection of fused experts."""
 
-    def __init__(self, base: PreTrainedModel) -> None:
+    in_features: int
+    out_features: int
+    lora_A: dict[str, nn.Parameter]
+    lora_B: dict[str, nn.Parameter]
+    scale: dict[str, float]
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+class LoraModel:
+    """A HF causal LM whose LoRA targets carry many tenants' adapters."""
+
+    def __init__(self, base: PreTrainedModel, arch: Architecture | None = None) -> None:
         self.base = base
-        self._slot = _RoutingSlot()
-        self._layers: dict[str, MultiLoRALinear] = {}  # module path -> layer, model order
+        self.arch = describe(base) if arch is None else arch
+        self._slot = RoutingSlot()
+        self._layers: dict[str, _Slot] = {}  # LoRA path -> slot, model order
+        self._shapes: dict[str, LoraShape] = {}
+        self._roles: dict[str, Role] = {}
         self._specs: dict[str, LoraSpec] = {}
-        for path, module in list(base.named_modules()):
-            leaf = path.rsplit(".", 1)[-1]
-            if leaf in DEFAULT_TARGETS and isinstance(module, nn.Linear):
-                parent = base.get_submodule(path.rsplit(".", 1)[0]) if "." in path else base
-                layer = MultiLoRALinear(module, self._slot)
+        for target in self.arch.targets:
+            parent_path, _, leaf = target.path.rpartition(".")
+            parent = base.get_submodule(parent_path) if parent_path else base
+            if isinstance(target.module, nn.Linear):
+                layer = MultiLoRALinear(target.module, self._slot)
                 setattr(parent, leaf, layer)
-                self._layers[path] = layer
+                shape = LoraShape(layer.in_features, layer.out_features)
+                self._add(target.path, target.role, layer, shape)
+            else:
+                experts = MultiLoRAExperts(target.module, self._slot)
+                setattr(parent, leaf, experts)
+                for which, slot in experts.slots.items():
+                    shape = LoraShape(slot.in_features, slot.out_features, slot.experts)
+                    self._add(f"{target.path}.{which}", target.role, slot, shape)
         if not self._layers:
-            raise ValueError(f"{type(base).__name__} has no LoRA-targetable linear layers")
+            raise ValueError(f"{type(base).__name__} has no LoRA-targetable layers")
+
+    def _add(self, path: str, role: Role, slot: _Slot, shape: LoraShape) -> None:
+        self._layers[path] = slot
+        self._shapes[path] = shape
+        self._roles[path] = role
 
     # -- adapters -------------------------------------------------------------------------
 
@@ -278,8 +287,42 @@ class LoraModel:
         return self._specs[adapter_id]
 
     def target_paths(self, spec: LoraSpec) -> list[str]:
-        targets = spec_targets(spec)
-        return [p for p in self._layers if p.rsplit(".", 1)[-1] in targets]
+        roles = spec_roles(spec)
+        return [p for p in self._layers if self._roles[p] in roles]
+
+    def shapes(self, spec: LoraSpec) -> dict[str, LoraShape]:
+        """LoRA path -> shape of every layer an adapter with `spec` trains."""
+        return {p: self._shapes[p] for p in self.target_paths(spec)}
+
+    def check_spec(self, spec: LoraSpec) -> None:
+        """Refuse a spec that asks for a kind of layer this model does not have (it would train
+        nothing there, silently).
+
+        Raises:
+            ValueError: naming the LoraConfig field that matches no layer.
+        """
+        validate_spec(spec)
+        present = set(self._roles.values())
+        for role, field in spec_roles(spec).items():
+            if role not in present:
+                raise ValueError(
+                    f"{field}: {type(self.base).__name__} has no {role.value} layers LoRA can "
+                    "train; set it to false"
+                )
+
+    def spec_of(self, state: Mapping[str, torch.Tensor], rank: int, alpha: float) -> LoraSpec:
+        """The spec of an adapter file: which roles its tensors train on this model."""
+        keys = [k[len(PEFT_PREFIX) :] for k in state if k.startswith(PEFT_PREFIX)]
+        paths = {k.rsplit(".", 2)[0] for k in keys}
+        roles = {self._roles[p] for p in paths if p in self._roles}
+        return LoraSpec(
+            rank=rank,
+            alpha=alpha,
+            seed=None,
+            train_attn=Role.ATTN in roles,
+            train_mlp=Role.MLP in roles,
+            train_unembed=Role.UNEMBED in roles,
+        )
 
     def add_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
         """Create an adapter: A ~ kaiming-uniform (PEFT's init) seeded by spec.seed, B = 0.
@@ -287,14 +330,10 @@ class LoraModel:
         Each layer draws A from its own generator seeded by (seed, layer path), so a layer's init
         does not depend on which other layers the spec targets. `seed=None` means seed 0.
         """
-        validate_spec(spec)
+        self.check_spec(spec)
         if adapter_id in self._specs:
             raise ValueError(f"adapter {adapter_id!r} already exists")
-        shapes = {
-            p: (self._layers[p].in_features, self._layers[p].out_features)
-            for p in self.target_paths(spec)
-        }
-        self.load_adapter_state(adapter_id, init_adapter_state(spec, shapes), spec)
+        self.load_adapter_state(adapter_id, init_adapter_state(spec, self.shapes(spec)), spec)
 
     def remove_adapter(self, adapter_id: str) -> None:
         self._specs.pop(adapter_id, None)
@@ -325,7 +364,7 @@ class LoraModel:
         ]
 
     def adapter_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
-        """Detached CPU copies under PEFT key names."""
+        """Detached CPU copies under PEFT key names (experts: 3-D, Tinker's layout)."""
         if adapter_id not in self._specs:
             raise KeyError(adapter_id)
         state: dict[str, torch.Tensor] = {}
@@ -339,7 +378,7 @@ class LoraModel:
     def load_adapter_state(
         self,
         adapter_id: str,
-        state: dict[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor],
         spec: LoraSpec,
         strict: bool = True,
     ) -> None:
@@ -351,17 +390,12 @@ class LoraModel:
         Raises:
             ValueError: a key is missing or unexpected, or a tensor has the wrong shape.
         """
-        shapes = {
-            p: (self._layers[p].in_features, self._layers[p].out_features)
-            for p in self.target_paths(spec)
-        }
-        paths = check_adapter_state(state, spec, shapes, strict)
+        paths = check_adapter_state(state, spec, self.shapes(spec), strict)
         new: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         for path in paths:
-            layer = self._layers[path]
+            dev = self._layers[path].device
             a = state[f"{PEFT_PREFIX}{path}.lora_A.weight"]
             b = state[f"{PEFT_PREFIX}{path}.lora_B.weight"]
-            dev = layer.weight.device
             new[path] = (
                 nn.Parameter(a.detach().to(dev, torch.float32, copy=True)),
                 nn.Parameter(b.detach().to(dev, torch.float32, copy=True)),
@@ -391,8 +425,24 @@ class LoraModel:
         if unknown:
             raise KeyError(f"unknown adapter(s): {unknown}")
         previous = self._slot.current
-        self._slot.current = _Routing(adapter_ids, valid)
+        self._slot.current = Routing(adapter_ids, valid)
         try:
             yield
         finally:
             self._slot.current = previous
+
+    @contextmanager
+    def narrowed(self, start: int, stop: int) -> Iterator[None]:
+        """Inside a packed forward: route positions start..stop-1 (whole routing blocks) as the
+        entire input, for a layer that runs one packed row at a time (`mixers.py`)."""
+        routing, layout = self._slot.current, packing.current()
+        if routing is None or layout is None:
+            yield
+            return
+        total = sum(layout.widths)
+        block = total // len(routing.adapter_ids)
+        self._slot.current = routing.narrow(start // block, stop // block)
+        try:
+            yield
+        finally:
+            self._slot.current = routing

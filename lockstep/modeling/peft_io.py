@@ -1,23 +1,23 @@
 """Read and write adapters in the PEFT layout (what `peft.PeftModel.from_pretrained`, vLLM and
 SGLang load): `adapter_model.safetensors` with `base_model.model.<path>.lora_{A,B}.weight` keys
-plus `adapter_config.json`."""
+plus `adapter_config.json`.
+
+Expert LoRA follows Tinker's adapter format (what tinker-cookbook's `weights` tools read): one
+3-D tensor per projection of all a layer's experts, `<experts path>.w1|w3|w2.lora_A.weight`
+[experts, rank, in] and `.lora_B.weight` [experts, out, rank] (w1 gate, w3 up, w2 down).
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from lockstep.engine.types import LoraSpec
-from lockstep.modeling.lora import (
-    ATTN_TARGETS,
-    DEFAULT_TARGETS,
-    MLP_TARGETS,
-    PEFT_PREFIX,
-    UNEMBED_TARGETS,
-)
+from lockstep.modeling.lora import PEFT_PREFIX
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -28,14 +28,24 @@ def _leaf_of(key: str) -> str:
     return key.rsplit(".", 3)[-3]
 
 
+@dataclass(frozen=True)
+class PeftAdapter:
+    """An adapter read from disk. Which layers it trains is the model's to say
+    (`LoraModel.spec_of`), unless a Lockstep checkpoint recorded its spec."""
+
+    state: dict[str, torch.Tensor]
+    rank: int
+    alpha: float
+    spec: LoraSpec | None = None
+
+
 def save_peft_adapter(
     directory: Path, state: dict[str, torch.Tensor], spec: LoraSpec, base_model_name: str
 ) -> int:
     """Write the adapter; returns the bytes written (both files)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    present = {_leaf_of(k) for k in state}
-    target_modules = [t for t in DEFAULT_TARGETS if t in present]  # stable order
+    target_modules = sorted({_leaf_of(k) for k in state})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -63,12 +73,12 @@ def save_peft_adapter(
     return weights_path.stat().st_size + config_path.stat().st_size
 
 
-def load_peft_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], LoraSpec]:
-    """Read a PEFT LoRA directory; the spec's train_* flags come from `target_modules`.
+def load_peft_adapter(directory: Path) -> PeftAdapter:
+    """Read a PEFT LoRA directory.
 
     Raises:
         ValueError: not a LoRA adapter directory we can serve (missing files, other PEFT type,
-            per-module rank/alpha patterns, unsupported target modules).
+            per-module rank/alpha patterns, tensors that are not LoRA A/B matrices).
     """
     directory = Path(directory)
     config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
@@ -85,17 +95,12 @@ def load_peft_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], LoraSpe
         k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
         for k, v in state.items()
     }
-    bad = [k for k in state if not k.startswith(PEFT_PREFIX) or _leaf_of(k) not in DEFAULT_TARGETS]
+    bad = [
+        k
+        for k in state
+        if not k.startswith(PEFT_PREFIX) or not k.endswith((".lora_A.weight", ".lora_B.weight"))
+    ]
     if bad:
         raise ValueError(f"{directory}: unsupported adapter tensors, e.g. {bad[0]!r}")
-    present = {_leaf_of(k) for k in state}
     rank = int(config["r"])
-    spec = LoraSpec(
-        rank=rank,
-        alpha=float(config.get("lora_alpha", rank)),
-        seed=None,
-        train_attn=bool(present & set(ATTN_TARGETS)),
-        train_mlp=bool(present & set(MLP_TARGETS)),
-        train_unembed=bool(present & set(UNEMBED_TARGETS)),
-    )
-    return state, spec
+    return PeftAdapter(state=state, rank=rank, alpha=float(config.get("lora_alpha", rank)))

@@ -40,6 +40,12 @@ def tokenizer_corpus() -> str:
     return (resources.files("lockstep") / "assets" / "tokenizer_corpus.txt").read_text("utf-8")
 
 
+def recipe_digest() -> str:
+    """Recipe version + corpus digest: a cache directory name changes when either does."""
+    digest = hashlib.sha256(tokenizer_corpus().encode()).hexdigest()[:8]
+    return f"{_RECIPE_VERSION}-{digest}"
+
+
 def ensure_default_model(cache_dir: Path) -> Path:
     """Build (once, atomically) and return the default model directory under `cache_dir`.
 
@@ -47,15 +53,13 @@ def ensure_default_model(cache_dir: Path) -> Path:
     `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load offline.
     """
     cache_dir = Path(cache_dir)
-    corpus = tokenizer_corpus()
-    digest = hashlib.sha256(corpus.encode()).hexdigest()[:8]
-    final = cache_dir / f"tiny-qwen3-{_RECIPE_VERSION}-{digest}"
+    final = cache_dir / f"tiny-qwen3-{recipe_digest()}"
     if (final / "config.json").is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache_dir))
     try:
-        build_tiny_model(tmp, corpus)
+        build_tiny_model(tmp, tokenizer_corpus())
         try:
             os.rename(tmp, final)  # atomic: readers see nothing or a complete directory
         except OSError:
@@ -67,12 +71,12 @@ def ensure_default_model(cache_dir: Path) -> Path:
     return final
 
 
-def build_tiny_model(directory: Path, corpus: str) -> None:
-    """Write the tokenizer and the random-init model into an existing empty `directory`."""
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+def write_tokenizer(directory: Path, corpus: str | None = None) -> tuple[int, int]:
+    """Train and save the built-in tokenizer into `directory`; returns (eos id, vocab size)."""
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(corpus),
+        tokenizer_object=_train_tokenizer(tokenizer_corpus() if corpus is None else corpus),
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
@@ -83,8 +87,16 @@ def build_tiny_model(directory: Path, corpus: str) -> None:
     tokenizer.save_pretrained(str(directory))
     _portable_tokenizer_config(directory / "tokenizer_config.json")
     eos_id = int(tokenizer.convert_tokens_to_ids("<|endoftext|>"))  # type: ignore[arg-type]
+    return eos_id, len(tokenizer)
+
+
+def build_tiny_model(directory: Path, corpus: str) -> None:
+    """Write the tokenizer and the random-init model into an existing empty `directory`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    eos_id, vocab = write_tokenizer(directory, corpus)
     config = Qwen3Config(
-        vocab_size=len(tokenizer),  # exactly the tokenizer: every sampled id decodes
+        vocab_size=vocab,  # exactly the tokenizer: every sampled id decodes
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -102,9 +114,14 @@ def build_tiny_model(directory: Path, corpus: str) -> None:
     )
     with torch.device("cpu"):
         model = Qwen3ForCausalLM(config)
-    _init_weights(model, std=0.02)
+    init_weights(model, std=0.02)
     model.generation_config.do_sample = True
     model.save_pretrained(str(directory), safe_serialization=True)
+    finish_directory(directory)
+
+
+def finish_directory(directory: Path) -> None:
+    """Stamp the recipe and make a freshly built model directory readable by every process."""
     (directory / "lockstep_build.json").write_text(
         json.dumps({"recipe": _RECIPE_VERSION, "seed": _SEED}, sort_keys=True) + "\n"
     )
@@ -128,7 +145,7 @@ def _portable_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _init_weights(model: torch.nn.Module, std: float) -> None:
+def init_weights(model: torch.nn.Module, std: float) -> None:
     """Norms = 1, everything else N(0, std) from a generator seeded by the parameter's name."""
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -10,7 +10,7 @@ Layout of a `save_state` directory:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import LoraSpec
-from lockstep.modeling.peft_io import load_peft_adapter, save_peft_adapter
+from lockstep.modeling.peft_io import PeftAdapter, load_peft_adapter, save_peft_adapter
 from lockstep.training.optim import AdamState
 
 FORMAT = "lockstep-lora-state-v1"
@@ -51,25 +51,26 @@ def write_state(
     return size + meta_path.stat().st_size
 
 
-def read_adapter(directory: Path, base_model: str) -> tuple[dict[str, torch.Tensor], LoraSpec]:
-    """The adapter tensors and spec of a checkpoint (or of a plain PEFT directory).
+def read_adapter(directory: Path, base_model: str) -> PeftAdapter:
+    """The adapter of a checkpoint (or of a plain PEFT directory); `spec` is the one recorded by
+    a Lockstep checkpoint, None for a plain PEFT directory (the model says what it trains).
 
     Raises:
         UserInputError("path"): not a checkpoint, or one of another base model.
     """
     directory = Path(directory)
     try:
-        state, spec = load_peft_adapter(directory)
+        adapter = load_peft_adapter(directory)
     except (ValueError, OSError, KeyError) as exc:
         raise UserInputError("path", f"not a LoRA checkpoint: {exc}") from exc
     meta = _read_meta(directory)
-    if meta is not None:
-        if meta.get("base_model") != base_model:
-            raise UserInputError(
-                "path", f"checkpoint of base model {meta.get('base_model')!r}, not {base_model!r}"
-            )
-        spec = LoraSpec(**meta["spec"])
-    return state, spec
+    if meta is None:
+        return adapter
+    if meta.get("base_model") != base_model:
+        raise UserInputError(
+            "path", f"checkpoint of base model {meta.get('base_model')!r}, not {base_model!r}"
+        )
+    return replace(adapter, spec=LoraSpec(**meta["spec"]))
 
 
 def read_adam(directory: Path, names: list[str], params: list[torch.Tensor]) -> AdamState:

@@ -76,7 +76,7 @@ def run_workload(engine: TrainingEngine, out_dir: Path, steps: int = 2) -> dict[
             record[f"{m}/{step}/step"] = met["step:max"]
     for model_id in TENANTS:
         engine.export_adapter(model_id, out_dir / model_id)
-        state, _ = load_peft_adapter(out_dir / model_id)
+        state = load_peft_adapter(out_dir / model_id).state
         for key, tensor in state.items():
             record[f"{model_id}/adapter/{key}"] = tensor
     return record

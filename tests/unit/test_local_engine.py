@@ -280,7 +280,8 @@ def test_export_adapter_is_peft(engine: LocalTrainingEngine, tmp_path: Path) -> 
         "adapter_model.safetensors",
     ]
     assert size == sum(p.stat().st_size for p in (tmp_path / "out").iterdir())
-    state, spec = load_peft_adapter(tmp_path / "out")
+    adapter = load_peft_adapter(tmp_path / "out")
+    state, spec = adapter.state, engine._lora.spec_of(adapter.state, adapter.rank, adapter.alpha)
     assert (spec.rank, spec.alpha, spec.train_mlp, spec.train_attn) == (4, 16.0, False, True)
     ours = engine._lora.adapter_state("m")
     assert state.keys() == ours.keys() and all(torch.equal(state[k], ours[k]) for k in ours)

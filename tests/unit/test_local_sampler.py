@@ -67,8 +67,9 @@ def reference(model_dir: Path, adapter_dirs: dict[str, Path]) -> LoraModel:
     base, _ = load_base_model(model_dir, DEFAULT_MODEL_NAME, "cpu")
     lora = LoraModel(base)
     for adapter_id, directory in adapter_dirs.items():
-        state, spec = load_peft_adapter(directory)
-        lora.load_adapter_state(adapter_id, state, spec)
+        adapter = load_peft_adapter(directory)
+        spec = lora.spec_of(adapter.state, adapter.rank, adapter.alpha)
+        lora.load_adapter_state(adapter_id, adapter.state, spec)
     return lora
 
 

@@ -93,9 +93,13 @@ def test_peft_files_round_trip(model_dir: Path, tmp_path: Path) -> None:
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert config["base_model_name_or_path"] == DEFAULT_MODEL_NAME
-    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
-    loaded, loaded_spec = load_peft_adapter(tmp_path / "ad")
-    assert loaded_spec == LoraSpec(rank=4, alpha=8.0, seed=None, train_attn=True, train_mlp=False)
+    assert config["target_modules"] == ["k_proj", "lm_head", "o_proj", "q_proj", "v_proj"]
+    adapter = load_peft_adapter(tmp_path / "ad")
+    loaded = adapter.state
+    assert (adapter.rank, adapter.alpha, adapter.spec) == (4, 8.0, None)
+    assert lora.spec_of(loaded, adapter.rank, adapter.alpha) == LoraSpec(
+        rank=4, alpha=8.0, seed=None, train_attn=True, train_mlp=False
+    )
     assert loaded.keys() == state.keys()
     assert all(torch.equal(loaded[k], state[k]) for k in state)
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in loaded

@@ -21,7 +21,6 @@ from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.rollout.local.generate import GenerateConfig, Generator
-from lockstep.rollout.local.kvcache import check_supported
 from lockstep.rollout.pager import AdapterPager
 from lockstep.rollout.validation import validate_sample_request
 
@@ -51,8 +50,7 @@ class LocalSamplingEngine(SamplingEngine):
         prefill_token_budget: int = 8192,
     ) -> None:
         base, self._card = load_base_model(model_dir, served_name, device)
-        check_supported(base.config)
-        self._lora = LoraModel(base)
+        self._lora = LoraModel(base)  # describes the model; refuses what it cannot compute
         self._tokenizer = AutoTokenizer.from_pretrained(self._card.directory)
         self._tokenizer_size = len(self._tokenizer)
         generation = getattr(base, "generation_config", None)
@@ -66,6 +64,7 @@ class LocalSamplingEngine(SamplingEngine):
                 pad_id=pad_id,
                 decode=self.decode,
                 prefill_token_budget=prefill_token_budget,
+                padded=self._lora.arch.padded_sampling,
             ),
         )
         self._pager = AdapterPager(max_adapters)
@@ -155,7 +154,9 @@ class LocalSamplingEngine(SamplingEngine):
 
     def _install(self, adapter_id: str, directory: Path, keep: Iterable[str]) -> None:
         """Read `directory` into the LoRA model, paging out LRU adapters (never those in `keep`)."""
-        state, spec = load_peft_adapter(directory)
+        adapter = load_peft_adapter(directory)
+        state = adapter.state
+        spec = self._lora.spec_of(state, adapter.rank, adapter.alpha)
         for victim in self._pager.admit(adapter_id, directory, keep):
             self._lora.remove_adapter(victim)
         try:

@@ -9,6 +9,12 @@
    every step feeds each unfinished row its last token (one position, explicit position ids).
    Finished rows leave the batch; leading all-padding columns are trimmed.
 
+That is the padded path, for models whose every layer is full attention (`padded=True`: the
+cache holds plain keys and values, which left padding and row surgery keep exact). Any other
+model (sliding windows, sinks, linear attention) takes the grouped path: requests of equal prompt
+length prefill together without padding, their samples decode as one batch over HF's own
+per-layer caches, and finished rows leave it (`UnpaddedBatch`); no prefix reuse there.
+
 Prompt logprobs are `log_softmax` of the raw fp32 logits (the model's own distribution at
 temperature 1). Sampled-token logprobs (and their top-k) are under the distribution each token
 was drawn from: temperature, then top-k / top-p truncation and renormalisation (sampling.py).
@@ -17,6 +23,7 @@ was drawn from: temperature, then top-k / top-p truncation and renormalisation (
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from lockstep.engine.types import SampledSequence, SampleRequest, SampleResult, StopReason
 from lockstep.modeling.lora import LoraModel
-from lockstep.rollout.local.kvcache import BatchCache, merge
+from lockstep.rollout.local.kvcache import BatchCache, UnpaddedBatch, merge
 from lockstep.rollout.local.prefix_cache import Hit, PrefixCache
 from lockstep.rollout.local.sampling import (
     RowSampling,
@@ -35,6 +42,10 @@ from lockstep.rollout.local.sampling import (
 )
 from lockstep.rollout.local.stops import Decode, StopChecker
 from lockstep.training.logprobs import chunk_tokens
+
+# transformers 5.2x renames `past_key_values` to `cache` model by model; the old name works for
+# every model (new ones map it), the new one is silently ignored by models not yet renamed.
+warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class GenerateConfig:
     prefix_cache_sessions: int = 64  # sessions whose prompt KV is kept (0: no prefix reuse)
     prefix_cache_tokens: int = 8192  # cached prompt tokens per session
     prefix_cache_bytes: int = 1 << 30  # cached keys and values of all sessions together
+    padded: bool = True  # left-padded shared batches; False: equal-length groups, no padding
 
 
 @dataclass
@@ -149,7 +161,7 @@ class Generator:
     def _forward(
         self,
         input_ids: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         positions: torch.Tensor,
         cache: DynamicCache,
         adapters: Sequence[str | None],
@@ -292,6 +304,8 @@ class Generator:
             yield (picked, *self._prefill(requests, picked, results))
 
     def run(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        if not self.cfg.padded:
+            return self._run_grouped(requests)
         results = [SampleResult(request_id=r.request_id, sequences=[]) for r in requests]
         parts: list[BatchCache] = []
         part_logits: list[torch.Tensor] = []
@@ -317,6 +331,65 @@ class Generator:
             results[i].sequences = [row.sequence() for row in req_rows]
         return results
 
+    def _run_grouped(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        """Requests of one prompt length at a time, unpadded (module docstring)."""
+        results = [SampleResult(request_id=r.request_id, sequences=[]) for r in requests]
+        by_length: dict[int, list[int]] = {}
+        for i, req in enumerate(requests):
+            by_length.setdefault(len(req.prompt), []).append(i)
+        for length, members in sorted(by_length.items()):
+            per_batch = max(1, self.cfg.prefill_token_budget // length)
+            if any(_wants_prompt_scores(requests[i]) for i in members):
+                per_batch = max(
+                    1, min(per_batch, self.cfg.max_logits_elements // (length * self.vocab))
+                )
+            for at in range(0, len(members), per_batch):
+                self._group(requests, members[at : at + per_batch], length, results)
+        return results
+
+    def _group(
+        self,
+        requests: Sequence[SampleRequest],
+        batch: list[int],
+        length: int,
+        results: list[SampleResult],
+    ) -> None:
+        ids = torch.tensor([requests[i].prompt for i in batch], dtype=torch.long)
+        positions = torch.arange(length).expand(len(batch), length)
+        full = any(_wants_prompt_scores(requests[i]) for i in batch)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(
+            ids.to(self.device),
+            None,
+            positions.to(self.device),
+            cache,
+            [requests[i].adapter_id for i in batch],
+            logits_to_keep=0 if full else 1,
+            valid=None,
+        )
+        for row, i in enumerate(batch):
+            if _wants_prompt_scores(requests[i]):
+                _prompt_scores(requests[i], logits[row], results[i])
+        self.prefilled_tokens += len(batch) * length
+        rows: list[_Row] = []
+        source: list[int] = []  # the prefill row each decode row continues
+        samples = {
+            i: [self._new_row(requests[i], s) for s in range(requests[i].num_samples)]
+            for i in batch
+        }
+        for part_row, i in enumerate(batch):
+            if requests[i].params.max_tokens > 0:
+                rows += samples[i]
+                source += [part_row] * len(samples[i])
+        if rows:
+            index = torch.tensor(source, dtype=torch.long, device=self.device)
+            first_logits = logits[:, -1, :].index_select(0, index)
+            batch_cache = UnpaddedBatch(cache)
+            batch_cache.select(index)
+            self._decode(batch_cache, rows, first_logits)
+        for i in batch:
+            results[i].sequences = [r.sequence() for r in samples[i]]
+
     def _new_row(self, req: SampleRequest, sample: int) -> _Row:
         p = req.params
         gen = make_generator(p.seed, sample) if p.temperature > 0 else None
@@ -328,7 +401,9 @@ class Generator:
             topk=req.topk_sample_logprobs,
         )
 
-    def _decode(self, batch: BatchCache, rows: list[_Row], logits: torch.Tensor) -> None:
+    def _decode(
+        self, batch: BatchCache | UnpaddedBatch, rows: list[_Row], logits: torch.Tensor
+    ) -> None:
         while True:
             choice = choose_tokens(logits, [r.sampling for r in rows])
             tokens, lp = choice.tokens, choice.logprobs

@@ -22,14 +22,6 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 
-def check_supported(config: PretrainedConfig) -> None:
-    """Only full-attention layers: sliding-window caches drop columns on their own."""
-    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise NotImplementedError(f"LocalSamplingEngine supports full attention only, not {other}")
-
-
 def _layers(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
     """(layer, keys, values) of every layer; all must be filled full-attention layers."""
     out = []
@@ -115,3 +107,23 @@ def merge(
         kv_data.append((keys, values))
     mask = torch.cat([gather(parts[p].mask, p, picked) for p, picked in runs])
     return BatchCache(DynamicCache(ddp_cache_data=kv_data, config=config), mask)
+
+
+class UnpaddedBatch:
+    """Rows of one length, no padding, over any HF cache (full, sliding-window, latent or
+    recurrent layers): row selection is the only surgery (`Cache.reorder_cache`, which every
+    layer type implements), so no column is ever padded, merged or trimmed."""
+
+    def __init__(self, cache: DynamicCache) -> None:
+        self.cache = cache
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (int64, may repeat rows), in that order."""
+        self.cache.reorder_cache(index)  # type: ignore[arg-type]  # LongTensor is an int64 Tensor
+
+    def append_real_column(self) -> None:
+        """No mask: every column is real (HF builds the causal and window masks itself)."""
+        return None
+
+    def trim_padding(self) -> None:
+        return None

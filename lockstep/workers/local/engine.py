@@ -17,12 +17,19 @@ one chunk.
 Packing never changes a tenant's numbers beyond float rounding (fp32 <= 1e-5): every op is per
 row, per adapter or per token, block padding lies outside every attention span, and every matmul
 sees >= 8 rows so CPU GEMM takes the same kernel class whether a tenant runs alone or packed.
+
+That is the PACKED path, for the architectures `modeling.architecture` lists (dense, MoE, sliding
+windows with sinks, MLA, Gated DeltaNet hybrids). Any other causal LM runs on the GENERIC path:
+each row alone through the model's own forward (its own attention and masks), unpadded, with the
+same multi-LoRA layers. A feature neither path computes exactly is refused at load, by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +47,12 @@ from lockstep.engine.types import (
     PassRequest,
     PassResult,
 )
-from lockstep.modeling.attention import ROW_ATTENTION, row_spans
+from lockstep.modeling.architecture import TrainerPath, check_head, describe
+from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
-from lockstep.modeling.lora import LoraModel, validate_spec
+from lockstep.modeling.lora import LoraModel
+from lockstep.modeling.mixers import run_per_row
+from lockstep.modeling.packing import packed_rows
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
@@ -52,6 +62,7 @@ from lockstep.workers.local import host_memory
 from lockstep.workers.snapshots import SnapshotWriter
 
 PAD_MULTIPLE = 8  # a row takes whole blocks of 8 tokens: every GEMM has M >= 8 rows
+log = logging.getLogger("lockstep.trainer")
 
 
 @dataclass
@@ -65,6 +76,11 @@ class _Row:
 
 def padded(length: int) -> int:
     return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def alone(lengths: list[int]) -> list[list[int]]:
+    """One row per micro-batch (the generic path), longest first."""
+    return [[i] for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))]
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -96,19 +112,23 @@ class LocalTrainingEngine(TrainingEngine):
     ) -> None:
         dev = torch.device(device) if device is not None else default_device()
         model, self._card = load_base_model(
-            model_dir,
-            served_name,
-            dev,
-            resolve_dtype(dtype, dev),
-            attn_implementation=ROW_ATTENTION,
+            model_dir, served_name, dev, resolve_dtype(dtype, dev), attn_implementation=None
         )
+        arch = describe(model)  # raises UnsupportedModel naming what it cannot compute
+        check_head(model, self._card.vocab_size)
+        self._packed = arch.trainer_path is TrainerPath.PACKED
+        if self._packed:
+            model.set_attn_implementation(ROW_ATTENTION)
         if activation_checkpointing:
             # HF checkpoints decoder layers only in train mode; these models have no active
             # dropout, so train mode changes nothing else. Non-reentrant: base weights are frozen.
             model.activation_checkpointing_enable({"use_reentrant": False})
             model.train()
         self._model = model
-        self._lora = LoraModel(model)
+        self._lora = LoraModel(model, arch)
+        for path in arch.row_mixers:
+            run_per_row(model.get_submodule(path), self._lora.narrowed)
+        log.info("trainer: %s", arch.summary())
         self._decoder = model.get_decoder()
         head = model.get_output_embeddings()
         assert isinstance(head, torch.nn.Module)
@@ -136,7 +156,7 @@ class LocalTrainingEngine(TrainingEngine):
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
         """Create (or re-create from scratch) an adapter with fresh Adam state."""
         try:
-            validate_spec(spec)
+            self._lora.check_spec(spec)
         except ValueError as exc:
             raise UserInputError("lora_config", str(exc)) from exc
         self.delete_model(model_id)
@@ -209,7 +229,9 @@ class LocalTrainingEngine(TrainingEngine):
             for j, d in enumerate(requests[i].data)
         ]
         first_seen = {m: n for n, m in reversed(list(enumerate(r.model_id for r in rows)))}
-        for batch in micro_batches([r.length for r in rows], self._budget):
+        lengths = [r.length for r in rows]
+        cut = micro_batches(lengths, self._budget) if self._packed else alone(lengths)
+        for batch in cut:
             # Rows of one adapter side by side: each LoRA layer then slices, never gathers.
             mb = sorted((rows[k] for k in batch), key=lambda r: first_seen[r.model_id])
             self._micro_batch(mb, requests, configs, outs, backward)
@@ -222,8 +244,9 @@ class LocalTrainingEngine(TrainingEngine):
         outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
         backward: bool,
     ) -> None:
-        # One packed sequence: row i at starts[i], padded to whole blocks (module docstring).
-        widths = [padded(r.length) for r in rows]
+        # One packed sequence: row i at starts[i], padded to whole blocks (module docstring). On
+        # the generic path a micro-batch is one row, unpadded, run as the model's own forward.
+        widths = [padded(r.length) if self._packed else r.length for r in rows]
         *starts, total = itertools.accumulate(widths, initial=0)
         input_ids = torch.zeros(1, total, dtype=torch.long)
         positions = torch.zeros(1, total, dtype=torch.long)
@@ -233,13 +256,21 @@ class LocalTrainingEngine(TrainingEngine):
             positions[0, span] = torch.arange(row.length)
         # No padding mask for the LoRA path: a pad position is outside every attention span and
         # every op on it is per token, so nothing computed there reaches a real token or a loss.
-        blocks = [
-            r.model_id for r, w in zip(rows, widths, strict=True) for _ in range(w // PAD_MULTIPLE)
-        ]
-        with (
-            self._lora.row_adapters(blocks),
-            row_spans([(start, r.length) for r, start in zip(rows, starts, strict=True)]),
-        ):
+        blocks = (
+            [
+                r.model_id
+                for r, w in zip(rows, widths, strict=True)
+                for _ in range(w // PAD_MULTIPLE)
+            ]
+            if self._packed
+            else [rows[0].model_id]
+        )
+        layout = (
+            packed_rows(starts, [r.length for r in rows], widths)
+            if self._packed
+            else contextlib.nullcontext()
+        )
+        with self._lora.row_adapters(blocks), layout:
             hidden = self._decoder(
                 input_ids=input_ids.to(self._device),
                 position_ids=positions.to(self._device),
@@ -328,9 +359,11 @@ class LocalTrainingEngine(TrainingEngine):
         self._snapshots.close()  # a clean stop finishes the snapshots already taken
 
     def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
-        state, spec = checkpoint.read_adapter(Path(directory), self._card.name)
+        adapter = checkpoint.read_adapter(Path(directory), self._card.name)
+        state = adapter.state
+        spec = adapter.spec or self._lora.spec_of(state, adapter.rank, adapter.alpha)
         try:
-            validate_spec(spec)
+            self._lora.check_spec(spec)
             # Build into a scratch id first so a bad checkpoint leaves `model_id` untouched.
             scratch = f"{model_id}\x00loading"
             self._lora.load_adapter_state(scratch, state, spec)

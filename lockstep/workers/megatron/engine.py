@@ -19,6 +19,7 @@ from lockstep.engine.types import LoraSpec, ModelCard, OptimRequest, PassRequest
 from lockstep.modeling.lora import (
     PEFT_PREFIX,
     check_adapter_state,
+    dense_spec_of,
     init_adapter_state,
     validate_spec,
 )
@@ -139,7 +140,9 @@ class MegatronTrainingEngine(TrainingEngine):
         return checkpoint.write_state(Path(directory), state, names, spec, self._card.name, adam)
 
     def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
-        state, spec = checkpoint.read_adapter(Path(directory), self._card.name)
+        adapter = checkpoint.read_adapter(Path(directory), self._card.name)
+        state = adapter.state
+        spec = adapter.spec or dense_spec_of(state, adapter.rank, adapter.alpha)
         try:
             check_adapter_state(state, spec, MegatronLora.spec_paths(self._arch, spec))
         except ValueError as exc:

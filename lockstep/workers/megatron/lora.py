@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lockstep.engine.types import LoraSpec
-from lockstep.modeling.lora import PEFT_PREFIX, spec_targets
+from lockstep.modeling.lora import PEFT_PREFIX, LoraShape, spec_targets
 from lockstep.workers.megatron.model import HFArch
 
 Tensor = torch.Tensor
@@ -219,26 +219,26 @@ class MegatronLora:
         return wrapper
 
     @staticmethod
-    def all_paths(arch: HFArch) -> dict[str, tuple[int, int]]:
+    def all_paths(arch: HFArch) -> dict[str, LoraShape]:
         """Every LoRA-targetable HF path of the whole model -> (in, out), in HF model order."""
         q_out, kv_out = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-        out: dict[str, tuple[int, int]] = {}
+        out: dict[str, LoraShape] = {}
         for i in range(arch.layers):
             pre = f"model.layers.{i}."
             out |= {
-                pre + "self_attn.q_proj": (arch.hidden, q_out),
-                pre + "self_attn.k_proj": (arch.hidden, kv_out),
-                pre + "self_attn.v_proj": (arch.hidden, kv_out),
-                pre + "self_attn.o_proj": (q_out, arch.hidden),
-                pre + "mlp.gate_proj": (arch.hidden, arch.intermediate),
-                pre + "mlp.up_proj": (arch.hidden, arch.intermediate),
-                pre + "mlp.down_proj": (arch.intermediate, arch.hidden),
+                pre + "self_attn.q_proj": LoraShape(arch.hidden, q_out),
+                pre + "self_attn.k_proj": LoraShape(arch.hidden, kv_out),
+                pre + "self_attn.v_proj": LoraShape(arch.hidden, kv_out),
+                pre + "self_attn.o_proj": LoraShape(q_out, arch.hidden),
+                pre + "mlp.gate_proj": LoraShape(arch.hidden, arch.intermediate),
+                pre + "mlp.up_proj": LoraShape(arch.hidden, arch.intermediate),
+                pre + "mlp.down_proj": LoraShape(arch.intermediate, arch.hidden),
             }
-        out["lm_head"] = (arch.hidden, arch.vocab)
+        out["lm_head"] = LoraShape(arch.hidden, arch.vocab)
         return out
 
     @staticmethod
-    def spec_paths(arch: HFArch, spec: LoraSpec) -> dict[str, tuple[int, int]]:
+    def spec_paths(arch: HFArch, spec: LoraSpec) -> dict[str, LoraShape]:
         targets = spec_targets(spec)
         return {
             p: s for p, s in MegatronLora.all_paths(arch).items() if p.rsplit(".", 1)[-1] in targets

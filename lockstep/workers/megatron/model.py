@@ -44,6 +44,12 @@ class HFArch:
             or (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default"
         ):
             raise ValueError("the megatron engine supports plain RoPE only (no rope scaling)")
+        window = cfg.get("sliding_window")
+        if window and (model_type != "qwen2" or cfg.get("use_sliding_window")):
+            raise ValueError(
+                f"the megatron engine computes full attention; this model uses a sliding window "
+                f"of {window} tokens (serve it with the local engine)"
+            )
         heads = int(cfg["num_attention_heads"])
         rope = cfg.get("rope_parameters") or {}
         return HFArch(

@@ -1,0 +1,54 @@
+"""The layout of one packed micro-batch, as the trainer's model code sees it.
+
+The trainer concatenates a micro-batch's rows into ONE sequence ([1, T]): row i starts at
+`starts[i]`, holds `lengths[i]` real tokens and takes `widths[i]` positions (its length padded to
+whole blocks), rows back to back, positions restarting at 0 for each row. Every layer that mixes
+tokens must keep rows apart: attention runs per row span (`attention.py`), stateful sequence
+mixers such as Gated DeltaNet run once per row block (`mixers.py`), and everything else is per
+token. The layout is published for the duration of a forward (and its backward: activation
+checkpointing recomputes layers there) with `packed_rows(...)`.
+
+A plain slot, not a ContextVar: CUDA autograd runs backward on its own thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Packing:
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    widths: tuple[int, ...]
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(start, length) of each row's real tokens."""
+        return list(zip(self.starts, self.lengths, strict=True))
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """(start, width) of each row's positions, padding included; they tile the sequence."""
+        return list(zip(self.starts, self.widths, strict=True))
+
+
+class _Current:
+    packing: Packing | None = None
+
+
+def current() -> Packing | None:
+    return _Current.packing
+
+
+@contextmanager
+def packed_rows(
+    starts: Sequence[int], lengths: Sequence[int], widths: Sequence[int]
+) -> Iterator[None]:
+    """Publish the layout of the packed [1, T] sequence run inside the context."""
+    previous = _Current.packing
+    _Current.packing = Packing(tuple(starts), tuple(lengths), tuple(widths))
+    try:
+        yield
+    finally:
+        _Current.packing = previous

@@ -1,0 +1,168 @@
+"""Tiny random models of the architectures the hosted catalog trains, built offline.
+
+Each family is a transformers config (small sizes, 2 layers, the built-in tokenizer's vocabulary)
+with the features that make the architecture different from a dense Qwen3: mixture-of-experts
+(fused 3-D experts, shared experts, group-limited routing), Gated DeltaNet linear attention,
+sliding windows with learned sinks, multi-head latent attention. Weights come from the same
+name-seeded generators as the default model (`tiny.init_weights`), so a family builds to the
+same bytes on every machine with the same library versions.
+
+Used by the tests and benchmarks, and by `scripts/build_tiny_models.py`:
+    python scripts/build_tiny_models.py DIR [FAMILY ...]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lockstep.modeling import tiny
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+}
+
+# moe_intermediate_size 48: 2 * 48 != hidden 64, so a fused gate_up_proj's fused axis is never
+# ambiguous for tools that infer it from shapes (tinker-cookbook's merge does).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": {"model_type": "qwen3", "intermediate_size": 128},
+    "qwen2": {"model_type": "qwen2", "intermediate_size": 128},
+    # Not a packed family: trains on the generic path (the model's own sliding-window masks).
+    "mistral": {"model_type": "mistral", "intermediate_size": 128, "sliding_window": 16},
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
+    # Qwen3.5 text models: Gated DeltaNet (linear attention) layers beside full attention.
+    "qwen3_5": {
+        "model_type": "qwen3_5_text",
+        "intermediate_size": 128,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    },
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe_text",
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 48,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    # gpt-oss: sliding-window and full layers, learned sinks, MoE with biases and clamped SwiGLU.
+    # A window of 16 tokens, so test rows are longer than the window.
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "intermediate_size": 48,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attention_bias": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
+    },
+    # DeepSeek-V3 (Kimi-K2 alike): MLA (q/k head 16 + 8, value head 16), a dense first layer,
+    # then routed experts with a shared expert and group-limited routing; YaRN RoPE.
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,  # MLA expands K/V to every head
+        "head_dim": 8,  # the RoPE part of a q/k head (qk_rope_head_dim)
+        "intermediate_size": 128,
+        "moe_intermediate_size": 48,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
+}
+
+
+def served_name(family: str) -> str:
+    return f"Lockstep/tiny-{family.replace('_', '-')}"
+
+
+def ensure_family(family: str, cache_dir: Path) -> Path:
+    """Build (once, atomically) and return the tiny model of `family` under `cache_dir`."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
+    final = Path(cache_dir) / f"tiny-{family}-{tiny.recipe_digest()}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+    try:
+        build_family(tmp, family)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_family(directory: Path, family: str) -> None:
+    """Write the built-in tokenizer and a random-init model of `family` into `directory`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    eos_id, vocab = tiny.write_tokenizer(directory)
+    settings = {**_COMMON, **FAMILIES[family]}
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        dtype="float32",
+        **settings,
+    )
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config)
+    tiny.init_weights(model, std=0.02)
+    model.generation_config.do_sample = True
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tiny.finish_directory(directory)
