@@ -112,6 +112,40 @@ def ensure_cookbook_venv() -> Path:
         return _python(venv)
 
 
+def offline_env(home: Path, base_url: str | None = None) -> dict[str, str]:
+    """The environment a cookbook process runs in: this process's, minus its Python and HF
+    settings, offline (hub, datasets, any non-loopback HTTP), caches under `home`, and the
+    server's address and key when there is one."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TINKER_", "HF_", "WANDB_"))
+        and k not in ("PYTHONPATH", "VIRTUAL_ENV")
+        and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+    }
+    dead_proxy = "http://127.0.0.1:9"  # nothing listens: any non-loopback request fails fast
+    env.update(
+        {
+            "TINKER_COOKBOOK_RUNS_DIR": str(home / "runs"),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_HOME": str(home / "hf"),
+            "WANDB_MODE": "disabled",
+            "TOKENIZERS_PARALLELISM": "false",
+            "http_proxy": dead_proxy,
+            "https_proxy": dead_proxy,
+            "HTTP_PROXY": dead_proxy,
+            "HTTPS_PROXY": dead_proxy,
+            "no_proxy": "127.0.0.1,localhost",
+            "NO_PROXY": "127.0.0.1,localhost",
+        }
+    )
+    if base_url is not None:
+        env.update({"TINKER_BASE_URL": base_url, "TINKER_API_KEY": API_KEY})
+    return env
+
+
 @dataclass
 class Running:
     """A recipe running in the background."""
@@ -160,34 +194,7 @@ class Cookbook:
         return Path(out.stdout.strip())
 
     def env(self) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("TINKER_", "HF_", "WANDB_"))
-            and k not in ("PYTHONPATH", "VIRTUAL_ENV")
-            and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
-        }
-        dead_proxy = "http://127.0.0.1:9"  # nothing listens: any non-loopback request fails fast
-        env.update(
-            {
-                "TINKER_BASE_URL": self.server.base_url,
-                "TINKER_API_KEY": API_KEY,
-                "TINKER_COOKBOOK_RUNS_DIR": str(self.home / "runs"),
-                "HF_HUB_OFFLINE": "1",
-                "HF_DATASETS_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "HF_HOME": str(self.home / "hf"),
-                "WANDB_MODE": "disabled",
-                "TOKENIZERS_PARALLELISM": "false",
-                "http_proxy": dead_proxy,
-                "https_proxy": dead_proxy,
-                "HTTP_PROXY": dead_proxy,
-                "HTTPS_PROXY": dead_proxy,
-                "no_proxy": "127.0.0.1,localhost",
-                "NO_PROXY": "127.0.0.1,localhost",
-            }
-        )
-        return env
+        return offline_env(self.home, self.server.base_url)
 
     def start(self, args: Sequence[str], log: Path) -> Running:
         """Start `python ARGS` in the cookbook venv, its output going to `log`."""
