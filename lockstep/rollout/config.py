@@ -7,10 +7,30 @@ or `--sampler-url URL` (attach to an engine someone else runs; the kind says whi
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 from lockstep.config import SamplerConfig
 from lockstep.engine.interface import SamplingEngine
+
+# Families an external engine serves with multi-LoRA as Lockstep trains them (every target the
+# trainer adapts, same numbers). Only dense models: vLLM's MoE expert LoRA is experimental and
+# its LoRA for linear-attention hybrids, sinks and MLA is unverified; SGLang has no expert LoRA.
+# Everything else samples with the local engine (`--sampler local`), which runs every family.
+EXTERNAL_LORA_FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
+
+
+def check_external_family(kind: str, model_dir: Path) -> None:
+    """Refuse, at configuration time, a model an external sampling engine would serve wrong."""
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    if model_type not in EXTERNAL_LORA_FAMILIES:
+        from lockstep.modeling.architecture import UnsupportedModel  # imports torch
+
+        raise UnsupportedModel(
+            f"--sampler {kind} does not serve LoRA adapters of {model_type!r} models the way "
+            f"Lockstep trains them (supported: {', '.join(sorted(EXTERNAL_LORA_FAMILIES))}); "
+            "use --sampler local, which samples every family the trainer accepts"
+        )
 
 
 def start_sampler(
@@ -19,6 +39,8 @@ def start_sampler(
     """Build the configured sampling engine (this may start a server and wait for it)."""
     logs = data_dir / "logs"
     slots = cfg.resident_adapters
+    if cfg.kind != "local":
+        check_external_family(cfg.kind, model_dir)
     if cfg.kind == "vllm":
         from lockstep.rollout.vllm import VllmLaunchConfig, VllmSamplingEngine
         from lockstep.rollout.vllm.environment import ensure_vllm_python

@@ -272,3 +272,26 @@ def test_row_attention_refuses_what_it_does_not_compute(option: str, value: floa
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError):
         row_attention_forward(nn.Module(), q, q, q, None, **{option: value})
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_external_samplers_refuse_families_they_do_not_serve_exactly(
+    kind: str, zoo_dir: Path, tmp_path: Path
+) -> None:
+    from lockstep.config import SamplerConfig
+    from lockstep.rollout.config import EXTERNAL_LORA_FAMILIES, check_external_family, start_sampler
+
+    for family in sorted(zoo.FAMILIES):
+        directory = zoo.ensure_family(family, zoo_dir)
+        model_type = describe_type(directory)
+        if model_type in EXTERNAL_LORA_FAMILIES:
+            check_external_family(kind, directory)
+            continue
+        # Refused before anything is launched (no python exists at that path).
+        cfg = SamplerConfig(kind=kind, **{f"{kind}_python": tmp_path / "no-such-python"})
+        with pytest.raises(UnsupportedModel, match=rf"--sampler {kind} .*'{model_type}'"):
+            start_sampler(cfg, directory, zoo.served_name(family), tmp_path)
+
+
+def describe_type(directory: Path) -> str:
+    return str(AutoConfig.from_pretrained(directory).model_type)
