@@ -295,3 +295,21 @@ def test_external_samplers_refuse_families_they_do_not_serve_exactly(
 
 def describe_type(directory: Path) -> str:
     return str(AutoConfig.from_pretrained(directory).model_type)
+
+
+def test_the_zoo_script_builds_a_servable_directory(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build_tiny_models.py"
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "qwen3_moe"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    name, directory = out.split("=")
+    assert name == zoo.served_name("qwen3_moe")
+    assert describe_type(Path(directory)) == "qwen3_moe"
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path), "nope"], capture_output=True)
+    assert bad.returncode == 2 and b"unknown families ['nope']" in bad.stderr
