@@ -37,6 +37,7 @@ import compat.endpoint_probes  # noqa: E402,F401  (registers the endpoint probes
 import compat.method_probes  # noqa: E402,F401  (registers the method probes)
 from compat.context import API_KEY, DEFAULT_OUTPUT, PROBES, REPO, Caller, ClientSide, Ctx, Outcome  # noqa: E402
 from compat.feature_probes import FEATURES  # noqa: E402
+from compat.model_families import family_table  # noqa: E402
 
 # ------------------------------------------------------------------------------ running
 
@@ -178,6 +179,7 @@ def render(
     }
     for table, rows in features.items():
         lines += [f"## {titles[table]}", "", *_table(rows, "feature"), ""]
+    lines += family_table()
     lines += [
         "## Sampled logprobs",
         "",

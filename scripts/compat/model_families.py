@@ -1,0 +1,94 @@
+"""The base-model family table of docs/compatibility.md: what each family trains and samples with.
+
+Each row loads the family's tiny model (lockstep/modeling/zoo.py) and asks Lockstep's own rules
+what it does with it: the trainer path and LoRA targets (`architecture.describe`), the local
+sampler's decoding path, whether the external samplers and the Megatron engine take it. Only the
+example model names are written by hand.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+# The hosted / hub models of each family (examples; transformers config `model_type` decides).
+EXAMPLES = {
+    "qwen3": "Qwen3-0.6B … 32B (the built-in tiny model)",
+    "qwen2": "Qwen2.5",
+    "mistral": "Mistral-7B (sliding window)",
+    "qwen3_moe": "Qwen3-30B-A3B, Qwen3-235B-A22B",
+    "qwen3_5": "Qwen3.5 dense",
+    "qwen3_5_moe": "Qwen3.5 MoE",
+    "gpt_oss": "gpt-oss-20b, gpt-oss-120b",
+    "deepseek_v3": "DeepSeek-V3.1, Kimi-K2 (same architecture)",
+}
+ORDER = (
+    "qwen3",
+    "qwen2",
+    "mistral",
+    "qwen3_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "gpt_oss",
+    "deepseek_v3",
+)
+
+
+def _row(family: str, cache: Path) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from lockstep.modeling import zoo
+    from lockstep.modeling.architecture import Role, describe
+    from lockstep.rollout.config import EXTERNAL_LORA_FAMILIES
+    from lockstep.workers.megatron.model import SUPPORTED, HFArch
+
+    directory = zoo.ensure_family(family, cache)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    arch = describe(model)
+    layers = ", ".join(sorted(set(arch.layer_types)))
+    window = getattr(model.config, "sliding_window", None)
+    if window and "sliding_attention" not in arch.layer_types:
+        layers += f" (sliding window {window})"
+    experts = f"; {len(arch.experts)} of {len(arch.layer_types)} layers MoE" if arch.experts else ""
+    roles = {t.role for t in arch.targets}
+    targets = ", ".join(r.value for r in Role if r in roles)
+    if arch.experts:
+        targets += " (every expert: w1/w3/w2)"
+    external = "yes" if arch.model_type in EXTERNAL_LORA_FAMILIES else "refused"
+    try:
+        HFArch.from_dir(directory)
+        megatron = "yes"
+    except ValueError as exc:  # the first clause of its reason, when the family is converted
+        reason = str(exc).split(";")[0].replace("the megatron engine ", "")
+        megatron = f"refused: {reason}" if arch.model_type in SUPPORTED else "refused"
+    sampler = "padded batches" if arch.padded_sampling else "grouped (model's own caches)"
+    return (
+        f"| `{arch.model_type}` | {EXAMPLES[family]} | {layers}{experts} | "
+        f"{arch.trainer_path.value} | {targets} | {sampler} | {external} | {megatron} |"
+    )
+
+
+def family_table() -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="lockstep-families-") as cache:
+        rows = [_row(family, Path(cache)) for family in ORDER]
+    return [
+        "## Base model families",
+        "",
+        "Each family is tested on a tiny random model built offline from its transformers config",
+        "(`python scripts/build_tiny_models.py DIR`; tests/unit/test_architectures.py,",
+        "tests/integration/test_model_families.py, tests/cookbook/test_weights_export.py).",
+        "**packed**: a micro-batch's rows run as one sequence with per-row attention and",
+        "per-row linear-attention state, equal to the model's own forward; **generic**: each row",
+        "through the model's own forward (exact for any causal LM transformers loads, slower).",
+        "MoE adapters hold every routed and shared expert's LoRA in Tinker's format (3-D",
+        "`experts.w1`/`w3`/`w2` tensors, which tinker-cookbook's `weights` tools read); routers",
+        "stay frozen. A model with a feature no path computes exactly (logit soft-capping, an",
+        "unknown expert layout, an attention option row attention lacks) is refused at load, by",
+        "name.",
+        "",
+        "| model_type | e.g. | layers | trainer | LoRA targets | local sampler | vLLM / SGLang "
+        "| Megatron |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
