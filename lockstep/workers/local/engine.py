@@ -47,7 +47,7 @@ from lockstep.engine.types import (
     PassRequest,
     PassResult,
 )
-from lockstep.modeling.architecture import TrainerPath, check_head, describe
+from lockstep.modeling.architecture import TrainerPath, UnsupportedModel, check_head, describe
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
@@ -109,14 +109,19 @@ class LocalTrainingEngine(TrainingEngine):
         micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
         dtype: str | None = None,
         activation_checkpointing: bool = False,
+        trainer_path: TrainerPath | None = None,
     ) -> None:
+        """`trainer_path` forces a path (tests and benchmarks compare them); by default the
+        architecture's: PACKED where it is proven equal to the model's own forward."""
         dev = torch.device(device) if device is not None else default_device()
         model, self._card = load_base_model(
             model_dir, served_name, dev, resolve_dtype(dtype, dev), attn_implementation=None
         )
         arch = describe(model)  # raises UnsupportedModel naming what it cannot compute
         check_head(model, self._card.vocab_size)
-        self._packed = arch.trainer_path is TrainerPath.PACKED
+        if trainer_path is TrainerPath.PACKED and arch.trainer_path is not TrainerPath.PACKED:
+            raise UnsupportedModel(f"{arch.model_type}: the packed path is not proven for it")
+        self._packed = (trainer_path or arch.trainer_path) is TrainerPath.PACKED
         if self._packed:
             model.set_attn_implementation(ROW_ATTENTION)
         if activation_checkpointing:
@@ -126,9 +131,9 @@ class LocalTrainingEngine(TrainingEngine):
             model.train()
         self._model = model
         self._lora = LoraModel(model, arch)
-        for path in arch.row_mixers:
+        for path in arch.row_mixers if self._packed else ():
             run_per_row(model.get_submodule(path), self._lora.narrowed)
-        log.info("trainer: %s", arch.summary())
+        log.info("trainer: %s; runs the %s path", arch.summary(), trainer_path or arch.trainer_path)
         self._decoder = model.get_decoder()
         head = model.get_output_embeddings()
         assert isinstance(head, torch.nn.Module)
