@@ -126,13 +126,19 @@ def ensure_family(family: str, cache_dir: Path) -> Path:
     """Build (once, atomically) and return the tiny model of `family` under `cache_dir`."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
-    final = Path(cache_dir) / f"tiny-{family}-{tiny.recipe_digest()}"
+    return ensure_model(f"tiny-{family}", FAMILIES[family], cache_dir)
+
+
+def ensure_model(name: str, settings: dict[str, Any], cache_dir: Path) -> Path:
+    """Build (once, atomically) a random model from config `settings` (over the zoo's common
+    sizes) under `cache_dir`/`name`-<recipe digest>, and return its directory."""
+    final = Path(cache_dir) / f"{name}-{tiny.recipe_digest()}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
-        build_family(tmp, family)
+        build_model(tmp, settings)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -144,12 +150,13 @@ def ensure_family(family: str, cache_dir: Path) -> Path:
     return final
 
 
-def build_family(directory: Path, family: str) -> None:
-    """Write the built-in tokenizer and a random-init model of `family` into `directory`."""
+def build_model(directory: Path, settings: dict[str, Any]) -> None:
+    """Write the built-in tokenizer and a random-init model of config `settings` (with
+    `model_type`, over the zoo's common sizes) into `directory`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     eos_id, vocab = tiny.write_tokenizer(directory)
-    settings = {**_COMMON, **FAMILIES[family]}
+    settings = {**_COMMON, **settings}
     model_type = settings.pop("model_type")
     config = AutoConfig.for_model(
         model_type,
