@@ -5,11 +5,14 @@ plus `adapter_config.json`.
 Expert LoRA follows Tinker's adapter format (what tinker-cookbook's `weights` tools read): one
 3-D tensor per projection of all a layer's experts, `<experts path>.w1|w3|w2.lora_A.weight`
 [experts, rank, in] and `.lora_B.weight` [experts, out, rank] (w1 gate, w3 up, w2 down).
+Adapters with one 2-D tensor per expert (`<experts path>.<e>.gate_proj|up_proj|down_proj`, what
+the cookbook's `build_lora_adapter` writes for vLLM) are read into that format.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +98,7 @@ def load_peft_adapter(directory: Path) -> PeftAdapter:
         k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
         for k, v in state.items()
     }
+    state = _stack_experts(state, directory)
     bad = [
         k
         for k in state
@@ -104,3 +108,28 @@ def load_peft_adapter(directory: Path) -> PeftAdapter:
         raise ValueError(f"{directory}: unsupported adapter tensors, e.g. {bad[0]!r}")
     rank = int(config["r"])
     return PeftAdapter(state=state, rank=rank, alpha=float(config.get("lora_alpha", rank)))
+
+
+_PER_EXPERT = re.compile(
+    r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(lora_[AB])\.weight$"
+)
+_TINKER_NAME = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _stack_experts(state: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """Per-expert 2-D LoRA tensors -> Tinker's 3-D ones (every expert 0..E-1 must be there)."""
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        m = _PER_EXPERT.match(key)
+        if m is None:
+            out[key] = tensor
+            continue
+        experts, e, proj, lora = m.groups()
+        groups.setdefault(f"{experts}.{_TINKER_NAME[proj]}.{lora}.weight", {})[int(e)] = tensor
+    for key, by_expert in groups.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
+            raise ValueError(f"{directory}: {key} lacks experts {missing[:8]}")
+        out[key] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out

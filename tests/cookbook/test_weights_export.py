@@ -4,8 +4,8 @@ Per MoE family of the zoo: a tenant trains a few SFT steps on the local engine a
 adapter (Tinker's format: experts as 3-D `w1`/`w3`/`w2` LoRA tensors). The cookbook venv's
 unmodified `weights.build_hf_model` merges it into the base model; the merged model's own
 forward gives the trainer's logprobs. Where the cookbook builds PEFT adapters for the family,
-`weights.build_lora_adapter`'s per-expert tensors are slices of ours. The exported directory
-loads back into another tenant with the same logprobs.
+`weights.build_lora_adapter`'s per-expert tensors are slices of ours. The exported directory and
+the cookbook's per-expert PEFT adapter load back into other tenants with the same logprobs.
 """
 
 from __future__ import annotations
@@ -111,10 +111,14 @@ def test_cookbook_tools_read_moe_adapters(
                 exported, load_file(str(tmp_path / "out/peft/adapter_model.safetensors"))
             )
 
-        # The exported adapter loads back into another tenant.
+        # The exported adapter, and the cookbook's per-expert PEFT one, load back.
         engine.load_state("c", adapter, False)
         for x, y in zip(_forward(engine, "c", data), ours, strict=True):
             np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+        if cfg["peft"]:
+            engine.load_state("d", tmp_path / "out" / "peft", False)
+            for x, y in zip(_forward(engine, "d", data), ours, strict=True):
+                np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
     finally:
         engine.close()
 
