@@ -24,13 +24,14 @@ from pathlib import Path
 
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
 from lockstep.engine.interface import EngineDied, TrainingEngine, UserInputError
-from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest
+from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest, PassResult
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, ephemeral_dir
 from lockstep.scheduler import encryption, storage, tracing, translate
 from lockstep.scheduler.cadence import SnapshotCadence
 from lockstep.scheduler.outcome import Outcome, failure
 from lockstep.scheduler.planner import CyclePlan
+from lockstep.scheduler.poison import PoisonHunt
 from lockstep.scheduler.records import (
     CheckpointRecord,
     InflightTarget,
@@ -76,6 +77,8 @@ class Dispatcher:
         self.cadence = SnapshotCadence(0.0 if max_resident else snapshot_interval_s)
         # Models whose state the engine holds right now, in LRU order; frees and pages them.
         self.resident = Residency(engine, max_resident, before_drop=self._snapshot_pending)
+        # Which request kills the engine, when one does every time (bounded restarts).
+        self.poison = PoisonHunt()
         # Ops that run alone (not fused), by kind: PRE and POST phases of a cycle.
         self._handlers: dict[OpKind, Callable[[QueuedOp, pb.SubmitRequest], Awaitable[Outcome]]]
         self._handlers = {
@@ -345,34 +348,42 @@ class Dispatcher:
         outcomes: dict[str, Outcome] = {}
         requests: list[PassRequest] = []
         for op in ops:
+            refused = self.poison.verdict(op.request_id)
+            if refused is not None:  # it killed the engine on its own: never run again
+                outcomes[op.request_id] = Outcome(error=refused, category=ErrorCategory.USER)
+                continue
             try:
                 req = await self._request(op)
                 requests.append(translate.pass_request(op.request_id, req.forward_backward))
             except Exception as exc:
                 outcomes[op.request_id] = failure(exc)
-        if not requests:
-            return outcomes
-        try:
-            results = await self._call(self.engine.run_passes, requests)
-        except EngineDied:
-            raise  # not the requests' fault: the cycle is abandoned and runs again
-        except Exception as exc:
-            if len(requests) == 1:
-                outcomes[requests[0].request_id] = failure(exc)
-                return outcomes
-            # One bad request must not fail its neighbours: isolate it by running them alone
-            # (safe because run_passes is atomic: the failed call left no gradient behind).
-            log.warning("fused pass failed (%s); retrying requests one by one", exc)
-            results = []
-            for r in requests:
-                try:
-                    results.extend(await self._call(self.engine.run_passes, [r]))
-                except Exception as single:
-                    outcomes[r.request_id] = failure(single)
+        results: list[PassResult] = []
+        for call in self.poison.calls([r.request_id for r in requests], requests):
+            results.extend(await self._run_passes(call, outcomes))
         for res in results:
             output = translate.pass_output(res, cycle)
             outcomes[res.request_id] = Outcome(pb.JobResult(forward_backward=output))
         return outcomes
+
+    async def _run_passes(
+        self, call: list[PassRequest], outcomes: dict[str, Outcome]
+    ) -> list[PassResult]:
+        """One run_passes call; a request that fails it fails alone (run_passes is atomic: the
+        failed call left no gradient behind, so its requests re-run one by one)."""
+        ids = [r.request_id for r in call]
+        try:
+            results = await self._call(self.engine.run_passes, call)
+        except EngineDied as exc:  # the cycle is abandoned and runs again; keep score
+            self.poison.died(ids, str(exc))
+            raise
+        except Exception as exc:
+            if len(call) == 1:
+                outcomes[call[0].request_id] = failure(exc)
+                return []
+            log.warning("fused pass failed (%s); retrying requests one by one", exc)
+            return [res for r in call for res in await self._run_passes([r], outcomes)]
+        self.poison.survived(ids)
+        return list(results)
 
     async def _optims(self, ops: list[QueuedOp]) -> dict[str, Outcome]:
         if not ops:

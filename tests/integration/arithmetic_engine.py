@@ -83,6 +83,8 @@ class ArithmeticTrainingEngine(TrainingEngine):
         self._card = card(directory)
         self.models: dict[str, _State] = {}
         self.die_at_next_pass = False
+        # Fault injection: any pass holding this token kills the engine (a poison request).
+        self.poison_token: int | None = None
         self.dead = False  # like a dead process: every call fails until restart()
         self.restarts = 0
         self.in_flight: list[tuple[str, Path]] = []  # background snapshots being written
@@ -107,6 +109,11 @@ class ArithmeticTrainingEngine(TrainingEngine):
             if self.die_at_next_pass:
                 self.die_at_next_pass, self.dead = False, True
         self._check_alive()
+        if self.poison_token is not None and any(
+            self.poison_token in d.tokens for r in requests for d in r.data
+        ):
+            self.dead = True
+            raise EngineDied("fake engine killed by a poison row (signal 9)")
         for r in requests:  # validate everything first: a failed call leaves no gradient
             if r.model_id not in self.models:
                 raise UserInputError("model_id", f"{r.model_id} is not resident")
