@@ -28,6 +28,8 @@ from lockstep.modeling.routing import RoutingSlot
 
 # Tinker's names for the three expert projections.
 GATE, UP, DOWN = "w1", "w3", "w2"
+# (projection, adapter) -> that adapter's A and B of the projection, split per expert.
+Views = dict[tuple[str, str], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
 
 
 class ExpertSlot:
@@ -124,6 +126,7 @@ class MultiLoRAExperts(nn.Module):
         weight = top_k_weights.reshape(-1).index_select(0, order)
         token = token.index_select(0, order)
         out = torch.zeros_like(hidden_states)
+        views: Views = {}
         groups = list(zip(keys.tolist(), counts.tolist(), strict=True))
         at, g = 0, 0
         while g < len(groups):
@@ -135,7 +138,7 @@ class MultiLoRAExperts(nn.Module):
                 members.append((key % (adapters + 1) - 1, at - start, at - start + count))
                 at, g = at + count, g + 1
             rows = slice(start, at)
-            y = self._expert(e, hidden_states.index_select(0, token[rows]), members, names)
+            y = self._expert(e, hidden_states.index_select(0, token[rows]), members, names, views)
             y = y * weight[rows].unsqueeze(-1).to(y.dtype)
             out = out.index_add(0, token[rows], y.to(out.dtype))
         return out
@@ -146,12 +149,13 @@ class MultiLoRAExperts(nn.Module):
         x: torch.Tensor,
         members: list[tuple[int, int, int]],
         names: list[str],
+        views: Views,
     ) -> torch.Tensor:
         """Expert e on its pairs x [m, H] (grouped by adapter as `members`) -> [m, H]."""
         gu_bias = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
         gate_up = self._linear(x, self.gate_up_proj[e], gu_bias)
-        gate = self._lora(GATE, e, x, members, names)
-        up = self._lora(UP, e, x, members, names)
+        gate = self._lora(GATE, e, x, members, names, views)
+        up = self._lora(UP, e, x, members, names, views)
         if gate is not None or up is not None:
             zeros = x.new_zeros(x.shape[0], self.slots[GATE].out_features, dtype=torch.float32)
             gate_up = gate_up + self._fuse(
@@ -160,7 +164,7 @@ class MultiLoRAExperts(nn.Module):
         h = self._apply_gate(gate_up)
         d_bias = None if self.down_proj_bias is None else self.down_proj_bias[e]
         y = self._linear(h, self.down_proj[e], d_bias)
-        down = self._lora(DOWN, e, h, members, names)
+        down = self._lora(DOWN, e, h, members, names, views)
         return y if down is None else y + down.to(y.dtype)
 
     def _lora(
@@ -170,9 +174,11 @@ class MultiLoRAExperts(nn.Module):
         x: torch.Tensor,
         members: list[tuple[int, int, int]],
         names: list[str],
+        views: Views,
     ) -> torch.Tensor | None:
         """The LoRA delta of projection `which` of expert e for rows x [m, in] (zeros for rows
-        whose adapter does not train it); None when no row's adapter does."""
+        whose adapter does not train it); None when no row's adapter does. `views` holds each
+        adapter's per-expert tensors of this call (see `_unbind`)."""
         slot = self.slots[which]
         parts, any_lora = [], False
         for ordinal, start, stop in members:
@@ -180,8 +186,20 @@ class MultiLoRAExperts(nn.Module):
             if name is None or name not in slot.lora_A:
                 parts.append(x.new_zeros(stop - start, slot.out_features, dtype=torch.float32))
                 continue
-            a, b = slot.lora_A[name][e], slot.lora_B[name][e]
+            if (which, name) not in views:
+                views[which, name] = _unbind(slot, name)
+            a_e, b_e = views[which, name]
+            a, b = a_e[e], b_e[e]
             h = x[start:stop].to(a.dtype) @ a.t()
             parts.append((h * slot.scale[name]) @ b.t())
             any_lora = True
         return torch.cat(parts) if any_lora else None
+
+
+def _unbind(
+    slot: ExpertSlot, name: str
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """An adapter's A and B split per expert ONCE per call: the backward of one `unbind` writes
+    the whole [E, ...] gradient once, where indexing `param[e]` per expert allocates and adds a
+    full-size zero gradient for every expert (E times the work, per tenant)."""
+    return slot.lora_A[name].unbind(0), slot.lora_B[name].unbind(0)
