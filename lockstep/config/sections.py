@@ -294,6 +294,25 @@ class EngineConfig:
             on=SCHEDULER,
         ),
     )
+    deadline_s: float = field(
+        default=600.0,
+        metadata=flag(
+            "--engine-deadline",
+            help="seconds any call of the local trainer or sampler process may take, plus "
+            "--engine-deadline-per-token for each token it carries; past it the engine is "
+            "declared wedged, killed and restarted (a request that keeps killing it is refused). "
+            "0: no deadline",
+            on=SCHEDULER,
+        ),
+    )
+    deadline_per_token_s: float = field(
+        default=0.05,
+        metadata=flag(
+            "--engine-deadline-per-token",
+            help="seconds added to a call's deadline per token it carries (see --engine-deadline)",
+            on=SCHEDULER,
+        ),
+    )
     ray_placement: RayPlacement = field(
         default="PACK",
         metadata=flag(
@@ -313,6 +332,8 @@ class EngineConfig:
             raise ValueError(f"--micro-batch-tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.snapshot_interval_s < 0:
             raise ValueError(f"--snapshot-interval must be >= 0, got {self.snapshot_interval_s}")
+        if self.deadline_s < 0 or self.deadline_per_token_s < 0:
+            raise ValueError("--engine-deadline and --engine-deadline-per-token must be >= 0")
         if self.kind == "megatron":
             p.check_backend()
 

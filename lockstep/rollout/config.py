@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lockstep.config import SamplerConfig
 from lockstep.engine.interface import SamplingEngine
+from lockstep.workers.process import NO_DEADLINE, Deadline
 
 # Families an external engine serves with multi-LoRA as Lockstep trains them (every target the
 # trainer adapts, same numbers). Only dense models: vLLM's MoE expert LoRA is experimental and
@@ -34,7 +35,11 @@ def check_external_family(kind: str, model_dir: Path) -> None:
 
 
 def start_sampler(
-    cfg: SamplerConfig, model_dir: Path, served_name: str, data_dir: Path
+    cfg: SamplerConfig,
+    model_dir: Path,
+    served_name: str,
+    data_dir: Path,
+    deadline: Deadline = NO_DEADLINE,
 ) -> SamplingEngine:
     """Build the configured sampling engine (this may start a server and wait for it)."""
     logs = data_dir / "logs"
@@ -83,6 +88,7 @@ def start_sampler(
     return ProcessSamplingEngine(
         functools.partial(LocalSamplingEngine, model_dir, served_name, slots),
         "sampler",
+        deadline,
     )
 
 

@@ -97,7 +97,7 @@ class SchedulerConfig:
 def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]:
     """The local trainer in its own child process; the configured sampler (rollout.config)."""
     from lockstep.workers.local.engine import LocalTrainingEngine
-    from lockstep.workers.process import ProcessTrainingEngine
+    from lockstep.workers.process import Deadline, ProcessTrainingEngine
 
     name = cfg.served_names[0]
     factory: Callable[[], TrainingEngine] = functools.partial(
@@ -121,8 +121,9 @@ def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]
             cfg.engine.micro_batch,
             cfg.engine.ray_placement,
         )
-    trainer = ProcessTrainingEngine(factory, "trainer")
-    sampler = rollout_config.start_sampler(cfg.sampler, cfg.model_dir, name, cfg.data_dir)
+    deadline = Deadline(cfg.engine.deadline_s, cfg.engine.deadline_per_token_s)
+    trainer = ProcessTrainingEngine(factory, "trainer", deadline)
+    sampler = rollout_config.start_sampler(cfg.sampler, cfg.model_dir, name, cfg.data_dir, deadline)
     return trainer, sampler
 
 

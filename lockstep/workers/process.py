@@ -3,6 +3,9 @@
 The scheduler keeps its event loop free and a crashed engine does not take the scheduler down.
 Calls travel over a local `multiprocessing` pipe between two processes of the same deployment
 (the same trust domain, never a network socket), one call at a time, like Ray actor calls.
+Every call has a deadline (`Deadline`: a base plus a share per token it carries); an engine that
+misses it is wedged (a stuck kernel, a hung collective): its process is killed and the call
+raises EngineDied, so the caller restarts it like any dead engine.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import logging
 import multiprocessing as mp
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,29 @@ from lockstep.engine.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """How long an engine call may take: `base_s` + `per_token_s` x the tokens it carries
+    (base_s 0: no deadline)."""
+
+    base_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def of(self, tokens: int = 0) -> float | None:
+        return self.base_s + self.per_token_s * tokens if self.base_s > 0 else None
+
+
+NO_DEADLINE = Deadline()
+
+
+def pass_tokens(requests: Sequence[PassRequest]) -> int:
+    return sum(len(d.tokens) for r in requests for d in r.data)
+
+
+def sample_tokens(requests: Sequence[SampleRequest]) -> int:
+    return sum(len(r.prompt) + r.num_samples * r.params.max_tokens for r in requests)
 
 
 def _serve(factory: Callable[[], Any], conn: Connection) -> None:
@@ -55,8 +82,15 @@ def _serve(factory: Callable[[], Any], conn: Connection) -> None:
 class EngineProcess:
     """A child process hosting one engine object built by `factory` (which must pickle)."""
 
-    def __init__(self, factory: Callable[[], Any], name: str, start_timeout: float = 600) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        name: str,
+        start_timeout: float = 600,
+        deadline: Deadline = NO_DEADLINE,
+    ) -> None:
         self.name = name
+        self.deadline = deadline
         self.factory = factory
         self.start_timeout = start_timeout
         self.restarts = 0
@@ -93,16 +127,31 @@ class EngineProcess:
     def alive(self) -> bool:
         return self._proc.is_alive()
 
-    def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, verb: str, *args: Any, tokens: int = 0) -> Any:
+        """Run `engine.verb(*args)` in the child; `tokens` (what the call carries) sizes its
+        deadline."""
+        limit = self.deadline.of(tokens)
         with self._lock:
             try:
-                self._conn.send((verb, args, kwargs))
+                self._conn.send((verb, args, {}))
+                if limit is not None and not self._conn.poll(limit):
+                    self._kill()
+                    raise EngineDied(
+                        f"{self.name} did not finish {verb} within {limit:.0f}s (its deadline: "
+                        f"--engine-deadline + --engine-deadline-per-token x {tokens} tokens); "
+                        "killed"
+                    )
                 ok, value = self._conn.recv()
             except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
                 raise EngineDied(f"{self.name} (pid {self.pid}) exited") from exc
         if not ok:
             raise value
         return value
+
+    def _kill(self) -> None:
+        log.error("%s (pid %s) missed its deadline; killing it", self.name, self.pid)
+        self._proc.kill()
+        self._proc.join(10)
 
     def close(self) -> None:
         if self._proc.is_alive():
@@ -122,8 +171,13 @@ class EngineProcess:
 class ProcessTrainingEngine(TrainingEngine):
     """A TrainingEngine whose implementation lives in a child process."""
 
-    def __init__(self, factory: Callable[[], TrainingEngine], name: str = "trainer") -> None:
-        self.process = EngineProcess(factory, name)
+    def __init__(
+        self,
+        factory: Callable[[], TrainingEngine],
+        name: str = "trainer",
+        deadline: Deadline = NO_DEADLINE,
+    ) -> None:
+        self.process = EngineProcess(factory, name, deadline=deadline)
         self._card: ModelCard = self.process.call("card")
 
     def card(self) -> ModelCard:
@@ -146,7 +200,7 @@ class ProcessTrainingEngine(TrainingEngine):
         return bool(self.process.call("has_model", model_id))
 
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
-        return list(self.process.call("run_passes", requests))
+        return list(self.process.call("run_passes", requests, tokens=pass_tokens(requests)))
 
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         return dict(self.process.call("optim_step", requests))
@@ -174,8 +228,13 @@ class ProcessTrainingEngine(TrainingEngine):
 class ProcessSamplingEngine(SamplingEngine):
     """A SamplingEngine whose implementation lives in a child process."""
 
-    def __init__(self, factory: Callable[[], SamplingEngine], name: str = "sampler") -> None:
-        self.process = EngineProcess(factory, name)
+    def __init__(
+        self,
+        factory: Callable[[], SamplingEngine],
+        name: str = "sampler",
+        deadline: Deadline = NO_DEADLINE,
+    ) -> None:
+        self.process = EngineProcess(factory, name, deadline=deadline)
         self._card: ModelCard = self.process.call("card")
 
     def card(self) -> ModelCard:
@@ -198,7 +257,7 @@ class ProcessSamplingEngine(SamplingEngine):
         self.process.call("unload_adapter", adapter_id)
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
-        return list(self.process.call("sample", requests))
+        return list(self.process.call("sample", requests, tokens=sample_tokens(requests)))
 
     def close(self) -> None:
         self.process.close()
