@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -184,12 +183,3 @@ class Accounting:
                 )
             )
         return out
-
-
-def per_hour(buckets: Iterable[pb.UsageBucket]) -> dict[str, float]:
-    """Totals of a usage answer (the operator CLI's summary line)."""
-    totals: dict[str, float] = defaultdict(float)
-    for b in buckets:
-        for counter in Counter:
-            totals[counter] += getattr(b, counter)
-    return dict(totals)

@@ -8,8 +8,6 @@ PREFIX = "ls:"
 
 # Pool-wide clock counter: INCR once per cycle that ran work. Only ever increases.
 CLOCK = PREFIX + "clock"
-# Monotonic id source for request ids and sessions.
-COUNTER = PREFIX + "counter"
 # Models that have queued training work (the clock scans only these).
 ACTIVE_MODELS = PREFIX + "active_models"
 # Every training run ever created here (a set; the --max-tenants count).

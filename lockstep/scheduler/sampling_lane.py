@@ -63,10 +63,6 @@ class SamplingLane:
         self._stopping = True
         self.wake.set()
 
-    def prefetch(self, adapter_id: str, directory: Path) -> None:
-        """Publish new sampler weights without blocking the clock."""
-        asyncio.get_running_loop().create_task(self._ensure_adapter(adapter_id, directory))
-
     def publish(
         self, adapters: Sequence[tuple[str, Path]], targets: Sequence[InflightTarget] = ()
     ) -> None:

@@ -13,7 +13,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
@@ -473,7 +472,3 @@ class Store:
 
     async def queued_samples(self, limit: int) -> list[str]:
         return [r.decode() for r in await self.redis.lrange(keys.SAMPLE_QUEUE, 0, limit - 1)]
-
-
-def encode_record(rec: msgspec.Struct) -> bytes:
-    return encoder.encode(rec)

@@ -11,7 +11,7 @@ import pytest
 from lockstep.gateway.deps import authenticate, owner_of
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
-from lockstep.gateway.testing import StandInScheduler, gateway_client, running_standin
+from tests.scheduler_standin import StandInScheduler, gateway_client, running_standin
 
 
 def _settings(**kw: Any) -> GatewaySettings:

@@ -14,14 +14,14 @@ import pytest
 
 from lockstep.gateway.deps import owner_of
 from lockstep.gateway.inference.codec import TextCodec
-from lockstep.gateway.testing import (
+from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+from lockstep.v1 import scheduler_pb2 as pb
+from tests.scheduler_standin import (
     TEST_API_KEY,
     StandInScheduler,
     gateway_client,
     running_standin,
 )
-from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
-from lockstep.v1 import scheduler_pb2 as pb
 
 BASE = DEFAULT_MODEL_NAME
 PATH = "tinker://sess-1:train:0/sampler_weights/w"

@@ -11,14 +11,14 @@ from tinker.proto import response_conv
 
 from lockstep.gateway.deps import owner_of
 from lockstep.gateway.errors import http_status_for
-from lockstep.gateway.testing import (
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.wire.v1 import tinker_pb2
+from tests.scheduler_standin import (
     TEST_API_KEY,
     StandInScheduler,
     gateway_client,
     running_standin,
 )
-from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.wire.v1 import tinker_pb2
 
 RUN = "sess-1:train:0"
 

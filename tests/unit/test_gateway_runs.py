@@ -23,13 +23,13 @@ from lockstep.gateway.signing import (
     signed_url,
     verify,
 )
-from lockstep.gateway.testing import (
+from lockstep.v1 import scheduler_pb2 as pb
+from tests.scheduler_standin import (
     TEST_API_KEY,
     StandInScheduler,
     gateway_client,
     running_standin,
 )
-from lockstep.v1 import scheduler_pb2 as pb
 
 OWNER = owner_of(TEST_API_KEY)
 RUN = "sess-1:train:0"

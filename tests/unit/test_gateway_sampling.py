@@ -10,13 +10,13 @@ import grpc
 import pytest
 
 from lockstep.gateway.deps import owner_of
-from lockstep.gateway.testing import (
+from lockstep.v1 import scheduler_pb2 as pb
+from tests.scheduler_standin import (
     TEST_API_KEY,
     StandInScheduler,
     gateway_client,
     running_standin,
 )
-from lockstep.v1 import scheduler_pb2 as pb
 
 OWNER = owner_of(TEST_API_KEY)
 MODEL = "sess-1:train:0"

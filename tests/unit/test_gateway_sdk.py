@@ -25,9 +25,9 @@ from tinker import types
 
 from lockstep.gateway.app import create_app
 from lockstep.gateway.settings import GatewaySettings
-from lockstep.gateway.testing import TEST_API_KEY, StandInScheduler, running_standin
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.wire.v1 import tinker_pb2
+from tests.scheduler_standin import TEST_API_KEY, StandInScheduler, running_standin
 
 SESSION = "sess-1"
 MODEL = f"{SESSION}:train:0"

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from lockstep.gateway.testing import gateway_client, running_standin
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import OpsServer
 from lockstep.observability.tracking import OTHER, BusyWindow, OwnerCache, TenantLabels
@@ -28,6 +27,7 @@ from tests.promql import (
     exported_names,
     promql_metric_names,
 )
+from tests.scheduler_standin import gateway_client, running_standin
 
 
 class FakeClock:

@@ -1,6 +1,6 @@
 """A test stand-in for the scheduler: a real gRPC server with canned replies.
 
-For the gateway's own tests only (the real scheduler lives in `lockstep.scheduler`). It records
+For the gateway's tests (the real scheduler lives in `lockstep.scheduler`). It records
 every call and answers each RPC with a reply set by the test (a message, or a function of the
 request), or aborts it with a gRPC status.
 """
