@@ -238,11 +238,13 @@ def _run(
             out = step.fn(*args, **kwargs)
         except _Refused as exc:
             raise UserInputError("graph", f"{where}: not allowed: {exc}") from None
-        except (RuntimeError, TypeError, ValueError, IndexError, OverflowError) as exc:
-            raise UserInputError("graph", f"{where} failed: {str(exc)[:300]}") from None
-        except NotImplementedError as exc:
+        except NotImplementedError as exc:  # what meta tensors say of value-dependent shapes
             raise UserInputError(
                 "graph", f"{where}: its shape depends on values ({str(exc)[:200]})"
+            ) from None
+        except Exception as exc:  # any op's own error is the graph's fault: a 400, never a 500
+            raise UserInputError(
+                "graph", f"{where} failed: {type(exc).__name__}: {str(exc)[:300]}"
             ) from None
         if check:
             for t in _tensors(out):

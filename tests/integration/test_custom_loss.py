@@ -283,6 +283,7 @@ HOSTILE: dict[str, Any] = {
     "huge expand": _insert(_node("call_method", "x", "expand", [L, 1 << 20, 1 << 20])),
     "huge arange": _insert(_node("call_function", "x", "torch.arange", [1 << 40])),
     "huge python power": _insert(_node("call_function", "x", "operator.pow", [10, 10**9])),
+    "python division by zero": _insert(_node("call_function", "x", "operator.truediv", [1, 0])),
     "deep graph": _deep,
     "self reference": _insert(_node("call_function", "x", "operator.neg", [{"ref": "x"}])),
     "forward reference": _set(2, args=[{"ref": "output"}]),
