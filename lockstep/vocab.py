@@ -22,6 +22,8 @@ class OpKind(StrEnum):
     SAMPLE = "sample"
     # Answered at submission, never queued (older SDKs poll its future): frees a run's state.
     UNLOAD_MODEL = "unload_model"
+    # Answered at submission too: stores a session's custom loss (its future gives the loss id).
+    CREATE_CUSTOM_LOSS = "create_custom_loss"
     # Refused at submission (bad input): it failed with a 400 but still holds its seq_id, so the
     # model's later requests are not stuck behind a hole. It never reaches an engine.
     REJECTED = "rejected"

@@ -4,9 +4,9 @@
 # 5.x, 6.x and 7.x runtimes, while newer grpcio-tools stamp a gencode that refuses older runtimes.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-venv=$(mktemp -d)/protoc
-python3 -m venv "$venv"
-"$venv/bin/pip" install -q "grpcio-tools==1.66.2"
+venv=${PROTOC_VENV:-$(mktemp -d)/protoc}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -c "import grpc_tools" 2>/dev/null || "$venv/bin/pip" install -q "grpcio-tools==1.66.2"
 cd "$root"
 "$venv/bin/python" -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
   proto/lockstep/wire/v1/tinker.proto proto/lockstep/v1/scheduler.proto

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lockstep.engine import custom_loss
 from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import Datum, LossConfig, PassRequest
 
@@ -30,11 +31,8 @@ UNSUPPORTED_LOSSES: dict[str, str] = {
         "document, so it cannot be reproduced faithfully; use importance_sampling, ppo, cispo "
         "or gspo"
     ),
-    "custom": (
-        "server-side custom losses (create_custom_loss) are not supported by this server; "
-        "forward_backward_custom (client-side custom losses) works"
-    ),
 }
+CUSTOM = "custom"  # a stored custom loss (create_custom_loss), named by loss_fn_config.loss_id
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,14 @@ LOSSES: dict[str, LossDef] = {
 }
 
 
+# A custom loss reads target_tokens like cross_entropy; its other inputs are its own
+# (`lockstep.engine.custom_loss.check_datum`).
+_CUSTOM_DEF = LossDef(CUSTOM, ("target_tokens",), allows_2d_targets=True)
+
+
 def loss_def(loss_fn: str) -> LossDef:
+    if loss_fn == CUSTOM:
+        return _CUSTOM_DEF
     try:
         return LOSSES[loss_fn]
     except KeyError:
@@ -180,7 +185,21 @@ def validate_pass_request(req: PassRequest, vocab_size: int, max_context: int) -
     """
     ldef = loss_def(req.loss_fn)
     resolve_loss_config(req.loss_fn, req.loss_config)
+    if req.loss_fn == CUSTOM and req.custom_loss is None:
+        raise UserInputError("loss_fn_config.loss_id", "names no custom loss of this session")
     if not req.data:
         raise UserInputError("data", "no datums")
     for i, datum in enumerate(req.data):
         validate_datum(datum, i, ldef, vocab_size, max_context)
+        if req.custom_loss is not None:
+            custom_loss.check_datum(req.custom_loss, datum, i)
+
+
+def custom_loss_id(config: LossConfig) -> str:
+    """The loss id a loss_fn "custom" request names."""
+    loss_id = config.get("loss_id")
+    if not isinstance(loss_id, str) or not loss_id:
+        raise UserInputError(
+            "loss_fn_config.loss_id", "loss_fn 'custom' needs the loss id create_custom_loss gave"
+        )
+    return loss_id

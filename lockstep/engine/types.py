@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -78,6 +78,38 @@ class Datum:
     loss_inputs: dict[str, np.ndarray]  # float32/int64, each [T] or [T, K]
 
 
+@dataclass(frozen=True)
+class CustomLossInput:
+    """One input of a custom loss: `logprobs` (first) or a loss_fn_inputs key, with its rank
+    (0: scalar, 1: [T], 2: [T, K])."""
+
+    name: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class CustomLossNode:
+    """One node of a custom loss graph as plain data (the SDK's fx encoding: `{"ref": name}`
+    for another node, `{"tuple": [...]}`, `{"slice": [...]}`, ...). Never executed as given:
+    an engine rebuilds it from its own table of allowed operations."""
+
+    op: str
+    name: str
+    target: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CustomLoss:
+    """A stored custom loss, validated at creation (`lockstep.engine.custom_loss`)."""
+
+    loss_id: str
+    name: str
+    inputs: tuple[CustomLossInput, ...]
+    nodes: tuple[CustomLossNode, ...]
+
+
 @dataclass
 class PassRequest:
     """One forward or forward_backward request of one model (one SDK chunk)."""
@@ -88,6 +120,7 @@ class PassRequest:
     loss_config: LossConfig
     forward_only: bool
     data: list[Datum]
+    custom_loss: CustomLoss | None = None  # loss_fn "custom": the stored loss it names
 
 
 @dataclass

@@ -40,6 +40,9 @@ class GatewaySettings:
             OpenAI- and Anthropic-compatible routes, which take and return text. None: those
             routes answer 404 for every model.
         keys_file: named keys with quotas (lockstep/keyring.py), re-read on SIGHUP.
+        custom_loss_server_side: tell the SDK to upload custom losses (create_custom_loss) and
+            run them here; off for an engine that does not run them (Megatron), so the SDK
+            runs them client-side.
     """
 
     scheduler_address: str
@@ -54,6 +57,7 @@ class GatewaySettings:
     grpc_max_message_bytes: int = 512 * 1024 * 1024
     tokenizer_dir: Path | None = None
     keys_file: Path | None = None
+    custom_loss_server_side: bool = True
 
     def __post_init__(self) -> None:
         if not self.scheduler_address:

@@ -27,7 +27,7 @@ from lockstep.engine.interface import EngineDied, TrainingEngine, UserInputError
 from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest, PassResult
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, ephemeral_dir
-from lockstep.scheduler import encryption, storage, tracing, translate
+from lockstep.scheduler import custom_losses, encryption, storage, tracing, translate
 from lockstep.scheduler.cadence import SnapshotCadence
 from lockstep.scheduler.outcome import Outcome, failure
 from lockstep.scheduler.planner import CyclePlan
@@ -238,6 +238,7 @@ class Dispatcher:
                 await self._call(self.engine.optim_step, [OptimRequest(model_id, adam)])
             else:
                 passes.append(translate.pass_request(job.request_id, req.forward_backward))
+                await custom_losses.attach(self.store, passes[-1])
         if passes:
             await self._call(self.engine.run_passes, passes)
 
@@ -354,7 +355,9 @@ class Dispatcher:
                 continue
             try:
                 req = await self._request(op)
-                requests.append(translate.pass_request(op.request_id, req.forward_backward))
+                pass_req = translate.pass_request(op.request_id, req.forward_backward)
+                await custom_losses.attach(self.store, pass_req)
+                requests.append(pass_req)
             except Exception as exc:
                 outcomes[op.request_id] = failure(exc)
         results: list[PassResult] = []

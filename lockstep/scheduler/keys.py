@@ -69,6 +69,16 @@ def session_samplers(session_id: str) -> str:
     return f"{PREFIX}session:{session_id}:samplers"
 
 
+def custom_loss(loss_id: str) -> str:
+    """String (JSON CustomLossRecord); the id is "<session_id>:loss:<custom_loss_seq_id>"."""
+    return f"{PREFIX}custom_loss:{loss_id}"
+
+
+def session_losses(session_id: str) -> str:
+    """Set of custom loss ids created in a session (bounds how many it may store)."""
+    return f"{PREFIX}session:{session_id}:losses"
+
+
 def sampler(sampler_id: str) -> str:
     """String (JSON SamplerRecord)."""
     return f"{PREFIX}sampler:{sampler_id}"

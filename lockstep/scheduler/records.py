@@ -50,6 +50,20 @@ class ModelRecord(msgspec.Struct):
     last_sampler_checkpoint: str | None = None
 
 
+class CustomLossRecord(msgspec.Struct, frozen=True):
+    """A session's custom loss as created: the checked graph as plain data (never code)."""
+
+    loss_id: str
+    owner: str
+    session_id: str
+    seq_id: int
+    name: str
+    inputs: list[tuple[str, int]]
+    graph_json: bytes  # the SDK's CustomLossGraph, as received
+    digest: str  # of (name, inputs, graph): a retry under the same seq_id must match it
+    created: float = 0.0
+
+
 class SamplerRecord(msgspec.Struct):
     sampler_id: str
     owner: str

@@ -146,6 +146,10 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
         return pb.SessionList(session_ids=ids, total_count=total)
 
+    @grpc_errors
+    async def CreateCustomLoss(self, request, context):
+        return await self.submissions.custom_losses.create(request)
+
     # ---------------------------------------------------------------- futures
     @grpc_errors
     async def Submit(self, request, context):

@@ -19,6 +19,7 @@ from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler import encryption, tracing, translate
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
+from lockstep.scheduler.custom_losses import CustomLosses
 from lockstep.scheduler.records import LoraRecord, ModelRecord
 from lockstep.scheduler.store import ClaimConflict, Store, TenantLimitReached
 from lockstep.v1 import scheduler_pb2 as pb
@@ -75,6 +76,7 @@ class Submissions:
         self.data_dir = data_dir
         self.on_training = on_training
         self.on_sample = on_sample
+        self.custom_losses = CustomLosses(store, catalog)
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
         payload = req.SerializeToString(deterministic=True)
@@ -208,13 +210,15 @@ class Submissions:
         return model_id, 0, "create_model", 0, record
 
     async def _forward_backward(self, owner: str, fb: wire.ForwardBackwardRequest) -> Claim:
-        await self._owned_model(owner, fb.model_id)
+        model = await self._owned_model(owner, fb.model_id)
         self._check_seq(fb.seq_id)
         if not fb.data:
             raise UserInputError("data", "no datums given")
         self._check_sizes(fb)
         pass_req = translate.pass_request("validation", fb)
+        pass_req.custom_loss = await self.custom_losses.named(model, pass_req)
         losses.validate_pass_request(pass_req, self.card.vocab_size, self.card.max_context_length)
+        await self.custom_losses.check_sizes(pass_req)
         kind = "forward" if fb.forward_only else "forward_backward"
         return fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), None
 

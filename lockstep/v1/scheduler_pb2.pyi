@@ -97,6 +97,30 @@ class SessionInfo(_message.Message):
     display_name: str
     def __init__(self, training_run_ids: _Optional[_Iterable[str]] = ..., sampler_ids: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., display_name: _Optional[str] = ...) -> None: ...
 
+class CustomLossInput(_message.Message):
+    __slots__ = ("name", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class CreateCustomLossRequest(_message.Message):
+    __slots__ = ("owner", "session_id", "custom_loss_seq_id", "name", "inputs", "graph_json")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_JSON_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    session_id: str
+    custom_loss_seq_id: int
+    name: str
+    inputs: _containers.RepeatedCompositeFieldContainer[CustomLossInput]
+    graph_json: bytes
+    def __init__(self, owner: _Optional[str] = ..., session_id: _Optional[str] = ..., custom_loss_seq_id: _Optional[int] = ..., name: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[CustomLossInput, _Mapping]]] = ..., graph_json: _Optional[bytes] = ...) -> None: ...
+
 class ListRequest(_message.Message):
     __slots__ = ("owner", "limit", "offset")
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +389,12 @@ class UnloadModelResult(_message.Message):
     model_id: str
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
+class CustomLossResult(_message.Message):
+    __slots__ = ("loss_id",)
+    LOSS_ID_FIELD_NUMBER: _ClassVar[int]
+    loss_id: str
+    def __init__(self, loss_id: _Optional[str] = ...) -> None: ...
+
 class LoadResult(_message.Message):
     __slots__ = ("model_id", "path")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -374,7 +404,7 @@ class LoadResult(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("create_model", "forward_backward", "optim_step", "save", "load", "sample", "unload_model")
+    __slots__ = ("create_model", "forward_backward", "optim_step", "save", "load", "sample", "unload_model", "custom_loss")
     CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
     FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +412,7 @@ class JobResult(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_FIELD_NUMBER: _ClassVar[int]
     create_model: CreateModelResult
     forward_backward: _tinker_pb2.ForwardBackwardOutput
     optim_step: OptimStepResult
@@ -389,7 +420,8 @@ class JobResult(_message.Message):
     load: LoadResult
     sample: _tinker_pb2.SampleResponse
     unload_model: UnloadModelResult
-    def __init__(self, create_model: _Optional[_Union[CreateModelResult, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., save: _Optional[_Union[SaveResult, _Mapping]] = ..., load: _Optional[_Union[LoadResult, _Mapping]] = ..., sample: _Optional[_Union[_tinker_pb2.SampleResponse, _Mapping]] = ..., unload_model: _Optional[_Union[UnloadModelResult, _Mapping]] = ...) -> None: ...
+    custom_loss: CustomLossResult
+    def __init__(self, create_model: _Optional[_Union[CreateModelResult, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStepResult, _Mapping]] = ..., save: _Optional[_Union[SaveResult, _Mapping]] = ..., load: _Optional[_Union[LoadResult, _Mapping]] = ..., sample: _Optional[_Union[_tinker_pb2.SampleResponse, _Mapping]] = ..., unload_model: _Optional[_Union[UnloadModelResult, _Mapping]] = ..., custom_loss: _Optional[_Union[CustomLossResult, _Mapping]] = ...) -> None: ...
 
 class JobError(_message.Message):
     __slots__ = ("message", "category")

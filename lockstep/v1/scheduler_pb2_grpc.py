@@ -64,6 +64,11 @@ class SchedulerStub(object):
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.SessionRef.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SessionTrace.FromString,
                 _registered_method=True)
+        self.CreateCustomLoss = channel.unary_unary(
+                '/lockstep.v1.Scheduler/CreateCustomLoss',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.CreateCustomLossRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SubmitReply.FromString,
+                _registered_method=True)
         self.Submit = channel.unary_unary(
                 '/lockstep.v1.Scheduler/Submit',
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
@@ -207,6 +212,13 @@ class SchedulerServicer(object):
 
     def GetSessionTrace(self, request, context):
         """Chrome-trace JSON of its requests
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateCustomLoss(self, request, context):
+        """Store a custom loss in a session; a finished job: its future answers the loss id at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -376,6 +388,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetSessionTrace,
                     request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SessionRef.FromString,
                     response_serializer=lockstep_dot_v1_dot_scheduler__pb2.SessionTrace.SerializeToString,
+            ),
+            'CreateCustomLoss': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCustomLoss,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.CreateCustomLossRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.SubmitReply.SerializeToString,
             ),
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
@@ -645,6 +662,33 @@ class Scheduler(object):
             '/lockstep.v1.Scheduler/GetSessionTrace',
             lockstep_dot_v1_dot_scheduler__pb2.SessionRef.SerializeToString,
             lockstep_dot_v1_dot_scheduler__pb2.SessionTrace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCustomLoss(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/CreateCustomLoss',
+            lockstep_dot_v1_dot_scheduler__pb2.CreateCustomLossRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -118,9 +118,13 @@ def weighted_nll(logprobs: Any, weights: Any) -> Any:
 @probe("ServiceClient.create_custom_loss")
 def _(c: Ctx, call: Caller) -> str | None:
     handle = call(c.service, "create_custom_loss", weighted_nll, {"logprobs": 1, "weights": 1})
+    expect(handle.loss_id is not None, "the loss was not uploaded")
     out = c.shared_trainer.forward_backward_custom([c.datum(weights=[1.0] * 8)], handle).result()
-    expect("loss:sum" in out.metrics, str(out.metrics))
-    return "the handle runs client-side (server-side upload is off: custom_loss_server_side=false)"
+    expect("loss:sum" in out.metrics and "surrogate_loss:sum" not in out.metrics, str(out.metrics))
+    return (
+        "uploaded (custom_loss_server_side=true): forward_backward_custom runs it on the "
+        "server in one forward_backward"
+    )
 
 
 # TrainingClient --------------------------------------------------------------------------

@@ -53,6 +53,7 @@ def test_client_config_and_friends(api: Any) -> None:
         "proto_compress_fwdbwd": False,
         "fwdbwd_max_chunk_len": 1024,  # the SDK chunks below the server's limits
         "fwdbwd_max_chunk_bytes_count": 5_000_000,
+        "custom_loss_server_side": True,  # create_custom_loss uploads; losses run here
     }
     assert api.post("/api/v1/client/dynamic_config", json={}).status_code == 200
     telemetry = api.post("/api/v1/telemetry", json={"events": [], "session_id": "s"})

@@ -27,6 +27,7 @@ async def client_config(request: Request, owner: Owner) -> rs.ClientConfigRespon
     return rs.ClientConfigResponse(
         fwdbwd_max_chunk_len=min(1024, settings.max_datums_per_request),
         fwdbwd_max_chunk_bytes_count=min(5_000_000, settings.max_body_bytes // 2),
+        custom_loss_server_side=settings.custom_loss_server_side,
     )
 
 

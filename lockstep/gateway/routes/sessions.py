@@ -1,4 +1,5 @@
-"""Sessions: create_session, session_heartbeat, sessions/{id}/finish, GET sessions[/{id}]."""
+"""Sessions: create_session, session_heartbeat, sessions/{id}/finish, GET sessions[/{id}],
+create_custom_loss (a custom loss belongs to its session)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ async def finish_session(
     ref = pb.SessionRef(owner=owner, session_id=check_id("session_id", session_id))
     await stub.FinishSession(ref, timeout=CALL_TIMEOUT_S)
     return {}
+
+
+@router.post("/create_custom_loss")
+async def create_custom_loss(
+    body: rq.CreateCustomLossRequest, owner: Owner, stub: Scheduler
+) -> rs.UntypedAPIFuture:
+    """Stores a custom loss in the session; the future answers its loss id at once."""
+    reply = await stub.CreateCustomLoss(tr.create_custom_loss(owner, body), timeout=CALL_TIMEOUT_S)
+    return rs.UntypedAPIFuture(request_id=reply.request_id)
 
 
 @router.get("/sessions")

@@ -88,6 +88,8 @@ def result_response(result: pb.JobResult, request_type: str | None = None) -> Re
         return json_response(rs.CreateModelResult(model_id=result.create_model.model_id))
     if kind == "unload_model":
         return json_response(rs.UnloadModelResult(model_id=result.unload_model.model_id))
+    if kind == "custom_loss":
+        return json_response(rs.CreateCustomLossResponse(loss_id=result.custom_loss.loss_id))
     if kind == "optim_step":
         return json_response(rs.OptimStepResult(metrics=dict(result.optim_step.metrics)))
     if kind == "save":

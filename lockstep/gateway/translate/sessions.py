@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from lockstep.gateway.translate.common import str_map
+from lockstep.gateway.validate import check_id
 from lockstep.gateway.wire import requests as rq
 from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
@@ -25,4 +28,16 @@ def session_info(info: pb.SessionInfo) -> rs.GetSessionResponse:
         sampler_ids=list(info.sampler_ids),
         user_metadata=dict(info.user_metadata),
         display_name=info.display_name if info.HasField("display_name") else None,
+    )
+
+
+def create_custom_loss(owner: str, body: rq.CreateCustomLossRequest) -> pb.CreateCustomLossRequest:
+    """The graph travels as JSON bytes: plain data the scheduler checks node by node."""
+    return pb.CreateCustomLossRequest(
+        owner=owner,
+        session_id=check_id("session_id", body.session_id),
+        custom_loss_seq_id=body.custom_loss_seq_id,
+        name=body.name,
+        inputs=[pb.CustomLossInput(name=x.name, rank=x.rank) for x in body.inputs],
+        graph_json=json.dumps(body.graph.model_dump(mode="json")).encode(),
     )

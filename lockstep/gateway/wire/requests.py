@@ -198,6 +198,26 @@ class LoadWeightsRequest(WireModel):
     weights_access_token: str | None = None
 
 
+class CustomLossInput(WireModel):
+    name: str = Field(max_length=64)
+    rank: Literal[0, 1, 2]
+
+
+class CustomLossGraph(WireModel):
+    """The SDK's traced loss as plain data; its nodes are checked by the scheduler."""
+
+    format: Literal[1] = 1
+    nodes: list[dict[str, Any]] = Field(max_length=4096)
+
+
+class CreateCustomLossRequest(WireModel):
+    session_id: str
+    custom_loss_seq_id: NonNegInt
+    name: str = Field(max_length=128)
+    inputs: list[CustomLossInput] = Field(max_length=64)
+    graph: CustomLossGraph
+
+
 # ---------------------------------------------------------------- sampling
 class CreateSamplingSessionRequest(WireModel):
     session_id: str

@@ -23,6 +23,7 @@ class ClientConfigResponse(WireModel):
     proto_compress_fwdbwd: bool = False
     fwdbwd_max_chunk_len: int = 1024  # datums per fwd/bwd request the SDK sends
     fwdbwd_max_chunk_bytes_count: int = 5_000_000  # its estimated body bytes per request
+    custom_loss_server_side: bool = False  # create_custom_loss uploads; losses run here
 
 
 class ClientDynamicConfigResponse(WireModel):
@@ -106,6 +107,11 @@ class RequestFailedResponse(WireModel):
 class CreateModelResult(WireModel):
     type: Literal["create_model"] = "create_model"
     model_id: str
+
+
+class CreateCustomLossResponse(WireModel):
+    type: Literal["create_custom_loss"] = "create_custom_loss"
+    loss_id: str
 
 
 class UnloadModelResult(WireModel):

@@ -56,8 +56,8 @@ from lockstep.modeling.packing import packed_rows
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
-from lockstep.training.losses import datum_loss
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
+from lockstep.training.pass_result import RowLoss, pass_result, row_loss
 from lockstep.workers.local import host_memory
 from lockstep.workers.snapshots import SnapshotWriter
 
@@ -188,7 +188,7 @@ class LocalTrainingEngine(TrainingEngine):
             self._require(req.model_id)
             validate_pass_request(req, card.vocab_size, card.max_context_length)
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
-        outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        outs: dict[tuple[int, int], RowLoss] = {}
         train = [i for i, r in enumerate(requests) if not r.forward_only]
         if train:
             params = {p for i in train for p in self._lora.adapter_parameters(requests[i].model_id)}
@@ -204,28 +204,17 @@ class LocalTrainingEngine(TrainingEngine):
         if evals:
             with torch.no_grad():
                 self._fused_pass(requests, evals, configs, outs, backward=False)
-        results = []
-        for i, req in enumerate(requests):
-            per = [outs[(i, j)] for j in range(len(req.data))]
-            total = torch.stack([loss.sum() for _, loss in per]).sum()
-            results.append(
-                PassResult(
-                    request_id=req.request_id,
-                    outputs=[
-                        {"logprobs": _to_numpy(lp), "elementwise_loss": _to_numpy(loss)}
-                        for lp, loss in per
-                    ],
-                    metrics={"loss:sum": float(total)},
-                )
-            )
-        return results
+        return [
+            pass_result(req, [outs[(i, j)] for j in range(len(req.data))])
+            for i, req in enumerate(requests)
+        ]
 
     def _fused_pass(
         self,
         requests: list[PassRequest],
         indices: list[int],
         configs: list[dict[str, float]],
-        outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        outs: dict[tuple[int, int], RowLoss],
         backward: bool,
     ) -> None:
         rows = [
@@ -246,7 +235,7 @@ class LocalTrainingEngine(TrainingEngine):
         rows: list[_Row],
         requests: list[PassRequest],
         configs: list[dict[str, float]],
-        outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        outs: dict[tuple[int, int], RowLoss],
         backward: bool,
     ) -> None:
         # One packed sequence: row i at starts[i], padded to whole blocks (module docstring). On
@@ -283,18 +272,17 @@ class LocalTrainingEngine(TrainingEngine):
             ).last_hidden_state[0]
             sums = []
             for row, start in zip(rows, starts, strict=True):
-                req = requests[row.request]
                 head = functools.partial(self._row_head, row.model_id)
-                logp, loss = datum_loss(
+                out = row_loss(
                     hidden[start : start + row.length],
                     row.datum,
-                    req.loss_fn,
+                    requests[row.request],
                     configs[row.request],
                     head,
                     self._chunk,
                 )
-                outs[(row.request, row.index)] = (logp.detach(), loss.detach())
-                sums.append(loss.sum())
+                outs[(row.request, row.index)] = out.detached()
+                sums.append(out.loss.sum())
             if backward:
                 # d(sum)/d(loss_i) = 1: each adapter gets exactly the gradient of its own rows'
                 # losses; .grad accumulates over micro-batches until optim_step. Inside the
@@ -396,7 +384,3 @@ class LocalTrainingEngine(TrainingEngine):
             self._lora.spec(model_id),
             self._card.name,
         )
-
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", torch.float32).numpy().copy()

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from lockstep.engine.interface import TrainingEngine, UserInputError
-from lockstep.engine.losses import resolve_loss_config, validate_pass_request
+from lockstep.engine.losses import CUSTOM, resolve_loss_config, validate_pass_request
 from lockstep.engine.types import LoraSpec, ModelCard, OptimRequest, PassRequest, PassResult
 from lockstep.modeling.lora import (
     PEFT_PREFIX,
@@ -100,6 +100,12 @@ class MegatronTrainingEngine(TrainingEngine):
         for req in requests:
             self._require(req.model_id)
             validate_pass_request(req, self._card.vocab_size, self._card.max_context_length)
+            if req.loss_fn == CUSTOM:  # its pipeline schedule carries no per-datum metrics yet
+                raise UserInputError(
+                    "loss_fn",
+                    "server-side custom losses run on the local training engine, not on "
+                    "--engine megatron; pass forward_backward_custom a plain callable instead",
+                )
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
         results: list[PassResult] = self._group.call("run_passes", requests, configs)[0]
         return results
