@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,3 +121,23 @@ def test_api_key_me(standin: tuple[StandInScheduler, str]) -> None:
     assert set(me) == {"key_id", "name", "note", "details"}
     assert me["details"]["org_details"]["name"] == "lockstep"
     assert revoke.status_code == 400 and revoke.json()["detail"]
+
+
+def test_keys_file_key_and_quota_reach_the_scheduler(
+    standin: tuple[StandInScheduler, str], tmp_path: Path
+) -> None:
+    """The keys file's quota rides on create_model; its key also works on the bearer routes."""
+    sched, address = standin
+    sched.reset()
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "q"\nkey = "tml-q"\nmax_training_runs = 3\n')
+    with gateway_client(address, api_keys=frozenset(), keys_file=keys) as client:
+        client.headers["X-API-Key"] = "tml-q"
+        created = client.post(
+            "/api/v1/create_model",
+            json={"session_id": "sess-1", "model_seq_id": 0, "base_model": "b"},
+        )
+        models = client.get("/oai/api/v1/models", headers={"Authorization": "Bearer tml-q"})
+    assert (created.status_code, models.status_code) == (200, 200)
+    submitted = sched.last("Submit")
+    assert (submitted.owner, submitted.key_max_training_runs) == (owner_of("tml-q"), 3)
