@@ -148,13 +148,13 @@ def _proto_ids(data: bytes) -> tuple[str | None, int | None]:
 
 async def report(request: Request, body: bytes, reason: str) -> None:
     """Tell the scheduler that this request was refused; it holds the seq_id if it may."""
-    ids = read_ids(body, request.headers.get("content-type"))
-    if ids is None:
-        return  # names no model and seq_id: there is nothing to hold
     try:
         caller = authenticate(request, api_key_of(request))
     except ApiError:
         return  # not the owner's request, so not the owner's seq_id
+    ids = read_ids(body, request.headers.get("content-type"))
+    if ids is None:
+        return  # names no model and seq_id: there is nothing to hold
     refused = pb.Refused(model_id=ids[0], seq_id=ids[1], reason=reason)
     try:
         await request.app.state.scheduler.Submit(
