@@ -18,8 +18,8 @@ from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.inference.lane import new_sessions
 from lockstep.gateway.openapi import install_openapi
+from lockstep.gateway.refusals import RefusalMiddleware
 from lockstep.gateway.routes import api_router
-from lockstep.gateway.seqhold import hold_seq_of_request
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.gateway.wire.requests import ForwardBackwardJsonRequest
 from lockstep.keyring import KeyRing
@@ -89,11 +89,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.text_codec = None  # loaded on the first compatible-route request
     app.state.text_codec_lock = asyncio.Lock()
     app.state.compat_sessions = new_sessions()
-    install_error_handlers(app, on_invalid=hold_seq_of_request)
+    install_error_handlers(app)
     app.include_router(api_router)
     install_openapi(app, [ForwardBackwardJsonRequest])  # bodies read by hand (protobuf/JSON)
     app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RefusalMiddleware)  # outside the body limit: it reports that one's 413s
     app.add_middleware(MetricsMiddleware)  # outermost: times everything
     return app
 

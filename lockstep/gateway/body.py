@@ -3,6 +3,9 @@
 A pure ASGI middleware reads the whole body first (bounded by `max_body_bytes`), undoes
 `Content-Encoding: zstd` (the SDK's `proto_compress_fwdbwd`) or gzip, and hands the routes a
 plain body. Oversized bodies get 413, undecodable ones 400, both with a JSON `detail`.
+
+The body it read (of a refused one, its first bytes) stays in the scope for the refusal report
+(`request_body`, lockstep.gateway.refusals): a refused training request names its seq_id there.
 """
 
 from __future__ import annotations
@@ -22,11 +25,25 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+# How much of a refused body is kept: a request's ids come first (protobuf field order), and
+# a refusal report must stay cheap.
+PREFIX_BYTES = 64 * 1024
+_BODY = "lockstep.body"
+
+
+def request_body(scope: Scope) -> bytes:
+    """The decompressed body of this request as the app saw it, or the first bytes of a body
+    this middleware refused (empty if it could not read one)."""
+    body: bytes = scope.get(_BODY, b"")
+    return body
+
+
 class BodyError(Exception):
-    def __init__(self, status_code: int, detail: str) -> None:
+    def __init__(self, status_code: int, detail: str, prefix: bytes = b"") -> None:
         super().__init__(detail)
         self.status_code = status_code
         self.detail = detail
+        self.prefix = prefix[:PREFIX_BYTES]  # what could be read of the refused body
 
 
 def decompress(body: bytes, encoding: str, limit: int) -> bytes:
@@ -49,7 +66,7 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     except (zstandard.ZstdError, zlib.error) as e:
         raise BodyError(400, f"body: not valid {encoding} data ({e})") from e
     if len(out) > limit:
-        raise BodyError(413, f"body: larger than {limit} bytes once decompressed")
+        raise BodyError(413, f"body: larger than {limit} bytes once decompressed", out)
     return out
 
 
@@ -70,8 +87,10 @@ class BodyLimitMiddleware:
             if encoding and body:
                 body = decompress(body, encoding, self.max_body_bytes)
         except BodyError as e:
+            scope[_BODY] = e.prefix  # in place, like the headers below
             await _send_json(send, e.status_code, {"detail": e.detail})
             return
+        scope[_BODY] = body
         if encoding:
             headers = [
                 (k, v) for k, v in headers if k not in (b"content-encoding", b"content-length")
@@ -94,16 +113,17 @@ class BodyLimitMiddleware:
         self, headers: list[tuple[bytes, bytes]], receive: Receive
     ) -> tuple[bytes, str]:
         encoding = ""
+        declared = 0
         for key, value in headers:
             if key == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError as e:
                     raise BodyError(400, "Content-Length: not an integer") from e
-                if declared > self.max_body_bytes:
-                    raise BodyError(413, f"body: larger than {self.max_body_bytes} bytes")
             elif key == b"content-encoding":
                 encoding = value.decode("latin-1")
+        # Past the limit only the first bytes are read, for the refusal report.
+        stop = min(PREFIX_BYTES, self.max_body_bytes) if declared > self.max_body_bytes else None
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -112,12 +132,26 @@ class BodyLimitMiddleware:
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                raise BodyError(413, f"body: larger than {self.max_body_bytes} bytes")
             chunks.append(chunk)
+            if size > self.max_body_bytes or (stop is not None and size >= stop):
+                break
             if not message.get("more_body", False):
                 break
+        if size > self.max_body_bytes or stop is not None:
+            # compressed bytes name nothing; a plain body names its ids in its first bytes
+            prefix = b"" if encoding else _head(chunks, PREFIX_BYTES)
+            raise BodyError(413, f"body: larger than {self.max_body_bytes} bytes", prefix)
         return b"".join(chunks), encoding
+
+
+def _head(chunks: list[bytes], size: int) -> bytes:
+    """The first `size` bytes of the chunks, without joining all of them."""
+    out = bytearray()
+    for chunk in chunks:
+        out += chunk[: size - len(out)]
+        if len(out) >= size:
+            break
+    return bytes(out)
 
 
 async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:

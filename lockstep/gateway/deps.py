@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Header, Query, Request
+from starlette.requests import HTTPConnection
 
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
@@ -17,18 +19,24 @@ __all__ = ["owner_of"]  # the owner id rule lives in lockstep.keyring
 CALL_TIMEOUT_S = 30.0
 
 
-def authenticate(
-    settings: GatewaySettings, api_key: str | None, keyring: KeyRing | None = None
-) -> str:
-    """Check an `X-API-Key` against the keys file and the settings; the caller's owner id,
-    else a 401 (which the SDK does not retry)."""
+@dataclass(frozen=True)
+class Caller:
+    owner: str  # the id the scheduler scopes everything to (lockstep.keyring.owner_of)
+    max_training_runs: int = 0  # the keys file's quota for this key; 0: none
+
+
+def authenticate(conn: HTTPConnection, api_key: str | None) -> Caller:
+    """The one key check of every route: the keys file (re-read on SIGHUP), then the settings'
+    key list or any `tml-` key. The caller, else a 401 (which the SDK does not retry)."""
+    settings: GatewaySettings = conn.app.state.settings
+    keyring: KeyRing | None = conn.app.state.keyring
     if not api_key:
         raise ApiError(401, "missing API key: send it in the X-API-Key header")
     entry = keyring.lookup(api_key) if keyring is not None else None
     if entry is not None:
         if entry.revoked:
             raise ApiError(401, f"API key {entry.name!r} is revoked")
-        return owner_of(api_key)
+        return Caller(owner_of(api_key), entry.max_training_runs)
     if keyring is not None and not settings.api_keys:
         raise ApiError(401, "invalid API key")
     if settings.api_keys:
@@ -42,7 +50,12 @@ def authenticate(
         raise ApiError(401, "invalid API key (this server has no API keys configured)")
     elif not api_key.startswith("tml-"):
         raise ApiError(401, "invalid API key: it must start with 'tml-'")
-    return owner_of(api_key)
+    return Caller(owner_of(api_key))
+
+
+def api_key_of(conn: HTTPConnection) -> str | None:
+    """The Tinker routes' key: the `X-API-Key` header (for code that is not a dependency)."""
+    return conn.headers.get("x-api-key")
 
 
 # Dependencies are `async def` though they never await: FastAPI runs a plain `def` dependency
@@ -63,19 +76,19 @@ async def get_scheduler(request: Request) -> Any:
     return request.app.state.scheduler
 
 
-async def require_owner(
+async def require_caller(
     request: Request, x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None
-) -> str:
-    return authenticate(settings_of(request), x_api_key, request.app.state.keyring)
+) -> Caller:
+    return authenticate(request, x_api_key)
 
 
-async def key_quota(
-    request: Request, x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None
-) -> int:
+async def require_owner(caller: Annotated[Caller, Depends(require_caller)]) -> str:
+    return caller.owner
+
+
+async def key_quota(caller: Annotated[Caller, Depends(require_caller)]) -> int:
     """The caller's training-run quota from the keys file (0: none)."""
-    keyring: KeyRing | None = request.app.state.keyring
-    entry = keyring.lookup(x_api_key or "") if keyring is not None else None
-    return entry.max_training_runs if entry is not None else 0
+    return caller.max_training_runs
 
 
 Owner = Annotated[str, Depends(require_owner)]
@@ -109,7 +122,7 @@ async def require_bearer_owner(
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
             key = token.strip()
-    return authenticate(settings_of(request), key)
+    return authenticate(request, key).owner
 
 
 BearerOwner = Annotated[str, Depends(require_bearer_owner)]

@@ -7,9 +7,8 @@ problems are 429 (backpressure) and an unreachable scheduler is 503.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import grpc
@@ -117,22 +116,24 @@ async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
+# Set in the scope of a request whose error answer is the scheduler's own: what the scheduler
+# refused, it has judged for the seq order already (lockstep.gateway.refusals).
+_SCHEDULER_ANSWERED = "lockstep.scheduler_answered"
+
+
+def answered_by_scheduler(scope: MutableMapping[str, Any]) -> bool:
+    return bool(scope.get(_SCHEDULER_ANSWERED))
+
+
 async def _rpc_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, grpc.aio.AioRpcError)
+    request.scope[_SCHEDULER_ANSWERED] = True  # the same dict the outer middleware holds
     return await _api_error_handler(request, rpc_error_to_api_error(exc))
 
 
-# Called with (request, parsed body, detail) before a validation 400 goes out: the gateway
-# records the refused seq_id there (seqhold). A hook, so this module does no gRPC I/O.
-OnInvalid = Callable[[Request, Any, str], Awaitable[None]]
-
-
-async def _validation_error_handler(
-    on_invalid: OnInvalid, request: Request, exc: Exception
-) -> JSONResponse:
+async def _validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     detail = "; ".join(describe_validation_error(e) for e in exc.errors()) or "invalid request"
-    await on_invalid(request, exc.body, detail)
     return JSONResponse({"detail": detail}, status_code=400)
 
 
@@ -144,11 +145,9 @@ async def _http_exception_handler(request: Request, exc: Exception) -> JSONRespo
     )
 
 
-def install_error_handlers(app: FastAPI, on_invalid: OnInvalid) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     """Every error leaves as JSON `{"detail": ...}`; validation errors are 400, not 422."""
     app.add_exception_handler(ApiError, _api_error_handler)
     app.add_exception_handler(grpc.aio.AioRpcError, _rpc_error_handler)
-    app.add_exception_handler(
-        RequestValidationError, functools.partial(_validation_error_handler, on_invalid)
-    )
+    app.add_exception_handler(RequestValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)

@@ -84,9 +84,8 @@ class Submissions:
         try:
             if op == "sample":
                 return await self._sample(req, payload)
-            if op == "refused":
-                r = req.refused
-                await self._hold_seq(req, r.model_id, r.seq_id, payload, r.reason)
+            if op == "refused":  # the gateway refused it: hold its seq_id, nothing else
+                await self._hold_seq(req, payload, req.refused.reason)
                 return pb.SubmitReply()
             try:
                 model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
@@ -96,9 +95,7 @@ class Submissions:
                         f"model {model_id} has {backlog} requests queued; retry later"
                     )
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
-                addressed = self._addressed(req, op)
-                if addressed is not None:
-                    await self._hold_seq(req, *addressed, payload, str(exc))
+                await self._hold_seq(req, payload, str(exc))
                 raise
             rid, created = await self.store.claim_training(
                 owner=req.owner,
@@ -130,19 +127,20 @@ class Submissions:
         return pb.SubmitReply(request_id=rid, model_id=model_id)
 
     @staticmethod
-    def _addressed(req: pb.SubmitRequest, op: str | None) -> tuple[str, int] | None:
-        """(model_id, seq_id) of a request that takes a place in a model's sequence."""
-        return {
-            "forward_backward": (req.forward_backward.model_id, req.forward_backward.seq_id),
-            "optim_step": (req.optim_step.model_id, req.optim_step.seq_id),
-            "save_weights": (req.save_weights.model_id, req.save_weights.seq_id),
-            "load_weights": (req.load_weights.model_id, req.load_weights.seq_id),
-        }.get(op or "")
+    def _addressed(req: pb.SubmitRequest) -> tuple[str, int]:
+        """(model_id, seq_id) of a request that takes a place in a model's sequence; ("", 0)
+        for one that does not (create_model, create-via-load, sample)."""
+        op = req.WhichOneof("op")
+        if op not in ("forward_backward", "optim_step", "save_weights", "load_weights", "refused"):
+            return "", 0
+        addressed = getattr(req, op)
+        return addressed.model_id, addressed.seq_id
 
-    async def _hold_seq(
-        self, req: pb.SubmitRequest, model_id: str, seq_id: int, payload: bytes, reason: str
-    ) -> None:
-        """A refused request still uses its seq_id: the SDK has moved on to the next one."""
+    async def _hold_seq(self, req: pb.SubmitRequest, payload: bytes, reason: str) -> None:
+        """The one rule for a refused request, whoever refused it: it still uses its seq_id (the
+        SDK has moved on to the next one), as a failed request, if the caller owns the model
+        and the seq_id is not already taken. Anyone else's request holds nothing."""
+        model_id, seq_id = self._addressed(req)
         if not model_id or seq_id < 1:
             return
         model = await self.store.model(model_id)
@@ -159,7 +157,7 @@ class Submissions:
                 rejection=reason,
             )
         except ClaimConflict:
-            return  # the seq_id already belongs to an accepted request
+            return  # the seq_id already belongs to another request
         self.on_training()
 
     async def _training(self, req: pb.SubmitRequest, op: str | None) -> Claim:

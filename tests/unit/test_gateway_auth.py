@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
+from lockstep.gateway.app import create_app
 from lockstep.gateway.deps import authenticate, owner_of
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
 from tests.scheduler_standin import StandInScheduler, gateway_client, running_standin
 
 
-def _settings(**kw: Any) -> GatewaySettings:
-    return GatewaySettings(scheduler_address="127.0.0.1:1", **kw)
+def _conn(**kw: Any) -> Request:
+    """A request to a gateway with these settings, for `authenticate`."""
+    app = create_app(GatewaySettings(scheduler_address="127.0.0.1:1", **kw))
+    return Request({"type": "http", "app": app, "headers": []})
 
 
 def test_owner_is_a_short_sha256_of_the_key() -> None:
@@ -24,9 +29,9 @@ def test_owner_is_a_short_sha256_of_the_key() -> None:
 
 
 def test_fixed_key_list() -> None:
-    s = _settings(api_keys=frozenset({"tml-one", "sk-two"}), allow_any_tml_key=True)
-    assert authenticate(s, "tml-one") == owner_of("tml-one")
-    assert authenticate(s, "sk-two") == owner_of("sk-two")
+    s = _conn(api_keys=frozenset({"tml-one", "sk-two"}), allow_any_tml_key=True)
+    assert authenticate(s, "tml-one").owner == owner_of("tml-one")
+    assert authenticate(s, "sk-two").owner == owner_of("sk-two")
     for bad in ("tml-three", "tml-on", ""):
         with pytest.raises(ApiError) as err:
             authenticate(s, bad)
@@ -34,21 +39,21 @@ def test_fixed_key_list() -> None:
 
 
 def test_any_tml_key() -> None:
-    s = _settings(allow_any_tml_key=True)
-    assert authenticate(s, "tml-whatever") == owner_of("tml-whatever")
+    s = _conn(allow_any_tml_key=True)
+    assert authenticate(s, "tml-whatever").owner == owner_of("tml-whatever")
     with pytest.raises(ApiError):
         authenticate(s, "sk-whatever")
 
 
 def test_no_keys_configured_rejects_everything() -> None:
     with pytest.raises(ApiError) as err:
-        authenticate(_settings(), "tml-x")
+        authenticate(_conn(), "tml-x")
     assert err.value.status_code == 401
 
 
 def test_missing_key() -> None:
     with pytest.raises(ApiError) as err:
-        authenticate(_settings(allow_any_tml_key=True), None)
+        authenticate(_conn(allow_any_tml_key=True), None)
     assert "X-API-Key" in err.value.detail
 
 
@@ -116,3 +121,23 @@ def test_api_key_me(standin: tuple[StandInScheduler, str]) -> None:
     assert set(me) == {"key_id", "name", "note", "details"}
     assert me["details"]["org_details"]["name"] == "lockstep"
     assert revoke.status_code == 400 and revoke.json()["detail"]
+
+
+def test_keys_file_key_and_quota_reach_the_scheduler(
+    standin: tuple[StandInScheduler, str], tmp_path: Path
+) -> None:
+    """The keys file's quota rides on create_model; its key also works on the bearer routes."""
+    sched, address = standin
+    sched.reset()
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "q"\nkey = "tml-q"\nmax_training_runs = 3\n')
+    with gateway_client(address, api_keys=frozenset(), keys_file=keys) as client:
+        client.headers["X-API-Key"] = "tml-q"
+        created = client.post(
+            "/api/v1/create_model",
+            json={"session_id": "sess-1", "model_seq_id": 0, "base_model": "b"},
+        )
+        models = client.get("/oai/api/v1/models", headers={"Authorization": "Bearer tml-q"})
+    assert (created.status_code, models.status_code) == (200, 200)
+    submitted = sched.last("Submit")
+    assert (submitted.owner, submitted.key_max_training_runs) == (owner_of("tml-q"), 3)

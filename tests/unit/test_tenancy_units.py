@@ -8,9 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from starlette.requests import Request
 
 from lockstep.engine.interface import UserInputError
-from lockstep.gateway.deps import authenticate
+from lockstep.gateway.app import create_app
+from lockstep.gateway.deps import Caller, authenticate
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.keyring import KeyRing, owner_of
@@ -33,12 +35,13 @@ def test_keys_file_names_quotas_and_revocation(tmp_path: Path) -> None:
         '[[key]]\nname = "a"\nkey = "tml-a"\nmax_training_runs = 2\n'
         '[[key]]\nname = "b"\nkey = "tml-b"\nrevoked = true\n',
     )
-    settings = GatewaySettings(scheduler_address="x:1")
-    assert authenticate(settings, "tml-a", ring) == owner_of("tml-a")
+    app = create_app(GatewaySettings(scheduler_address="x:1", keys_file=tmp_path / "keys.toml"))
+    conn = Request({"type": "http", "app": app, "headers": []})
+    assert authenticate(conn, "tml-a") == Caller(owner_of("tml-a"), max_training_runs=2)
     with pytest.raises(ApiError, match="'b' is revoked"):
-        authenticate(settings, "tml-b", ring)
+        authenticate(conn, "tml-b")
     with pytest.raises(ApiError, match="invalid API key"):
-        authenticate(settings, "tml-c", ring)
+        authenticate(conn, "tml-c")
     assert ring.lookup("tml-a").max_training_runs == 2  # type: ignore[union-attr]
     assert ring.names() == {owner_of("tml-a"): "a", owner_of("tml-b"): "b"}
 

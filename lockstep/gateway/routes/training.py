@@ -1,49 +1,32 @@
 """Training: create_model, get_info, forward_backward, optim_step, save/load weights.
 
 Every submission answers at once with a future (`{"request_id", "model_id"}`); the work is
-the scheduler's, and its result comes back through `retrieve_future`.
+the scheduler's, and its result comes back through `retrieve_future`. A refused request with a
+seq_id is reported to the scheduler on its way out (lockstep.gateway.refusals), not here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, KeyQuota, Owner, Scheduler
-from lockstep.gateway.errors import ApiError
 from lockstep.gateway.openapi import body_ref
-from lockstep.gateway.seqhold import hold_seq
+from lockstep.gateway.refusals import is_json
 from lockstep.gateway.translate import training as tr
 from lockstep.gateway.validate import check_id
 from lockstep.gateway.wire import requests as rq
 from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.wire.v1 import tinker_pb2
 
 router = APIRouter(prefix="/api/v1", tags=["training"])
 
 
 async def submit(stub: Any, request: pb.SubmitRequest) -> rs.UntypedAPIFuture:
     return tr.future(await stub.Submit(request, timeout=CALL_TIMEOUT_S))
-
-
-async def submit_sequenced(
-    stub: Any, owner: str, model_id: Any, seq_id: Any, build: Callable[[], pb.SubmitRequest]
-) -> rs.UntypedAPIFuture:
-    """Submit a request that has a place in a model's seq order; if the gateway refuses it,
-    the scheduler still records its seq_id (see seqhold) before the 400 goes out."""
-    try:
-        request = build()
-    except ApiError as exc:
-        if exc.status_code == 400:
-            await hold_seq(stub, owner, model_id, seq_id, exc.detail)
-        raise
-    return await submit(stub, request)
 
 
 @router.post("/create_model")
@@ -82,75 +65,47 @@ async def forward_backward(request: Request, owner: Owner, stub: Scheduler) -> r
     """Body: protobuf `ForwardBackwardRequest` (what the SDK sends; zstd already undone by the
     body middleware) or, for robustness, its JSON form."""
     body = await request.body()
-    if "json" in request.headers.get("content-type", ""):
+    if is_json(request.headers.get("content-type")):
         try:
             parsed = rq.ForwardBackwardJsonRequest.model_validate_json(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
-        return await submit_sequenced(
-            stub,
-            owner,
-            parsed.model_id,
-            parsed.seq_id,
-            lambda: tr.forward_backward_from_json(owner, parsed),
-        )
-    ids = tinker_pb2.ForwardBackwardRequest()
-    try:
-        ids.ParseFromString(body)
-    except DecodeError:
-        pass  # reported by the translation below; no ids to hold
-    return await submit_sequenced(
-        stub,
-        owner,
-        ids.model_id or None,
-        ids.seq_id,
-        lambda: tr.forward_backward_from_proto(owner, body),
-    )
+        return await submit(stub, tr.forward_backward_from_json(owner, parsed))
+    return await submit(stub, tr.forward_backward_from_proto(owner, body))
 
 
 @router.post("/optim_step")
 async def optim_step(
     body: rq.OptimStepRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(
-        stub, owner, body.model_id, body.seq_id, lambda: tr.optim_step(owner, body)
-    )
+    return await submit(stub, tr.optim_step(owner, body))
 
 
 @router.post("/save_weights")
 async def save_weights(
     body: rq.SaveWeightsRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(
-        stub, owner, body.model_id, body.seq_id, lambda: tr.save_weights(owner, body)
-    )
+    return await submit(stub, tr.save_weights(owner, body))
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(
     body: rq.SaveWeightsForSamplerRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(
-        stub, owner, body.model_id, body.seq_id, lambda: tr.save_weights_for_sampler(owner, body)
-    )
+    return await submit(stub, tr.save_weights_for_sampler(owner, body))
 
 
 @router.post("/save_weights_external")
 async def save_weights_external(
     body: rq.SaveWeightsExternalRequest, owner: Owner, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    return await submit_sequenced(
-        stub, owner, body.model_id, body.seq_id, lambda: tr.save_weights_external(owner, body)
-    )
+    return await submit(stub, tr.save_weights_external(owner, body))
 
 
 @router.post("/load_weights")
 async def load_weights(
     body: rq.LoadWeightsRequest, owner: Owner, quota: KeyQuota, stub: Scheduler
 ) -> rs.UntypedAPIFuture:
-    def build() -> pb.SubmitRequest:
-        request = tr.load_weights(owner, body)
-        request.key_max_training_runs = quota  # create-via-load makes a run too
-        return request
-
-    return await submit_sequenced(stub, owner, body.model_id, body.seq_id, build)
+    request = tr.load_weights(owner, body)
+    request.key_max_training_runs = quota  # create-via-load makes a run too
+    return await submit(stub, request)
