@@ -18,7 +18,6 @@ from lockstep.rollout.local import LocalSamplingEngine
 from lockstep.rollout.local.prefix_cache import PrefixCache
 
 GREEDY = SampleParams(max_tokens=8, temperature=0.0, stop_at_eos=False)
-SEEDED = SampleParams(max_tokens=8, temperature=1.0, seed=5, stop_at_eos=False)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +78,10 @@ def prompt_of(engine: LocalSamplingEngine, text: str) -> list[int]:
 
 def test_repeated_prompt_in_a_session_prefills_one_token(engine: LocalSamplingEngine) -> None:
     p = prompt_of(engine, "A long shared system prompt about parity bandits and rewards:")
-    cold, cold_work, _ = run(engine, p, "session-1", params=SEEDED)
-    warm, warm_work, reused = run(engine, p, "session-1", params=SEEDED)
-    uncached, _, _ = run(engine, p, None, params=SEEDED)
+    # Greedy: a cached prefix changes the GEMM shapes, so logits agree to rounding only.
+    cold, cold_work, _ = run(engine, p, "session-1")
+    warm, warm_work, reused = run(engine, p, "session-1")
+    uncached, _, _ = run(engine, p, None)
     assert cold_work == len(p) and warm_work == 1 and reused == len(p) - 1
     same_output(cold, warm)
     same_output(uncached, warm)
@@ -122,19 +122,22 @@ def test_prompt_logprob_requests_prefill_in_full(engine: LocalSamplingEngine) ->
 
 
 def test_mixed_batch_of_hits_and_misses_equals_uncached(engine: LocalSamplingEngine) -> None:
-    """Two hits of different cached lengths (prefilled together) beside a miss."""
+    """Two hits of different cached lengths (prefilled together) beside a miss. Greedy: the
+    warm and cold batches pad differently, so their logits agree to rounding only, and a
+    temperature-1 draw that lands within rounding of a token boundary would flip (it did in a
+    full-suite run, where allocation history changes the CPU kernels' rounding)."""
     prompts = [prompt_of(engine, t) for t in ("one fish", "two fish, red fish", "blue fish")]
     run(engine, prompts[0], "mix")
     run(engine, prompts[1][:-2], "mix")
     requests = [
-        SampleRequest(f"r{i}", "a", p, 2, SEEDED, cache_namespace=ns)
+        SampleRequest(f"r{i}", "a", p, 1, GREEDY, cache_namespace=ns)
         for i, (p, ns) in enumerate(zip(prompts, ("mix", "mix", "other"), strict=True))
     ]
     before = engine.prefill_counts()
     warm = engine.sample(requests)
     after = engine.prefill_counts()
     assert after[1] - before[1] == len(prompts[0]) - 1 + len(prompts[1]) - 2  # tokens reused
-    cold = engine.sample([SampleRequest(r.request_id, "a", r.prompt, 2, SEEDED) for r in requests])
+    cold = engine.sample([SampleRequest(r.request_id, "a", r.prompt, 1, GREEDY) for r in requests])
     for w, c in zip(warm, cold, strict=True):
         same_output(c, w)
 
