@@ -29,9 +29,9 @@ from lockstep.engine.types import CustomLoss, CustomLossNode, PassRequest
 from lockstep.scheduler import keys
 from lockstep.scheduler.catalog import Catalog, NotFound
 from lockstep.scheduler.records import CustomLossRecord, ModelRecord, decode, encoder
-from lockstep.scheduler.store import Store, new_request_id
+from lockstep.scheduler.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import JobStatus, OpKind
+from lockstep.vocab import OpKind
 
 MAX_LOSSES_PER_SESSION = 256
 
@@ -125,21 +125,7 @@ class CustomLosses:
             )
 
     async def _finished(self, owner: str, result: pb.JobResult) -> pb.SubmitReply:
-        rid = new_request_id()
-        fields = {
-            "request_id": rid,
-            "kind": OpKind.CREATE_CUSTOM_LOSS,
-            "owner": owner,
-            "model_id": "",
-            "seq_id": 0,
-            "status": JobStatus.DONE,
-            "result": result.SerializeToString(),
-            "created": time.time(),
-        }
-        async with self.store.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.job(rid), mapping=fields)
-            pipe.expire(keys.job(rid), self.store.result_ttl_s)
-            await pipe.execute()
+        rid = await self.store.finished_job(OpKind.CREATE_CUSTOM_LOSS, owner, result)
         return pb.SubmitReply(request_id=rid)
 
     async def _record(self, loss_id: str) -> CustomLossRecord | None:

@@ -29,6 +29,7 @@ from lockstep.scheduler.records import (
     decode,
     encoder,
 )
+from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, JobStatus, OpKind
 
 R = TypeVar("R")
@@ -430,6 +431,28 @@ class Store:
     async def mark_snapshot(self, model_id: str, seq: int) -> int:
         """Record a snapshot finished in the background (`commit.mark_snapshot`)."""
         return await mark_snapshot(self.redis, self.result_ttl_s, model_id, seq)
+
+    async def finished_job(
+        self, kind: OpKind, owner: str, result: pb.JobResult, model_id: str = ""
+    ) -> str:
+        """Record an op that is done when asked (no queue, no clock) as a finished future, so
+        clients that poll every answer find it; returns its request id."""
+        rid = new_request_id()
+        fields = {
+            "request_id": rid,
+            "kind": kind,
+            "owner": owner,
+            "model_id": model_id,
+            "seq_id": 0,
+            "status": JobStatus.DONE,
+            "result": result.SerializeToString(),
+            "created": time.time(),
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.job(rid), mapping=fields)
+            pipe.expire(keys.job(rid), self.result_ttl_s)
+            await pipe.execute()
+        return rid
 
     async def finish_sample(
         self,

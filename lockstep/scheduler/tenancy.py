@@ -26,9 +26,9 @@ from lockstep.scheduler.accounting import Accounting, AuditEvent
 from lockstep.scheduler.catalog import Catalog
 from lockstep.scheduler.records import CheckpointRecord, SessionRecord
 from lockstep.scheduler.residency import Residency
-from lockstep.scheduler.store import Store, new_request_id
+from lockstep.scheduler.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import JobStatus, OpKind
+from lockstep.vocab import OpKind
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +85,8 @@ class Tenancy:
         model = await self.catalog.owned_model(owner, model_id)
         self.residency.end([model.model_id])
         self.wake_clock()
-        rid = new_request_id()
         result = pb.JobResult(unload_model=pb.UnloadModelResult(model_id=model.model_id))
-        fields = {
-            "request_id": rid,
-            "kind": OpKind.UNLOAD_MODEL,
-            "owner": owner,
-            "model_id": model.model_id,
-            "seq_id": 0,
-            "status": JobStatus.DONE,
-            "result": result.SerializeToString(),
-            "created": time.time(),
-        }
-        async with self.store.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.job(rid), mapping=fields)
-            pipe.expire(keys.job(rid), self.store.result_ttl_s)
-            await pipe.execute()
+        rid = await self.store.finished_job(OpKind.UNLOAD_MODEL, owner, result, model.model_id)
         await self.accounting.audit(owner, AuditEvent.MODEL_UNLOADED, model_id=model.model_id)
         return pb.SubmitReply(request_id=rid, model_id=model.model_id)
 
