@@ -139,17 +139,13 @@ def loss_from_logprobs(
     return logp, elementwise_loss(loss_fn, logp, inputs, config)
 
 
-def datum_loss(
+def datum_logprobs(
     hidden: torch.Tensor,
     datum: Datum,
-    loss_fn: str,
-    config: dict[str, float],
     head: Head,
     chunk: int,
     logprob_fn: LogprobFn = gather_logprobs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs, elementwise loss) of one datum from its final hidden states [T, H]; the LM head
-    runs in chunks of `chunk` positions (`lockstep.training.logprobs`)."""
-    targets = datum_targets(datum, hidden.device)
-    logp = target_logprobs(hidden, targets, head, chunk, logprob_fn)
-    return loss_from_logprobs(logp, datum, loss_fn, config)
+) -> torch.Tensor:
+    """Target logprobs of one datum from its final hidden states [T, H]; the LM head runs in
+    chunks of `chunk` positions (`lockstep.training.logprobs`)."""
+    return target_logprobs(hidden, datum_targets(datum, hidden.device), head, chunk, logprob_fn)

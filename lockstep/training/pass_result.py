@@ -15,8 +15,8 @@ import torch
 from lockstep.engine.losses import CUSTOM
 from lockstep.engine.types import Datum, PassRequest, PassResult
 from lockstep.training import custom_loss
-from lockstep.training.logprobs import Head, LogprobFn, gather_logprobs, target_logprobs
-from lockstep.training.losses import datum_targets, loss_from_logprobs
+from lockstep.training.logprobs import Head, LogprobFn, gather_logprobs
+from lockstep.training.losses import datum_logprobs, loss_from_logprobs
 
 
 @dataclass
@@ -43,8 +43,7 @@ def row_loss(
     logprob_fn: LogprobFn = gather_logprobs,
 ) -> RowLoss:
     """The loss of one datum from its final hidden states [T, H]."""
-    targets = datum_targets(datum, hidden.device)
-    logp = target_logprobs(hidden, targets, head, chunk, logprob_fn)
+    logp = datum_logprobs(hidden, datum, head, chunk, logprob_fn)
     if req.loss_fn != CUSTOM:
         return RowLoss(*loss_from_logprobs(logp, datum, req.loss_fn, config))
     assert req.custom_loss is not None, "validated: a custom request carries its loss"

@@ -11,7 +11,7 @@ import torch
 from lockstep.engine.losses import LOSSES, resolve_loss_config
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import ensure_default_model
-from lockstep.training.losses import datum_loss, datum_targets, loss_from_logprobs
+from lockstep.training.losses import datum_logprobs, datum_targets, loss_from_logprobs
 from lockstep.workers.local.engine import LocalTrainingEngine, micro_batches, padded
 
 V = 1024  # tiny model vocab
@@ -59,7 +59,9 @@ def test_chunked_logprobs_equal_full_logits(loss_fn: str, k: int) -> None:
     ref_lp, ref_loss = loss_from_logprobs(full, datum, loss_fn, config)
     ref_grads = torch.autograd.grad(ref_loss.sum(), [hidden, weight])
     for chunk in (5, 8, 64):  # several chunks (one partial), and one chunk
-        lp, loss = datum_loss(hidden, datum, loss_fn, config, head, chunk)
+        lp, loss = loss_from_logprobs(
+            datum_logprobs(hidden, datum, head, chunk), datum, loss_fn, config
+        )
         grads = torch.autograd.grad(loss.sum(), [hidden, weight])
         assert lp.shape == ref_lp.shape == np.asarray(datum.loss_inputs["target_tokens"]).shape
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
