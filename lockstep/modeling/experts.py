@@ -10,10 +10,12 @@ computes the same function plus each tenant's LoRA on each expert's gate (w1), u
 `experts.w1.lora_A.weight` [experts, rank, in] / `lora_B.weight` [experts, out, rank]).
 
 Work is grouped, never gathered per token: the (token, expert) pairs of a call are sorted by
-expert and, within an expert, by adapter; each expert runs one base GEMM over all its pairs and
-each (expert, adapter) group one LoRA GEMM pair over its own pairs. Routing stays dropless and
-every pair's result depends only on its token, so a tenant alone and packed get the same numbers
-(to float rounding). The router stays frozen (it is not an expert).
+expert, and each base projection is ONE grouped GEMM over every expert's run of pairs; for the
+LoRA the same pairs are regrouped adapter-major (expert order kept), so each adapter's LoRA of a
+projection is one grouped GEMM pair over its experts (`torch._grouped_mm`: no host sync and no
+per-expert launches on CUDA). Routing stays dropless and every pair's result depends only on
+its token, so a tenant alone and packed get the same numbers (to float rounding). The router
+stays frozen (it is not an expert).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from lockstep.modeling.routing import RoutingSlot
 
 # Tinker's names for the three expert projections.
 GATE, UP, DOWN = "w1", "w3", "w2"
-# (projection, adapter) -> that adapter's A and B of the projection, split per expert.
-Views = dict[tuple[str, str], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
+# Use torch's grouped GEMM kernel where it takes the operands (False: one matmul per group;
+# benchmarks/moe_gpu.py compares the two).
+GROUPED_KERNEL = True
 
 
 class ExpertSlot:
@@ -95,12 +98,6 @@ class MultiLoRAExperts(nn.Module):
         _, a, b = self.down_proj.shape  # [E, H, I], or [E, I, H] transposed
         return (b, a) if self.is_transposed else (a, b)
 
-    def _linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        y = x.to(weight.dtype) @ (weight if self.is_transposed else weight.t())
-        return y if bias is None else y + bias
-
     def _fuse(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """[m, I] gate and up parts -> [m, 2I] in the layout of gate_up_proj's output."""
         if self.is_concatenated:
@@ -111,95 +108,119 @@ class MultiLoRAExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         tokens, k = top_k_index.shape
+        device = hidden_states.device
         routing = self._slot.current
-        names, ordinal = (
-            ([], None) if routing is None else routing.token_adapters(tokens, hidden_states.device)
-        )
-        adapters = len(names)
+        names, ordinal = ([], None) if routing is None else routing.token_adapters(tokens, device)
+        # The (token, expert) pairs, expert-major (stable: by token within an expert).
         expert = top_k_index.reshape(-1)
-        token = torch.arange(tokens, device=expert.device).repeat_interleave(k)
-        adapter = torch.full_like(expert, -1) if ordinal is None else ordinal.index_select(0, token)
-        order = torch.argsort(expert * (adapters + 1) + adapter + 1, stable=True)
-        keys, counts = torch.unique_consecutive(
-            (expert * (adapters + 1) + adapter + 1).index_select(0, order), return_counts=True
-        )
+        order = torch.argsort(expert, stable=True)
+        expert = expert.index_select(0, order)
+        token = torch.arange(tokens, device=device).repeat_interleave(k).index_select(0, order)
         weight = top_k_weights.reshape(-1).index_select(0, order)
-        token = token.index_select(0, order)
-        out = torch.zeros_like(hidden_states)
-        views: Views = {}
-        groups = list(zip(keys.tolist(), counts.tolist(), strict=True))
-        at, g = 0, 0
-        while g < len(groups):
-            e = groups[g][0] // (adapters + 1)
-            members = []  # (adapter ordinal or -1, start, stop) within this expert's pairs
-            start = at
-            while g < len(groups) and groups[g][0] // (adapters + 1) == e:
-                key, count = groups[g]
-                members.append((key % (adapters + 1) - 1, at - start, at - start + count))
-                at, g = at + count, g + 1
-            rows = slice(start, at)
-            y = self._expert(e, hidden_states.index_select(0, token[rows]), members, names, views)
-            y = y * weight[rows].unsqueeze(-1).to(y.dtype)
-            out = out.index_add(0, token[rows], y.to(out.dtype))
-        return out
-
-    def _expert(
-        self,
-        e: int,
-        x: torch.Tensor,
-        members: list[tuple[int, int, int]],
-        names: list[str],
-        views: Views,
-    ) -> torch.Tensor:
-        """Expert e on its pairs x [m, H] (grouped by adapter as `members`) -> [m, H]."""
-        gu_bias = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
-        gate_up = self._linear(x, self.gate_up_proj[e], gu_bias)
-        gate = self._lora(GATE, e, x, members, names, views)
-        up = self._lora(UP, e, x, members, names, views)
+        offsets = group_ends(expert, self.num_experts)
+        adapters = _AdapterGroups(names, ordinal, token, expert, self.num_experts)
+        x = hidden_states.index_select(0, token)
+        gate_up = self._base(x, self.gate_up_proj, self.gate_up_proj_bias, expert, offsets)
+        gate = adapters.delta(self.slots[GATE], x)
+        up = adapters.delta(self.slots[UP], x)
         if gate is not None or up is not None:
             zeros = x.new_zeros(x.shape[0], self.slots[GATE].out_features, dtype=torch.float32)
             gate_up = gate_up + self._fuse(
                 zeros if gate is None else gate, zeros if up is None else up
             ).to(gate_up.dtype)
         h = self._apply_gate(gate_up)
-        d_bias = None if self.down_proj_bias is None else self.down_proj_bias[e]
-        y = self._linear(h, self.down_proj[e], d_bias)
-        down = self._lora(DOWN, e, h, members, names, views)
-        return y if down is None else y + down.to(y.dtype)
+        y = self._base(h, self.down_proj, self.down_proj_bias, expert, offsets)
+        down = adapters.delta(self.slots[DOWN], h)
+        if down is not None:
+            y = y + down.to(y.dtype)
+        y = y * weight.unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype))
 
-    def _lora(
+    def _base(
         self,
-        which: str,
-        e: int,
         x: torch.Tensor,
-        members: list[tuple[int, int, int]],
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        expert: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every expert's base projection of its own pairs, one grouped GEMM."""
+        y = grouped_mm(x.to(weight.dtype), weight if self.is_transposed else weight.mT, offsets)
+        return y if bias is None else y + bias.index_select(0, expert)
+
+
+class _AdapterGroups:
+    """The pairs of one call regrouped adapter-major (expert order kept within an adapter), so
+    each adapter's LoRA of a projection is one grouped GEMM pair over the experts."""
+
+    def __init__(
+        self,
         names: list[str],
-        views: Views,
-    ) -> torch.Tensor | None:
-        """The LoRA delta of projection `which` of expert e for rows x [m, in] (zeros for rows
-        whose adapter does not train it); None when no row's adapter does. `views` holds each
-        adapter's per-expert tensors of this call (see `_unbind`)."""
-        slot = self.slots[which]
-        parts, any_lora = [], False
-        for ordinal, start, stop in members:
-            name = names[ordinal] if ordinal >= 0 else None
-            if name is None or name not in slot.lora_A:
-                parts.append(x.new_zeros(stop - start, slot.out_features, dtype=torch.float32))
+        ordinal: torch.Tensor | None,
+        token: torch.Tensor,
+        expert: torch.Tensor,
+        experts: int,
+    ) -> None:
+        self.groups: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, pairs, ends)
+        self.pairs = token.shape[0]
+        if ordinal is None or not names:
+            return
+        adapter = ordinal.index_select(0, token)
+        perm = torch.argsort(adapter, stable=True)
+        counts = torch.bincount(adapter + 1, minlength=len(names) + 1).tolist()
+        at = counts[0]  # pairs without an adapter come first
+        for name, count in zip(names, counts[1:], strict=True):
+            if count:
+                pairs = perm[at : at + count]
+                self.groups.append(
+                    (name, pairs, group_ends(expert.index_select(0, pairs), experts))
+                )
+            at += count
+
+    def delta(self, slot: ExpertSlot, x: torch.Tensor) -> torch.Tensor | None:
+        """fp32 [pairs, out] LoRA deltas of `slot` for the pairs' inputs x (zeros for pairs whose
+        adapter does not train it); None when no pair's adapter does."""
+        where, parts = [], []
+        for name, pairs, ends in self.groups:
+            if name not in slot.lora_A:
                 continue
-            if (which, name) not in views:
-                views[which, name] = _unbind(slot, name)
-            a_e, b_e = views[which, name]
-            a, b = a_e[e], b_e[e]
-            h = x[start:stop].to(a.dtype) @ a.t()
-            parts.append((h * slot.scale[name]) @ b.t())
-            any_lora = True
-        return torch.cat(parts) if any_lora else None
+            a, b = slot.lora_A[name], slot.lora_B[name]  # [E, r, in], [E, out, r]
+            h = grouped_mm(x.index_select(0, pairs).to(a.dtype), a.mT, ends)
+            parts.append(grouped_mm(h * slot.scale[name], b.mT, ends))
+            where.append(pairs)
+        if not parts:
+            return None
+        out = x.new_zeros(self.pairs, slot.out_features, dtype=parts[0].dtype)
+        return out.index_copy(0, torch.cat(where), torch.cat(parts))
 
 
-def _unbind(
-    slot: ExpertSlot, name: str
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """An adapter's A and B split per expert ONCE per call: the backward of one `unbind` writes
-    the whole [E, ...] gradient once, where indexing `param[e]` per expert allocates and adds a
-    full-size zero gradient for every expert (E times the work, per tenant)."""
-    return slot.lora_A[name].unbind(0), slot.lora_B[name].unbind(0)
+def group_ends(sorted_groups: torch.Tensor, groups: int) -> torch.Tensor:
+    """int32 end offset of each group's run in a sorted group index (empty groups included)."""
+    return torch.bincount(sorted_groups, minlength=groups).cumsum(0).to(torch.int32)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [m, k] in runs of rows (group g: rows ends[g-1]..ends[g]-1) @ w [G, k, n] -> [m, n].
+
+    torch's grouped GEMM kernel where it takes the operands (16-byte aligned strides; CUDA
+    needs sm80+), else one matmul per non-empty group."""
+    if GROUPED_KERNEL and _kernel_takes(x, w):
+        return torch._grouped_mm(x, w, offs=ends)
+    parts, start = [], 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            parts.append(x[start:end] @ w[g])
+        start = end
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+
+
+def _kernel_takes(*operands: torch.Tensor) -> bool:
+    if operands[0].is_cuda and torch.cuda.get_device_capability(operands[0].device) < (8, 0):
+        return False
+    for t in operands:
+        if t.data_ptr() % 16 or t.dtype != operands[0].dtype:
+            return False
+        for size, stride in zip(t.shape, t.stride(), strict=True):
+            if size > 1 and stride != 1 and (stride * t.element_size()) % 16:
+                return False
+    return True

@@ -196,10 +196,11 @@ def test_the_packed_path_equals_the_generic_path(trained: Trained, tmp_path: Pat
         generic.close()
     for x, y in zip(out[0].outputs, out[1].outputs, strict=True):
         np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=0, atol=1e-5)
-    # Gradients sum over every token through different attention kernels (row SDPA vs the
-    # model's own): they agree to float rounding, a few 1e-6 absolute, not bit for bit.
+    # Gradients sum over every token in different orders (row SDPA vs the model's own attention,
+    # and the grouped GEMMs' blocking): they agree to fp32 rounding relative to their scale
+    # (measured: a few 1e-7 of the largest element), not bit for bit.
     for g1, g2 in zip(*grads, strict=True):
-        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-5 * float(g2.abs().max()))
 
 
 def test_sft_lowers_the_loss_and_trains_every_expert_projection(trained: Trained) -> None:
