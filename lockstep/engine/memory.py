@@ -116,7 +116,7 @@ def cpu_budget(configured: int) -> tuple[int, str]:
     room, what = available_ram(), "available RAM"
     limit, _ = resource.getrlimit(resource.RLIMIT_AS)
     if limit != resource.RLIM_INFINITY:
-        left = limit - _address_space()
+        left = limit - address_space()
         if left < room:
             room, what = max(left, 0), "the trainer's address-space limit (RLIMIT_AS)"
     return int(room * CPU_SHARE), f"{int(CPU_SHARE * 100)}% of {what}"
@@ -132,7 +132,7 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _address_space() -> int:
+def address_space() -> int:
     """This process's mapped address space (what RLIMIT_AS counts)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
