@@ -266,6 +266,18 @@ class EngineConfig:
             on=SCHEDULER,
         ),
     )
+    memory_budget_bytes: int = field(
+        default=0,
+        metadata=flag(
+            "--trainer-memory-budget",
+            help="bytes one training pass may use; datums whose pass would not fit are refused "
+            "at submission (400). 0: on CUDA the free device memory after load minus 10%, on "
+            "CPU 75% of the available RAM (or of the room under the trainer's RLIMIT_AS)",
+            on=SCHEDULER,
+            metavar="BYTES",
+            scaled=(("--trainer-memory-budget-gib", 1 << 30, "the same budget in GiB"),),
+        ),
+    )
     snapshot_interval_s: float = field(
         default=DEFAULT_SNAPSHOT_INTERVAL_S,
         metadata=flag(
@@ -330,6 +342,10 @@ class EngineConfig:
             raise ValueError(f"--micro-batch must be >= 1, got {self.micro_batch}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"--micro-batch-tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.memory_budget_bytes < 0:
+            raise ValueError(
+                f"--trainer-memory-budget must be >= 0, got {self.memory_budget_bytes}"
+            )
         if self.snapshot_interval_s < 0:
             raise ValueError(f"--snapshot-interval must be >= 0, got {self.snapshot_interval_s}")
         if self.deadline_s < 0 or self.deadline_per_token_s < 0:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lockstep.engine.types import (
     LoraSpec,
+    MemoryBudget,
     ModelCard,
     OptimRequest,
     PassRequest,
@@ -61,6 +62,12 @@ class TrainingEngine(ABC):
         """Describe the served base model (vocab size, context length, tokenizer directory)."""
 
     @abstractmethod
+    def memory_budget(self) -> MemoryBudget:
+        """What one pass may hold and the longest row that fits in it, found at start-up
+        (`lockstep.engine.memory`). The scheduler refuses longer datums at submission, so
+        `run_passes` never sees a row its memory cannot hold."""
+
+    @abstractmethod
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
         """Create a fresh adapter (B = 0, A seeded by `spec.seed`) and empty Adam state.
 
@@ -86,7 +93,8 @@ class TrainingEngine(ABC):
 
         Atomic: if the call raises, no request of it has left any gradient behind (every model's
         accumulated gradients are as they were before the call), so the caller may run the same
-        requests again, together or one by one.
+        requests again, together or one by one. An engine that runs out of accelerator memory
+        retries the pass in smaller pieces itself before it raises (numbers unchanged).
 
         Returns:
             One result per request, in order: per-datum "logprobs" and "elementwise_loss", and

@@ -70,6 +70,22 @@ class ModelCard:
         )
 
 
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What one fused pass may hold, as the training engine reports it (`memory_budget`).
+
+    The pass runs in micro-batches, so its memory is bounded by its longest row: the scheduler
+    refuses, at submission, a datum of more than `max_row_tokens` model-input tokens.
+    """
+
+    budget_bytes: int  # memory a pass may use (0: not limited)
+    max_row_tokens: int  # the longest datum a pass fits in it (0: no limit beyond the context)
+    source: str  # how budget_bytes was found, for the operator (e.g. "cuda free after load")
+
+
+NO_MEMORY_LIMIT = MemoryBudget(0, 0, "not limited")
+
+
 @dataclass
 class Datum:
     """One training example. Position i of `tokens` predicts `loss_inputs["target_tokens"][i]`."""

@@ -23,6 +23,7 @@ from lockstep.config import (
     SamplerConfig,
     TenancyConfig,
 )
+from lockstep.engine import memory
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
@@ -107,6 +108,7 @@ def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]
         micro_batch_tokens=cfg.engine.micro_batch_tokens,
         dtype=cfg.engine.dtype,
         activation_checkpointing=cfg.engine.activation_checkpointing,
+        memory_budget_bytes=cfg.engine.memory_budget_bytes,
     )
     if cfg.engine.kind == "megatron":  # the child process drives the Ray worker group
         from lockstep.workers.megatron.engine import MegatronTrainingEngine
@@ -120,6 +122,7 @@ def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]
             cfg.engine.ray_address,
             cfg.engine.micro_batch,
             cfg.engine.ray_placement,
+            cfg.engine.memory_budget_bytes,
         )
     deadline = Deadline(cfg.engine.deadline_s, cfg.engine.deadline_per_token_s)
     trainer = ProcessTrainingEngine(factory, "trainer", deadline)
@@ -186,6 +189,7 @@ def assemble(
         on_training=clock.wake.set,
         on_sample=lane.wake.set,
         limits=cfg.limits,
+        memory_budget=trainer.memory_budget(),
     )
     return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
 
@@ -199,11 +203,12 @@ async def serve(cfg: SchedulerConfig) -> None:
     trainer, sampler = await asyncio.to_thread(start_engines, cfg)
     card = trainer.card()
     log.info(
-        "engines ready: %s (vocab %d, context %d) from %s",
+        "engines ready: %s (vocab %d, context %d) from %s; trainer memory budget %s",
         card.name,
         card.vocab_size,
         card.max_context_length,
         card.directory,
+        memory.describe(trainer.memory_budget()),
     )
     parts = assemble(cfg, store, trainer, sampler)
     clock, lane = parts.clock, parts.lane

@@ -189,6 +189,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             tokenizer_id=card.directory,
             lora_rank=model.lora.rank,
             lora_config=lora_pb(model),
+            max_tokens_per_datum=self.submissions.max_tokens_per_datum(),
         )
 
     @grpc_errors
@@ -218,9 +219,16 @@ class SchedulerService(pb_grpc.SchedulerServicer):
     @grpc_errors
     async def GetServerCapabilities(self, request, context):
         ctx = self.catalog.card.max_context_length
+        per_datum = self.submissions.max_tokens_per_datum()
+        budget = self.submissions.memory.budget_bytes
         return pb.ServerCapabilities(
             models=[
-                pb.SupportedModel(model_name=n, max_context_length=ctx)
+                pb.SupportedModel(
+                    model_name=n,
+                    max_context_length=ctx,
+                    max_tokens_per_datum=per_datum,
+                    trainer_memory_budget_bytes=budget,
+                )
                 for n in self.catalog.served_names
             ]
         )

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from lockstep.config import Limits
-from lockstep.engine import losses
+from lockstep.engine import losses, memory
 from lockstep.engine.interface import UserInputError
-from lockstep.engine.types import ModelCard
+from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler import encryption, tracing, translate
@@ -68,11 +68,13 @@ class Submissions:
         on_training: Callable[[], None],
         on_sample: Callable[[], None],
         limits: Limits | None = None,
+        memory_budget: MemoryBudget = NO_MEMORY_LIMIT,
     ) -> None:
         self.limits = limits or Limits()
         self.store = store
         self.catalog = catalog
         self.card = card
+        self.memory = memory_budget  # the training engine's (TrainingEngine.memory_budget)
         self.data_dir = data_dir
         self.on_training = on_training
         self.on_sample = on_sample
@@ -331,8 +333,16 @@ class Submissions:
             request_id=rid, sample_sequence_ids=[f"{rid}:seq:{i}" for i in range(s.num_samples)]
         )
 
+    def max_tokens_per_datum(self) -> int:
+        """The longest datum a forward_backward may hold: the context length, the
+        --max-tokens-per-datum limit and the training engine's memory budget, whichever is
+        least (what capabilities and get_info report)."""
+        limits = (self.limits.max_tokens_per_datum, self.memory.max_row_tokens)
+        return min([self.card.max_context_length, *(n for n in limits if n)])
+
     def _check_sizes(self, fb: wire.ForwardBackwardRequest) -> None:
-        """The request-size limits: datums per request, model-input tokens per datum."""
+        """The request-size limits: datums per request, model-input tokens per datum, and the
+        admission rule: a datum whose pass the training engine's memory cannot hold."""
         most = self.limits.max_datums_per_request
         if len(fb.data) > most:
             raise UserInputError(
@@ -340,16 +350,20 @@ class Submissions:
                 f"has {len(fb.data)} datums; this server accepts at "
                 f"most {most} per request (max_datums_per_request)",
             )
-        per_datum = self.limits.max_tokens_per_datum
-        if not per_datum:
-            return  # the context length is checked with the loss inputs
+        per_datum, fits = self.limits.max_tokens_per_datum, self.memory.max_row_tokens
         for i, datum in enumerate(fb.data):
             n = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input)
-            if n > per_datum:
+            if per_datum and n > per_datum:
                 raise UserInputError(
                     f"data[{i}].model_input",
                     f"has {n} tokens; this server "
                     f"accepts at most {per_datum} (max_tokens_per_datum)",
+                )
+            if fits and fits < n <= self.card.max_context_length:  # longer: the context rule
+                raise UserInputError(
+                    f"data[{i}].model_input",
+                    f"has {n} tokens; a training pass fits rows of at most {fits} tokens in "
+                    f"the training engine's memory budget of {memory.describe(self.memory)}",
                 )
 
     @staticmethod

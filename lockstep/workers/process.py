@@ -22,6 +22,7 @@ from typing import Any
 from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine
 from lockstep.engine.types import (
     LoraSpec,
+    MemoryBudget,
     ModelCard,
     OptimRequest,
     PassRequest,
@@ -179,9 +180,14 @@ class ProcessTrainingEngine(TrainingEngine):
     ) -> None:
         self.process = EngineProcess(factory, name, deadline=deadline)
         self._card: ModelCard = self.process.call("card")
+        # Found once, at the first start: admission keeps one limit for the server's lifetime.
+        self._memory: MemoryBudget = self.process.call("memory_budget")
 
     def card(self) -> ModelCard:
         return self._card
+
+    def memory_budget(self) -> MemoryBudget:
+        return self._memory
 
     def alive(self) -> bool:
         return self.process.alive()

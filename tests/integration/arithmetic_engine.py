@@ -18,8 +18,10 @@ import numpy as np
 
 from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine, UserInputError
 from lockstep.engine.types import (
+    NO_MEMORY_LIMIT,
     Datum,
     LoraSpec,
+    MemoryBudget,
     ModelCard,
     OptimRequest,
     PassRequest,
@@ -93,6 +95,9 @@ class ArithmeticTrainingEngine(TrainingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def memory_budget(self) -> MemoryBudget:
+        return NO_MEMORY_LIMIT
 
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
         self._check_alive()

@@ -16,6 +16,7 @@ import numpy as np
 
 from lockstep.config import ClockConfig, EngineConfig
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
+from lockstep.engine.interface import TrainingEngine
 from lockstep.scheduler.server import SchedulerConfig, assemble
 from lockstep.scheduler.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
@@ -31,9 +32,14 @@ class Scheduler:
     """The real scheduler on its own event loop thread, served over gRPC on loopback."""
 
     def __init__(
-        self, redis_url: str, data_dir: Path, snapshot_interval_s: float = DEFAULT_SNAPSHOT_S
+        self,
+        redis_url: str,
+        data_dir: Path,
+        snapshot_interval_s: float = DEFAULT_SNAPSHOT_S,
+        trainer: TrainingEngine | None = None,
     ) -> None:
-        self.trainer = ArithmeticTrainingEngine(data_dir)
+        """`trainer`: a real training engine instead of the fake (its card names the model)."""
+        self.trainer: Any = trainer or ArithmeticTrainingEngine(data_dir)
         self.sampler = ArithmeticSamplingEngine(data_dir)
         self.data_dir = data_dir
         self.loop = asyncio.new_event_loop()
@@ -43,8 +49,8 @@ class Scheduler:
             listen="127.0.0.1:0",
             redis_url=redis_url,
             data_dir=data_dir,
-            model_dir=data_dir,
-            served_names=("Fake/arithmetic",),
+            model_dir=Path(self.trainer.card().directory) if trainer else data_dir,
+            served_names=(self.trainer.card().name,),
             clock=ClockConfig(gather_s=0.002),
             engine=EngineConfig(snapshot_interval_s=snapshot_interval_s),
         )

@@ -63,7 +63,14 @@ def api(standin: tuple[StandInScheduler, str], sched: StandInScheduler) -> Itera
 
 def test_capabilities(api: Any, sched: StandInScheduler) -> None:
     sched.replies["GetServerCapabilities"] = pb.ServerCapabilities(
-        models=[pb.SupportedModel(model_name="Qwen/Qwen3-0.6B", max_context_length=4096)]
+        models=[
+            pb.SupportedModel(
+                model_name="Qwen/Qwen3-0.6B",
+                max_context_length=4096,
+                max_tokens_per_datum=3000,
+                trainer_memory_budget_bytes=1 << 30,
+            )
+        ]
     )
     assert api.get("/api/v1/get_server_capabilities").json() == {
         "supported_models": [
@@ -72,6 +79,8 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "max_context_length": 4096,
                 "trainable": True,
                 "sampleable": True,
+                "max_tokens_per_datum": 3000,
+                "trainer_memory_budget_bytes": 1 << 30,
             }
         ]
     }

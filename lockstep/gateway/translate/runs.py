@@ -80,6 +80,8 @@ def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
                 max_context_length=m.max_context_length or None,
                 trainable=True,
                 sampleable=True,
+                max_tokens_per_datum=m.max_tokens_per_datum or None,
+                trainer_memory_budget_bytes=m.trainer_memory_budget_bytes or None,
             )
             for m in caps.models
         ]

@@ -254,4 +254,5 @@ def model_info(info: pb.ModelInfo) -> rs.GetInfoResponse:
         is_lora=rank > 0,
         lora_rank=rank or None,
         model_name=info.base_model,
+        max_tokens_per_datum=info.max_tokens_per_datum or None,
     )

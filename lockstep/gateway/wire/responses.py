@@ -165,6 +165,9 @@ class GetInfoResponse(WireModel):
     is_lora: bool | None = None
     lora_rank: int | None = None
     model_name: str | None = None
+    # Lockstep's own: the longest datum a forward_backward may hold (context length,
+    # --max-tokens-per-datum and the trainer's memory budget, whichever is least).
+    max_tokens_per_datum: int | None = None
 
 
 class CreateSamplingSessionResponse(WireModel):
@@ -183,6 +186,10 @@ class SupportedModel(WireModel):
     max_context_length: int | None = None
     trainable: bool | None = None
     sampleable: bool | None = None
+    # Lockstep's own (the SDK ignores fields it does not know): as GetInfoResponse's, and the
+    # bytes one training pass may use.
+    max_tokens_per_datum: int | None = None
+    trainer_memory_budget_bytes: int | None = None
 
 
 class ServerCapabilitiesResponse(WireModel):

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +38,13 @@ import numpy as np
 import torch
 
 from lockstep.config.sections import DEFAULT_MICRO_BATCH_TOKENS
+from lockstep.engine import memory
 from lockstep.engine.interface import TrainingEngine, UserInputError
 from lockstep.engine.losses import resolve_loss_config, validate_pass_request
 from lockstep.engine.types import (
     Datum,
     LoraSpec,
+    MemoryBudget,
     ModelCard,
     OptimRequest,
     PassRequest,
@@ -110,9 +113,11 @@ class LocalTrainingEngine(TrainingEngine):
         dtype: str | None = None,
         activation_checkpointing: bool = False,
         trainer_path: TrainerPath | None = None,
+        memory_budget_bytes: int = 0,
     ) -> None:
         """`trainer_path` forces a path (tests and benchmarks compare them); by default the
-        architecture's: PACKED where it is proven equal to the model's own forward."""
+        architecture's: PACKED where it is proven equal to the model's own forward.
+        `memory_budget_bytes`: what a pass may use (0: found after load, `engine.memory`)."""
         dev = torch.device(device) if device is not None else default_device()
         model, self._card = load_base_model(
             model_dir, served_name, dev, resolve_dtype(dtype, dev), attn_implementation=None
@@ -152,11 +157,36 @@ class LocalTrainingEngine(TrainingEngine):
             )
         self._adam: dict[str, AdamState] = {}
         self._snapshots = SnapshotWriter()  # snapshots leave the cycle's critical path
+        # Masked attention (windows, sinks) and the model's own forward build score matrices.
+        scored = not self._packed or "sliding_attention" in arch.layer_types
+        scored |= any(name.endswith(".sinks") for name, _ in model.named_parameters())
+        cost = memory.PassCost.from_config(
+            memory.text_config(model_dir),
+            next(model.parameters()).element_size(),
+            activation_checkpointing,
+            micro_batch_tokens if self._packed else 1,
+            self._chunk,
+            scored,
+        )
+        if self._device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self._device)
+            found = memory.cuda_budget(free, total, memory_budget_bytes)
+        else:
+            found = memory.cpu_budget(memory_budget_bytes)
+        self._memory = cost.budget(found[0], self._card.max_context_length, found[1])
+        log.info(
+            "trainer: memory budget %s fits rows of up to %d tokens",
+            memory.describe(self._memory),
+            self._memory.max_row_tokens,
+        )
 
     # -- models ---------------------------------------------------------------------------
 
     def card(self) -> ModelCard:
         return self._card
+
+    def memory_budget(self) -> MemoryBudget:
+        return self._memory
 
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
         """Create (or re-create from scratch) an adapter with fresh Adam state."""
@@ -193,17 +223,21 @@ class LocalTrainingEngine(TrainingEngine):
         if train:
             params = {p for i in train for p in self._lora.adapter_parameters(requests[i].model_id)}
             saved = {p: None if p.grad is None else p.grad.clone() for p in params}
+
+            def undo() -> None:  # a failed pass leaves no gradient behind
+                for p, grad in saved.items():
+                    p.grad = None if grad is None else grad.clone()
+
             try:
-                self._fused_pass(requests, train, configs, outs, backward=True)
+                self._fused_pass(requests, train, configs, outs, undo)
             except BaseException:
-                for p, grad in saved.items():  # a failed pass leaves no gradient behind
-                    p.grad = grad
+                undo()
                 raise
         # Forward-only requests run in their own no-grad forward: they never touch any grad.
         evals = [i for i, r in enumerate(requests) if r.forward_only]
         if evals:
             with torch.no_grad():
-                self._fused_pass(requests, evals, configs, outs, backward=False)
+                self._fused_pass(requests, evals, configs, outs, None)
         return [
             pass_result(req, [outs[(i, j)] for j in range(len(req.data))])
             for i, req in enumerate(requests)
@@ -215,8 +249,14 @@ class LocalTrainingEngine(TrainingEngine):
         indices: list[int],
         configs: list[dict[str, float]],
         outs: dict[tuple[int, int], RowLoss],
-        backward: bool,
+        undo: Callable[[], None] | None,
     ) -> None:
+        """The pass of `requests[indices]` (backward too where `undo` restores the gradients).
+
+        Out of accelerator memory (torch.OutOfMemoryError), the pass is undone and run again
+        in micro-batches of half the tokens, down to one row each: rows never interact, so only
+        the float rounding of the gradient sums can change. A row that does not fit alone fails
+        its request (named, when the call holds only that request)."""
         rows = [
             _Row(i, j, d, int(np.asarray(d.tokens).shape[0]), requests[i].model_id)
             for i in indices
@@ -224,11 +264,47 @@ class LocalTrainingEngine(TrainingEngine):
         ]
         first_seen = {m: n for n, m in reversed(list(enumerate(r.model_id for r in rows)))}
         lengths = [r.length for r in rows]
-        cut = micro_batches(lengths, self._budget) if self._packed else alone(lengths)
-        for batch in cut:
-            # Rows of one adapter side by side: each LoRA layer then slices, never gathers.
-            mb = sorted((rows[k] for k in batch), key=lambda r: first_seen[r.model_id])
-            self._micro_batch(mb, requests, configs, outs, backward)
+        budget = self._budget
+        while True:
+            cut = micro_batches(lengths, budget) if self._packed else alone(lengths)
+            try:
+                for batch in cut:
+                    # Rows of one adapter side by side: each LoRA layer slices, never gathers.
+                    mb = sorted((rows[k] for k in batch), key=lambda r: first_seen[r.model_id])
+                    self._micro_batch(mb, requests, configs, outs, undo is not None)
+            except torch.OutOfMemoryError as exc:
+                if undo is not None:
+                    undo()
+                self._release_cached_memory()
+                if all(len(b) == 1 for b in cut):
+                    raise self._out_of_memory(requests, indices, rows, batch, exc) from exc
+                budget //= 2
+                log.warning("out of memory in a pass; retrying in micro-batches of %d", budget)
+                continue
+            return
+
+    def _release_cached_memory(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _out_of_memory(
+        self,
+        requests: list[PassRequest],
+        indices: list[int],
+        rows: list[_Row],
+        batch: list[int],
+        exc: torch.OutOfMemoryError,
+    ) -> Exception:
+        """A row that ran out of memory alone: its request's fault if the call holds only it
+        (the caller retries the others one by one), else the call's."""
+        row = rows[batch[0]]
+        if len(indices) > 1 or len(requests) > 1:
+            return exc
+        return UserInputError(
+            f"data[{row.index}].model_input",
+            f"has {row.length} tokens; its pass ran out of the training engine's memory even "
+            f"alone (budget {memory.describe(self._memory)}); send shorter datums",
+        )
 
     def _micro_batch(
         self,

@@ -7,15 +7,24 @@ engines and parallel layouts), and broadcasts each verb to every rank; rank 0 an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from lockstep.engine import memory
 from lockstep.engine.interface import TrainingEngine, UserInputError
 from lockstep.engine.losses import CUSTOM, resolve_loss_config, validate_pass_request
-from lockstep.engine.types import LoraSpec, ModelCard, OptimRequest, PassRequest, PassResult
+from lockstep.engine.types import (
+    LoraSpec,
+    MemoryBudget,
+    ModelCard,
+    OptimRequest,
+    PassRequest,
+    PassResult,
+)
 from lockstep.modeling.lora import (
     PEFT_PREFIX,
     check_adapter_state,
@@ -25,6 +34,7 @@ from lockstep.modeling.lora import (
 )
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
+from lockstep.training.logprobs import chunk_tokens
 from lockstep.training.optim import AdamState, validate_adam
 from lockstep.workers.megatron.group import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from lockstep.workers.megatron.lora import MegatronLora
@@ -45,6 +55,7 @@ class MegatronTrainingEngine(TrainingEngine):
         ray_address: str | None = None,
         micro_batch: int = 8,
         ray_placement: str = "PACK",
+        memory_budget_bytes: int = 0,
     ) -> None:
         self._arch = arch = HFArch.from_dir(Path(model_dir))
         parallel.check_model(arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate)
@@ -67,11 +78,50 @@ class MegatronTrainingEngine(TrainingEngine):
             )
         else:
             self._group = ProcessWorkerGroup(str(model_dir), parallel, micro_batch)
+        self._memory = self._find_budget(Path(model_dir), micro_batch, memory_budget_bytes)
+        log.info(
+            "megatron: memory budget %s per rank fits rows of up to %d tokens",
+            memory.describe(self._memory),
+            self._memory.max_row_tokens,
+        )
+
+    def _find_budget(self, model_dir: Path, micro_batch: int, configured: int) -> MemoryBudget:
+        """One rank's share of a pass: layers / pp, heads, MLP and vocab / tp; `micro_batch`
+        rows padded to the longest, pp micro-batches in flight (1F1B), fp32, and the local
+        layer spec's unfused attention (scores kept in every layer)."""
+        p = self.parallel
+        config = memory.text_config(model_dir)
+        shard = dict(config)
+        shard["num_hidden_layers"] = -(-int(config["num_hidden_layers"]) // p.pp)
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if config.get(key):
+                shard[key] = max(int(config[key]) // p.tp, 1)
+        shard["head_dim"] = self._arch.head_dim
+        shard["vocab_size"] = self._arch.vocab // p.tp
+        one = memory.PassCost.from_config(
+            shard, 4, False, 1, chunk_tokens(self._arch.vocab // p.tp), True
+        )
+        rows = micro_batch * p.pp
+        cost = dataclasses.replace(
+            one,
+            per_token=one.per_token * rows,
+            scores_per_token_sq=one.scores_per_token_sq * rows,
+        )
+        devices = [tuple(m) for m in self._group.call("device_memory")]
+        if all(total > 0 for _, total in devices):
+            free, total = min(devices)
+            budget, source = memory.cuda_budget(free, total, configured)
+        else:
+            budget, source = memory.cpu_budget(configured)
+        return cost.budget(budget, self._card.max_context_length, source)
 
     # -- models ---------------------------------------------------------------------------
 
     def card(self) -> ModelCard:
         return self._card
+
+    def memory_budget(self) -> MemoryBudget:
+        return self._memory
 
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
         try:

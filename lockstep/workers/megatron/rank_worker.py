@@ -117,6 +117,13 @@ class RankWorker:
     def ping(self) -> int:
         return self.rank
 
+    def device_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of this rank's device after load; (0, 0) off CUDA."""
+        if self.device.type != "cuda":
+            return 0, 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
     def close(self) -> None:
         shutdown_parallel()
 

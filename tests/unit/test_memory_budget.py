@@ -1,0 +1,62 @@
+"""The pass-cost arithmetic of lockstep/engine/memory.py, on the tiny model's config shape and a
+Qwen3-8B-shaped one (no model is loaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.engine import memory
+
+TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+}
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+}
+
+
+def _cost(config: dict, e: int = 4, ckpt: bool = False, scored: bool = False) -> memory.PassCost:
+    chunk = (1 << 26) // config["vocab_size"]  # what the local engine takes on a GPU
+    return memory.PassCost.from_config(config, e, ckpt, 1024, chunk, scored)
+
+
+def test_the_longest_row_that_fits_is_the_last_one_under_the_budget() -> None:
+    cost = _cost(TINY, scored=True)
+    budget = cost.pass_bytes(3000)
+    found = cost.budget(budget, 4096, "test")
+    assert found.max_row_tokens == 3000
+    assert cost.pass_bytes(3000) <= budget < cost.pass_bytes(3001)
+    assert cost.budget(10 * budget, 4096, "test").max_row_tokens == 4096  # the context caps it
+    with pytest.raises(ValueError, match="--micro-batch-tokens"):
+        cost.budget(cost.pass_bytes(1) - 1, 4096, "test")
+
+
+def test_checkpointing_bf16_and_fused_attention_cost_what_they_should() -> None:
+    full, ckpt = _cost(QWEN3_8B, 2), _cost(QWEN3_8B, 2, ckpt=True)
+    assert ckpt.per_token < full.per_token / 5  # layer inputs instead of every activation
+    assert _cost(QWEN3_8B, 2, scored=True).pass_bytes(8192) > full.pass_bytes(8192)
+    assert full.scores_per_token_sq == 0  # fused causal SDPA keeps no scores
+    # Not absurd: ~0.35 MB per layer and token in bf16 (0.18 MB base activations, 0.15 MB of
+    # inputs cast to fp32 for the adapters); checkpointed, an 8k-token row needs a few GB.
+    assert 0.3e6 < full.per_token / 37 < 0.4e6
+    assert 5 * memory.GIB < ckpt.pass_bytes(8192) < 20 * memory.GIB
+
+
+def test_budgets_from_flag_device_and_host() -> None:
+    assert memory.cpu_budget(5 * memory.GIB) == (5 * memory.GIB, "--trainer-memory-budget")
+    budget, source = memory.cpu_budget(0)
+    assert 0 < budget <= memory.available_ram() and "%" in source
+    budget, source = memory.cuda_budget(60 * memory.GIB, 80 * memory.GIB, 0)
+    assert budget == 52 * memory.GIB and "free device memory" in source
