@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from common import environment, figure_path, print_table, write_json
 
+from lockstep.engine import memory
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling import experts
 from lockstep.workers.local.engine import LocalTrainingEngine
@@ -166,6 +167,45 @@ def measure(
     return {"packed_s": packed, "sequential_s": sequential, "peak_gpu_memory_gb": peak}
 
 
+def pass_memory(
+    engine: LocalTrainingEngine, names: list[str], per: dict[str, list[Datum]], model_dir: Path
+) -> dict[str, Any]:
+    """The admission formula's cost of one packed pass vs the CUDA peak it really takes."""
+    budget = engine.memory_budget()
+    cost = memory.PassCost.from_config(
+        memory.text_config(model_dir), 2, False, engine._budget, engine._chunk, False
+    )
+    out: dict[str, Any] = {
+        "budget_bytes": budget.budget_bytes,
+        "budget_source": budget.source,
+        "max_row_tokens": budget.max_row_tokens,
+        "formula_pass_bytes": cost.pass_bytes(max(len(d.tokens) for d in per[names[0]])),
+    }
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        engine.run_passes([PassRequest(t, t, "cross_entropy", {}, False, per[t]) for t in names])
+        torch.cuda.synchronize()
+        out["measured_pass_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+        engine.optim_step([OptimRequest(t, AdamConfig(learning_rate=0.0)) for t in names])
+    return out
+
+
+def profile(
+    engine: LocalTrainingEngine, names: list[str], per: dict[str, list[Datum]], device: str
+) -> str:
+    """Where one packed cycle's time goes: the top operators by self device (CPU) time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        cycle(engine, names, per, device)
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    return str(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -173,6 +213,7 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny shape (smoke run)")
+    p.add_argument("--profile", action="store_true", help="write the top operators of a cycle")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (or --tiny --device cpu for a smoke run)")
@@ -194,6 +235,11 @@ def main() -> None:
         )
         for i, t in enumerate(names):
             engine.create_model(t, LoraSpec(rank=RANK, alpha=32.0, seed=i))
+        admission = pass_memory(engine, names, per, model_dir)
+        print(f"admission: {admission}", flush=True)
+        for i, t in enumerate(names):  # both variants start from fresh adapters
+            engine.delete_model(t)
+            engine.create_model(t, LoraSpec(rank=RANK, alpha=32.0, seed=i))
         for kernel in (True, False):
             label = "grouped_kernel" if kernel else "per_group_matmul"
             experts.GROUPED_KERNEL = kernel
@@ -204,6 +250,10 @@ def main() -> None:
                 engine.delete_model(t)
                 engine.create_model(t, LoraSpec(rank=RANK, alpha=32.0, seed=i))
         experts.GROUPED_KERNEL = True
+        if args.profile:
+            table = profile(engine, names, per, args.device)
+            figure_path(NAME).with_name(f"{NAME}_profile.txt").write_text(table)
+            print(table)
         engine.close()
     tokens = TENANTS * DATUMS * shape.length
     flops = active_flops_per_token(shape, args.layers)
@@ -222,6 +272,7 @@ def main() -> None:
         "matmul_bf16_flops_per_s": rate,
         **flops,
         "kernels": kernels,
+        "admission": admission,
         "logprob_max_abs_diff_between_kernels": float(
             np.max(np.abs(lps["grouped_kernel"] - lps["per_group_matmul"]))
         ),

@@ -37,7 +37,8 @@ class PassCost:
       layer = e * (4H + 4I + d * (7 heads + 4 kv_heads)) + 4 * (5H + heads * d + I) [if e < 4]
       no checkpointing: (layers + 1) * layer + e * H   (every layer kept, + backward's working set)
       checkpointing:    layers * e * H + 2 * layer     (layer inputs, + one recomputed layer)
-    (I: the MLP width a token passes, top-k experts and shared experts for MoE.) Attention that
+    (I: the MLP width a token passes, top-k experts and shared experts for MoE; MoE layers add
+    e * k * (5H + 9 I_expert) for each token's k (token, expert) pairs.) Attention that
     materialises scores (masks, unfused kernels) keeps fp32 scores and probabilities in every
     layer, 8 * heads * layers * T^2; fused causal SDPA keeps none. fixed: three fp32 copies of
     one logits chunk.
@@ -74,6 +75,10 @@ class PassCost:
             width = max(width, routed + shared)
         e = element_bytes
         layer = e * (4 * hidden + 4 * width + head_dim * (7 * heads + 4 * kv_heads))
+        if config.get("moe_intermediate_size") and config.get("num_experts_per_tok"):
+            # Per (token, expert) pair: its gathered input, base and LoRA outputs and copies.
+            pair = 5 * hidden + 9 * int(config["moe_intermediate_size"])
+            layer += e * int(config["num_experts_per_tok"]) * pair
         if e < 4:
             layer += 4 * (5 * hidden + heads * head_dim + width)
         if checkpointing:

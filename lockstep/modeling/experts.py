@@ -119,20 +119,20 @@ class MultiLoRAExperts(nn.Module):
         weight = top_k_weights.reshape(-1).index_select(0, order)
         offsets = group_ends(expert, self.num_experts)
         adapters = _AdapterGroups(names, ordinal, token, expert, self.num_experts)
-        x = hidden_states.index_select(0, token)
+        x = hidden_states.index_select(0, token).to(self.down_proj.dtype)
         gate_up = self._base(x, self.gate_up_proj, self.gate_up_proj_bias, expert, offsets)
         gate = adapters.delta(self.slots[GATE], x)
         up = adapters.delta(self.slots[UP], x)
         if gate is not None or up is not None:
-            zeros = x.new_zeros(x.shape[0], self.slots[GATE].out_features, dtype=torch.float32)
+            zeros = x.new_zeros(x.shape[0], self.slots[GATE].out_features)
             gate_up = gate_up + self._fuse(
                 zeros if gate is None else gate, zeros if up is None else up
-            ).to(gate_up.dtype)
+            )
         h = self._apply_gate(gate_up)
         y = self._base(h, self.down_proj, self.down_proj_bias, expert, offsets)
         down = adapters.delta(self.slots[DOWN], h)
         if down is not None:
-            y = y + down.to(y.dtype)
+            y = y + down
         y = y * weight.unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype))
 
@@ -145,7 +145,7 @@ class MultiLoRAExperts(nn.Module):
         offsets: torch.Tensor,
     ) -> torch.Tensor:
         """Every expert's base projection of its own pairs, one grouped GEMM."""
-        y = grouped_mm(x.to(weight.dtype), weight if self.is_transposed else weight.mT, offsets)
+        y = grouped_mm(x, weight if self.is_transposed else weight.mT, offsets)
         return y if bias is None else y + bias.index_select(0, expert)
 
 
@@ -178,19 +178,24 @@ class _AdapterGroups:
             at += count
 
     def delta(self, slot: ExpertSlot, x: torch.Tensor) -> torch.Tensor | None:
-        """fp32 [pairs, out] LoRA deltas of `slot` for the pairs' inputs x (zeros for pairs whose
-        adapter does not train it); None when no pair's adapter does."""
+        """[pairs, out] LoRA deltas of `slot` for the pairs' inputs x (zeros for pairs whose
+        adapter does not train it); None when no pair's adapter does.
+
+        The GEMMs run in x's dtype, the base weights' (adapters stay fp32; their gradients
+        accumulate in fp32): in bf16 that is the grouped kernel's fast path, where fp32
+        operands fall back to one launch per expert and adapter."""
         where, parts = [], []
         for name, pairs, ends in self.groups:
             if name not in slot.lora_A:
                 continue
-            a, b = slot.lora_A[name], slot.lora_B[name]  # [E, r, in], [E, out, r]
-            h = grouped_mm(x.index_select(0, pairs).to(a.dtype), a.mT, ends)
+            a = slot.lora_A[name].to(x.dtype)  # [E, r, in]
+            b = slot.lora_B[name].to(x.dtype)  # [E, out, r]
+            h = grouped_mm(x.index_select(0, pairs), a.mT, ends)
             parts.append(grouped_mm(h * slot.scale[name], b.mT, ends))
             where.append(pairs)
         if not parts:
             return None
-        out = x.new_zeros(self.pairs, slot.out_features, dtype=parts[0].dtype)
+        out = x.new_zeros(self.pairs, slot.out_features)
         return out.index_copy(0, torch.cat(where), torch.cat(parts))
 
 
