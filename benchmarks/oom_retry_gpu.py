@@ -96,6 +96,19 @@ def retried(engine: LocalTrainingEngine, names: list[str], per: dict[str, Any]) 
     }
 
 
+def largest_micro_batch(model_dir: Path, tokens: int, dtype: str) -> LocalTrainingEngine:
+    """The engine with the largest micro-batch (<= tokens) its memory admission accepts."""
+    while True:
+        try:
+            return LocalTrainingEngine(
+                model_dir, "qwen3-30b-a3b-shape", "cuda", micro_batch_tokens=tokens, dtype=dtype
+            )
+        except ValueError as exc:
+            print(f"{dtype}: {exc}; halving the micro-batch", flush=True)
+            tokens //= 2
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -112,12 +125,10 @@ def main() -> None:
         model_dir = Path(tmp) / "qwen3-30b-a3b-shape"
         build_model(model_dir, shape, args.layers, "cuda")
         for dtype in args.dtypes:
-            engine = LocalTrainingEngine(
-                model_dir, "qwen3-30b-a3b-shape", "cuda", micro_batch_tokens=tokens, dtype=dtype
-            )
+            engine = largest_micro_batch(model_dir, tokens, dtype)
             for i, t in enumerate(names):
                 engine.create_model(t, LoraSpec(rank=RANK, alpha=32.0, seed=i))
-            by_dtype[dtype] = retried(engine, names, per)
+            by_dtype[dtype] = {"micro_batch_tokens": engine._budget, **retried(engine, names, per)}
             engine.close()
             del engine
             torch.cuda.empty_cache()
