@@ -5,8 +5,10 @@ The Qwen3-30B-A3B-shaped stack of `moe_gpu.py` (bf16, LoRA rank 32 everywhere), 
 process's CUDA memory capped (`torch.cuda.set_per_process_memory_fraction`) below what that
 micro-batch needs: the engine must catch the out-of-memory error, undo the partial gradients and
 finish in halved micro-batches. Reports both peaks, the retries logged, and how far the retried
-pass's logprobs and adapter gradients are from the first, in bf16 and in fp32 (where the
-difference is float rounding of different micro-batch sums only).
+pass's logprobs and adapter gradients are from the first, in bf16 and in fp32. They are not
+bit-equal on CUDA: cuBLAS picks kernels by shape, so other micro-batch shapes round differently,
+and a top-8-of-128 router amplifies that where two experts' scores nearly tie (a flipped expert).
+The fp32 run bounds what that costs.
 
     python benchmarks/oom_retry_gpu.py [--layers 4] [--dtypes bfloat16 float32]
 """
