@@ -177,7 +177,9 @@ class ParallelConfig:
     )
     ep: int = field(  # splits the experts of MoE layers (carved out of tp x dp, as megatron does)
         default=1,
-        metadata=flag("--ep", help="expert parallel size (--engine megatron, MoE models)", on=SCHEDULER),
+        metadata=flag(
+            "--ep", help="expert parallel size (--engine megatron, MoE models)", on=SCHEDULER
+        ),
     )
     sequence_parallel: bool = field(
         default=False,

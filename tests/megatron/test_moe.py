@@ -2,10 +2,11 @@
 parallelism: LoRA on attention, every expert's w1 / w3 / w2 and the LM head, 3 tenants packed.
 
 Layouts (2 ranks each, gloo on CPU): EP=2 over 2 DP replicas (tokens cross ranks in the
-all-to-all), TP=2 (each TP rank routes half the tokens through all experts), and TP=2 x EP=2
-(each TP rank routes half the tokens to experts split over the same two ranks). Checked: per-datum
-logprobs, `loss:sum`, grad norms and the adapters after two optimizer steps, and that a Megatron
-checkpoint has the local engine's keys and 3-D expert shapes (and loads there).
+all-to-all; the replicas run unequal numbers of micro-batches), TP=2 (each TP rank routes half
+the tokens through all experts), and TP=2 x EP=2 (each TP rank routes half the tokens to experts
+split over the same two ranks). Checked: per-datum logprobs, `loss:sum`, grad norms and the
+adapters after two optimizer steps, and that a Megatron checkpoint has the local engine's keys
+and 3-D expert shapes (and loads there).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from lockstep.workers.megatron.model import HFArch
 from lockstep.workers.megatron.parallel import ParallelConfig
 from tests.megatron.common import TENANTS, assert_records_close, run_workload
 
-LAYOUTS = {
-    "ep2": ParallelConfig(dp=2, ep=2),
-    "tp2": ParallelConfig(tp=2),
-    "tp2ep2": ParallelConfig(tp=2, ep=2),
+LAYOUTS = {  # (layout, micro-batch rows)
+    # 9 training rows: replica 0 runs 4 (one micro-batch of 4), replica 1 runs 5 (two), so
+    # replica 0 adds an all-padding micro-batch that pairs with its peer's all-to-alls.
+    "ep2": (ParallelConfig(dp=2, ep=2), 4),
+    "tp2": (ParallelConfig(tp=2), 8),
+    "tp2ep2": (ParallelConfig(tp=2, ep=2), 8),
 }
 CACHE = Path.home() / ".cache" / "lockstep-test-models"
 
@@ -56,7 +59,10 @@ def _shapes(directory: Path, name: str) -> dict[str, tuple[int, ...]]:
 def test_moe_layout_matches_local_engine(
     layout: str, model_dir: Path, reference: dict[str, object], tmp_path: Path
 ) -> None:
-    engine = MegatronTrainingEngine(model_dir, "tiny", LAYOUTS[layout], launcher="process")
+    parallel, micro_batch = LAYOUTS[layout]
+    engine = MegatronTrainingEngine(
+        model_dir, "tiny", parallel, launcher="process", micro_batch=micro_batch
+    )
     try:
         got = run_workload(engine, tmp_path)
         for m in TENANTS:

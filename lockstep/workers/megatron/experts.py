@@ -135,7 +135,8 @@ class LoraMoE(nn.Module):
         """Each local expert on its (token, ordinal) rows, sorted by expert -> [n, hidden]."""
         names = self._routing.names
         outs = []
-        experts = self.moe.experts.local_experts  # type: ignore[union-attr]
+        moe: Any = self.moe
+        experts = moe.experts.local_experts
         for e, (rows, p) in enumerate(
             zip(torch.split(tokens, counts), torch.split(probs, counts), strict=True)
         ):

@@ -310,7 +310,8 @@ class MegatronLora:
 
     def remove_adapter(self, aid: str) -> None:
         self._specs.pop(aid, None)
-        for w in [*self._wrappers, *self._experts]:
+        holders: list[_LoraLinear | ExpertLora] = [*self._wrappers, *self._experts]
+        for w in holders:
             w.lora_A.pop(aid, None)
             w.lora_B.pop(aid, None)
             w.scale.pop(aid, None)
@@ -328,7 +329,9 @@ class MegatronLora:
         for x in self._experts:
             if aid in x.lora_A:
                 for ab, p in (("A", x.lora_A[aid]), ("B", x.lora_B[aid])):
-                    out.append((p, ParamInfo(f"{PEFT_PREFIX}{x.path}.lora_{ab}.weight", None, True)))
+                    out.append(
+                        (p, ParamInfo(f"{PEFT_PREFIX}{x.path}.lora_{ab}.weight", None, True))
+                    )
         return out
 
     @contextmanager
@@ -350,9 +353,7 @@ class MegatronLora:
 
 def merge_experts(parts: list[list[tuple[Tensor, ParamInfo]]]) -> dict[str, Tensor]:
     """Full 3-D expert tensors from every EP rank's experts (outer list in EP-rank order)."""
-    return {
-        info.key: torch.cat([p[i][0] for p in parts]) for i, (_, info) in enumerate(parts[0])
-    }
+    return {info.key: torch.cat([p[i][0] for p in parts]) for i, (_, info) in enumerate(parts[0])}
 
 
 def merge_shards(parts: list[list[tuple[Tensor, ParamInfo]]]) -> dict[str, Tensor]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,7 @@ class RankWorker:
         ]
         mine = None
         if owned:
-            kinds = [("", None)]
+            kinds: list[tuple[str, list[torch.Tensor] | None]] = [("", None)]
             if include_optimizer and adam.exp_avg:
                 kinds += [(".exp_avg", adam.exp_avg), (".exp_avg_sq", adam.exp_avg_sq)]
             tensors = [
@@ -195,23 +196,16 @@ class RankWorker:
         parts = [p for p in parts if p is not None]
         merged: list[dict[str, torch.Tensor]] = [{}, {}, {}]  # state, exp_avg, exp_avg_sq
         for stage in range(self.parallel.pp):
-            for experts in (False, True):
-                # One shard per TP rank (dense) or per EP rank (experts), in rank order.
-                shards = sorted(
-                    (
-                        (p[2] if experts else p[1], [[t for t in k if t[1].experts == experts]
-                                                     for k in p[3]])
-                        for p in parts
-                        if p[0] == stage
-                    ),
-                    key=lambda x: x[0],
-                )
-                shards = [x for x in shards if x[1][0]]
-                if not shards:
-                    continue
-                merge = merge_experts if experts else merge_shards
-                for k in range(len(shards[0][1])):
-                    merged[k] |= merge([x[1][k] for x in shards])
+            here = [p for p in parts if p[0] == stage]
+            # Dense tensors: one shard per TP rank; experts: one per EP rank; in rank order.
+            for experts, rank_of, merge in ((False, 1, merge_shards), (True, 2, merge_experts)):
+                shards = [
+                    [[t for t in kind if t[1].experts == experts] for kind in p[3]]
+                    for p in sorted(here, key=operator.itemgetter(rank_of))
+                ]
+                shards = [s for s in shards if s[0]]
+                for k in range(len(shards[0]) if shards else 0):
+                    merged[k] |= merge([s[k] for s in shards])
         step = max(p[4] for p in parts)
         moments = merged[1] | merged[2] if include_optimizer else None
         return merged[0], moments, step
