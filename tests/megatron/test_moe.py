@@ -24,30 +24,40 @@ from lockstep.workers.megatron.model import HFArch
 from lockstep.workers.megatron.parallel import ParallelConfig
 from tests.megatron.common import TENANTS, assert_records_close, run_workload
 
-LAYOUTS = {  # (layout, micro-batch rows)
+# Routers: HF's softmax, top-k, renormalised (norm_topk_prob, megatron: softmax over the top-k
+# logits) and not renormalised (megatron: moe_router_pre_softmax).
+VARIANTS: dict[str, dict[str, object]] = {
+    "norm_topk": {},
+    "softmax_topk": {"norm_topk_prob": False},
+}
+LAYOUTS = {  # (layout, micro-batch rows, router variant)
     # 9 training rows: replica 0 runs 4 (one micro-batch of 4), replica 1 runs 5 (two), so
     # replica 0 adds an all-padding micro-batch that pairs with its peer's all-to-alls.
-    "ep2": (ParallelConfig(dp=2, ep=2), 4),
-    "tp2": (ParallelConfig(tp=2), 8),
-    "tp2ep2": (ParallelConfig(tp=2, ep=2), 8),
+    "ep2": (ParallelConfig(dp=2, ep=2), 4, "norm_topk"),
+    "tp2": (ParallelConfig(tp=2), 8, "softmax_topk"),
+    "tp2ep2": (ParallelConfig(tp=2, ep=2), 8, "norm_topk"),
 }
 CACHE = Path.home() / ".cache" / "lockstep-test-models"
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return zoo.ensure_family("qwen3_moe", CACHE)
+def _model(variant: str) -> Path:
+    settings = {**zoo.FAMILIES["qwen3_moe"], **VARIANTS[variant]}
+    return zoo.ensure_model(f"tiny-qwen3_moe-{variant}", settings, CACHE)
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    engine = LocalTrainingEngine(model_dir, "tiny", device="cpu")
-    out = tmp_path_factory.mktemp("local")
-    record = run_workload(engine, out)
-    for m in TENANTS:
-        engine.save_state(m, out / "ckpt" / m, include_optimizer=True)
-    record["ckpt"] = out / "ckpt"
-    return record
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    """The local engine's record of the workload, per router variant (+ its checkpoints)."""
+    out: dict[str, dict[str, object]] = {}
+    for variant in sorted({v for _, _, v in LAYOUTS.values()}):
+        engine = LocalTrainingEngine(_model(variant), "tiny", device="cpu")
+        root = tmp_path_factory.mktemp(f"local-{variant}")
+        record = run_workload(engine, root)
+        for m in TENANTS:
+            engine.save_state(m, root / "ckpt" / m, include_optimizer=True)
+        record["ckpt"] = root / "ckpt"
+        out[variant] = record
+    return out
 
 
 def _shapes(directory: Path, name: str) -> dict[str, tuple[int, ...]]:
@@ -57,9 +67,10 @@ def _shapes(directory: Path, name: str) -> dict[str, tuple[int, ...]]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_layout_matches_local_engine(
-    layout: str, model_dir: Path, reference: dict[str, object], tmp_path: Path
+    layout: str, references: dict[str, dict[str, object]], tmp_path: Path
 ) -> None:
-    parallel, micro_batch = LAYOUTS[layout]
+    parallel, micro_batch, variant = LAYOUTS[layout]
+    model_dir, reference = _model(variant), references[variant]
     engine = MegatronTrainingEngine(
         model_dir, "tiny", parallel, launcher="process", micro_batch=micro_batch
     )
