@@ -3,10 +3,10 @@ parallelism: LoRA on attention, every expert's w1 / w3 / w2 and the LM head, 3 t
 
 Layouts (2 ranks each, gloo on CPU): EP=2 over 2 DP replicas (tokens cross ranks in the
 all-to-all; the replicas run unequal numbers of micro-batches), TP=2 (each TP rank routes half
-the tokens through all experts), and TP=2 x EP=2 (each TP rank routes half the tokens to experts
-split over the same two ranks). Checked: per-datum logprobs, `loss:sum`, grad norms and the
-adapters after two optimizer steps, and that a Megatron checkpoint has the local engine's keys
-and 3-D expert shapes (and loads there).
+the tokens through all experts), TP=2 x EP=2 (each TP rank routes half the tokens to experts
+split over the same two ranks) and PP=2 (MoE stages under 1F1B). Checked: per-datum logprobs,
+`loss:sum`, grad norms and the adapters after two optimizer steps, and that a Megatron
+checkpoint has the local engine's keys and 3-D expert shapes (and loads there).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ LAYOUTS = {  # (layout, micro-batch rows, router variant)
     "ep2": (ParallelConfig(dp=2, ep=2), 4, "norm_topk"),
     "tp2": (ParallelConfig(tp=2), 8, "softmax_topk"),
     "tp2ep2": (ParallelConfig(tp=2, ep=2), 8, "norm_topk"),
+    # MoE stages under 1F1B (3 micro-batches); the stage output crosses over p2p.
+    "pp2": (ParallelConfig(pp=2), 4, "norm_topk"),
 }
 CACHE = Path.home() / ".cache" / "lockstep-test-models"
 
@@ -104,10 +106,10 @@ def test_unsupported_moe_layouts_are_refused(tmp_path: Path) -> None:
         MegatronTrainingEngine(moe, "tiny", ParallelConfig(dp=3, ep=3), launcher="process")
     with pytest.raises(ValueError, match="--ep 2 must divide --tp x --dp"):
         MegatronTrainingEngine(moe, "tiny", ParallelConfig(ep=2), launcher="process")
-    with pytest.raises(ValueError, match="--ep > 1 with --pp > 1"):
-        ParallelConfig(pp=2, dp=2, ep=2).check_model(2, 4, 2, 1024, 128, 8)
     # Other MoE families: biases / clamped SwiGLU (gpt-oss), shared experts and group-limited
     # routing (DeepSeek-V3) are not converted.
+    with pytest.raises(ValueError, match="--ep > 1 with --pp > 1"):
+        ParallelConfig(pp=2, dp=2, ep=2).check_model(2, 4, 2, 1024, 128, 8)
     for family in ("gpt_oss", "deepseek_v3"):
         with pytest.raises(ValueError, match=f"not '{family}'"):
             HFArch.from_dir(zoo.ensure_family(family, CACHE))

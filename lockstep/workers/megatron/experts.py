@@ -129,7 +129,7 @@ class LoraMoE(nn.Module):
         y = torch.cat([y, y.new_zeros(y.shape[0], 1)], dim=1)  # the dispatcher's width
         out = moe.combine(dispatcher.combine_preprocess(y))
         out = moe.postprocess(out, None)
-        return out[:, : self.hidden]
+        return out[:, : self.hidden].contiguous()  # a stage output goes out over p2p as is
 
     def _experts(self, tokens: Tensor, counts: list[int], probs: Tensor) -> Tensor:
         """Each local expert on its (token, ordinal) rows, sorted by expert -> [n, hidden]."""
