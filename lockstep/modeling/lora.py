@@ -38,6 +38,7 @@ from lockstep.modeling.routing import Routing, RoutingSlot, Segment
 # The dense layout's leaf names (Llama / Qwen3), which the Megatron engine converts.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_TARGETS = ("w1", "w3", "w2")  # Tinker's names of every expert's gate / up / down
 UNEMBED_TARGETS = ("lm_head",)
 PEFT_PREFIX = "base_model.model."
 
@@ -46,7 +47,7 @@ def spec_targets(spec: LoraSpec) -> tuple[str, ...]:
     """Leaf module names an adapter with this spec trains in the dense layout (Megatron)."""
     return (
         (ATTN_TARGETS if spec.train_attn else ())
-        + (MLP_TARGETS if spec.train_mlp else ())
+        + (MLP_TARGETS + EXPERT_TARGETS if spec.train_mlp else ())
         + (UNEMBED_TARGETS if spec.train_unembed else ())
     )
 
@@ -59,7 +60,7 @@ def dense_spec_of(state: Mapping[str, torch.Tensor], rank: int, alpha: float) ->
         alpha=alpha,
         seed=None,
         train_attn=bool(leaves & set(ATTN_TARGETS)),
-        train_mlp=bool(leaves & set(MLP_TARGETS)),
+        train_mlp=bool(leaves & set(MLP_TARGETS + EXPERT_TARGETS)),
         train_unembed=bool(leaves & set(UNEMBED_TARGETS)),
     )
 

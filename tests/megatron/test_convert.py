@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lockstep.modeling import zoo
 from lockstep.modeling.tiny import ensure_default_model
 from lockstep.workers.megatron.convert import fuse_qkv, hf_to_megatron, megatron_to_hf
 from lockstep.workers.megatron.lora import ParamInfo, merge_shards
@@ -31,6 +32,23 @@ def test_shards_round_trip(model_dir: Path, tp: int, pp: int) -> None:
             key = "decoder.layers.0.self_attention.linear_qkv.weight"
             assert shards[0][key].shape[0] * tp == (arch.heads + 2 * arch.kv_heads) * arch.head_dim
         back |= megatron_to_hf(shards, arch, pp, stage)
+    assert set(back) == set(hf)
+    for key, tensor in hf.items():
+        assert torch.equal(back[key], tensor), key
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_moe_shards_round_trip(tp: int, ep: int) -> None:
+    """Qwen3-MoE: the router is replicated, EP rank r holds experts [r*E/ep, (r+1)*E/ep) whole."""
+    model_dir = zoo.ensure_family("qwen3_moe", Path.home() / ".cache" / "lockstep-test-models")
+    arch = HFArch.from_dir(model_dir)
+    assert (arch.experts, arch.topk, arch.moe_intermediate, arch.qk_norm) == (8, 2, 48, True)
+    hf = load_file(str(model_dir / "model.safetensors"))
+    shards = [hf_to_megatron(hf, arch, tp, r, 1, 0, ep, 0) for r in range(tp)]
+    by_ep = [hf_to_megatron(hf, arch, tp, 0, 1, 0, ep, r) for r in range(ep)]
+    experts = [k for k in by_ep[-1] if ".local_experts." in k]
+    assert len(experts) == arch.layers * 2 * arch.experts // ep
+    back = megatron_to_hf(shards, arch, 1, 0, by_ep)
     assert set(back) == set(hf)
     for key, tensor in hf.items():
         assert torch.equal(back[key], tensor), key

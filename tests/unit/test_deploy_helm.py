@@ -310,6 +310,7 @@ SERVE_VALUES: dict[str, Any] = {
             "pp": 2,
             "dp": 3,
             "cp": 1,
+            "ep": 3,
             "rayAddress": "ray://ray-head:10001",
             "rayPlacement": "STRICT_SPREAD",
             "rayAuthTokenSecret": {"name": "raycluster-token", "key": "auth_token"},
@@ -357,9 +358,10 @@ def test_limit_sampler_and_engine_values_render_to_their_flags() -> None:
         e.parallel.pp,
         e.parallel.dp,
         e.parallel.cp,
+        e.parallel.ep,
         e.ray_address,
         e.ray_placement,
-    ) == ("megatron", 2, 2, 3, 1, "ray://ray-head:10001", "STRICT_SPREAD")
+    ) == ("megatron", 2, 2, 3, 1, 3, "ray://ray-head:10001", "STRICT_SPREAD")
     container = find(docs, "StatefulSet", "scheduler")["spec"]["template"]["spec"]["containers"][0]
     env = {v["name"]: v for v in container["env"]}
     assert env["RAY_AUTH_MODE"]["value"] == "token"
@@ -391,6 +393,7 @@ def test_unset_values_render_no_flag() -> None:
         "--pp",
         "--dp",
         "--cp",
+        "--ep",
         "--ray-address",
         "--ray-placement",
         "--max-lora-rank",

@@ -6,6 +6,9 @@ Layouts megatron uses (local spec):
 - `linear_fc1`: [gate; up], and each TP shard is [gate shard; up shard] (SwiGLU chunks locally).
 - `linear_proj` / `linear_fc2` / embeddings / LM head: plain row or column chunks.
 - Norms (input, pre-MLP, q/k, final) are replicated.
+- MoE (Qwen3-MoE): `mlp.router.weight` (HF `mlp.gate`) replicated; EP rank r holds experts
+  [r*E/ep, (r+1)*E/ep) whole (no TP split) as `mlp.experts.local_experts.<i>.linear_fc1`
+  ([gate; up]) and `linear_fc2` (down).
 """
 
 from __future__ import annotations
@@ -46,10 +49,23 @@ def _chunk(t: Tensor, tp: int, rank: int, dim: int = 0) -> Tensor:
     return torch.chunk(t, tp, dim=dim)[rank].contiguous()
 
 
+def local_experts(arch: HFArch, ep: int, ep_rank: int) -> range:
+    """Global indices of the experts EP rank `ep_rank` holds (contiguous, as megatron's)."""
+    per = arch.experts // ep
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
 def hf_to_megatron(
-    hf: dict[str, Tensor], arch: HFArch, tp: int, tp_rank: int, pp: int, pp_rank: int
+    hf: dict[str, Tensor],
+    arch: HFArch,
+    tp: int,
+    tp_rank: int,
+    pp: int,
+    pp_rank: int,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, Tensor]:
-    """The megatron state dict of one (TP rank, PP stage) shard."""
+    """The megatron state dict of one (TP rank, PP stage, EP rank) shard."""
     out: dict[str, Tensor] = {}
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = _chunk(
@@ -76,6 +92,15 @@ def hf_to_megatron(
         # The local spec keeps the pre-attention / pre-MLP norms as their own modules.
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        if arch.moe:
+            out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"]
+            for i, e in enumerate(local_experts(arch, ep, ep_rank)):
+                hf_e, mg_e = f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.local_experts.{i}."
+                out[mg_e + "linear_fc1.weight"] = torch.cat(
+                    [hf[hf_e + "gate_proj.weight"], hf[hf_e + "up_proj.weight"]]
+                )
+                out[mg_e + "linear_fc2.weight"] = hf[hf_e + "down_proj.weight"]
+            continue
         gate = _chunk(hf[src + "mlp.gate_proj.weight"], tp, tp_rank)
         up = _chunk(hf[src + "mlp.up_proj.weight"], tp, tp_rank)
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
@@ -90,10 +115,16 @@ def hf_to_megatron(
 
 
 def megatron_to_hf(
-    shards: list[dict[str, Tensor]], arch: HFArch, pp: int, pp_rank: int
+    shards: list[dict[str, Tensor]],
+    arch: HFArch,
+    pp: int,
+    pp_rank: int,
+    expert_shards: list[dict[str, Tensor]] | None = None,
 ) -> dict[str, Tensor]:
-    """Merge the TP shards (in TP-rank order) of one PP stage back into HF tensors."""
+    """Merge the TP shards (in TP-rank order) of one PP stage back into HF tensors; MoE experts
+    come from `expert_shards`, one state dict per EP rank in EP-rank order (default: shards[0])."""
     tp = len(shards)
+    by_ep = expert_shards or shards[:1]
 
     def cat(key: str, dim: int = 0) -> Tensor:
         return torch.cat([s[key] for s in shards], dim=dim)
@@ -116,6 +147,16 @@ def megatron_to_hf(
             out[att + "k_norm.weight"] = shards[0][src + "self_attention.k_layernorm.weight"]
         out[dst + "input_layernorm.weight"] = shards[0][src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = shards[0][src + "pre_mlp_layernorm.weight"]
+        if arch.moe:
+            out[dst + "mlp.gate.weight"] = shards[0][src + "mlp.router.weight"]
+            for r, part in enumerate(by_ep):
+                for i, e in enumerate(local_experts(arch, len(by_ep), r)):
+                    mg_e, hf_e = f"{src}mlp.experts.local_experts.{i}.", f"{dst}mlp.experts.{e}."
+                    gate, up = torch.chunk(part[mg_e + "linear_fc1.weight"], 2)
+                    out[hf_e + "gate_proj.weight"] = gate
+                    out[hf_e + "up_proj.weight"] = up
+                    out[hf_e + "down_proj.weight"] = part[mg_e + "linear_fc2.weight"]
+            continue
         halves = [torch.chunk(s[src + "mlp.linear_fc1.weight"], 2) for s in shards]
         out[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
         out[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
@@ -135,9 +176,11 @@ def load_stage(
     tp_rank: int,
     pp: int,
     pp_rank: int,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> None:
     """Copy the converted shard into `model`; every real parameter must be covered."""
-    state = hf_to_megatron(hf, arch, tp, tp_rank, pp, pp_rank)
+    state = hf_to_megatron(hf, arch, tp, tp_rank, pp, pp_rank, ep, ep_rank)
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:

@@ -10,12 +10,20 @@ megatron-core assumes CUDA in a few spots that CPU tests (and CPU serving) reach
    allocates receive buffers on `current_device()`; on CPU that is "cpu".
 3. `pipeline_parallel/schedules.py` allocates its token counter with `device="cuda"`: the module
    sees a `torch` whose `zeros` maps a CUDA device to the CPU.
+4. The MoE all-to-all dispatcher makes a side `torch.cuda.Stream()` for its device-to-host copies
+   and syncs on an event of it: on CPU a stream whose waits and events do nothing; its
+   device-to-host helper hands split sizes to the all-to-all as numpy arrays only for CUDA
+   tensors, and gloo's all_to_all takes sequences, not tensors: CPU tensors become numpy too.
 
-`apply()` is idempotent and does nothing when CUDA is available, so GPU runs use megatron as is.
+`apply()` is idempotent and does nothing when CUDA is available, so GPU runs use megatron as is
+-- except for one fix that any machine without Transformer Engine needs: megatron's MoE router
+gating tests `te_general_gemm is not None`, a name its failed TE import never defined (it is set
+to None, so the router takes its plain torch.mm path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any
 
@@ -46,13 +54,43 @@ class _CpuZerosTorch(types.ModuleType):
         return torch.zeros(*args, **kwargs)
 
 
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuStream:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def apply() -> None:
     """Install the CPU shims (no-op with CUDA, and on the second call)."""
     global _applied
-    if _applied or torch.cuda.is_available():
+    if _applied:
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if torch.cuda.is_available():
+        _applied = True
         return
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> Any:
         return torch.get_rng_state()
@@ -69,5 +107,8 @@ def apply() -> None:
     cuda.current_device = lambda: "cpu"
     cuda.synchronize = lambda device=None: None
     cuda.current_stream = lambda device=None: None
+    cuda.Stream = _CpuStream
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
     schedules.torch = _CpuZerosTorch()
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
     _applied = True

@@ -58,7 +58,9 @@ class MegatronTrainingEngine(TrainingEngine):
         memory_budget_bytes: int = 0,
     ) -> None:
         self._arch = arch = HFArch.from_dir(Path(model_dir))
-        parallel.check_model(arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate)
+        parallel.check_model(
+            arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate, arch.experts
+        )
         parallel.check_backend()
         self._card = ModelCard.from_dir(model_dir, served_name)
         self.parallel = parallel

@@ -8,6 +8,7 @@ Adapters are stored per HF projection ("segment": q_proj, k_proj, v_proj of the 
 - Row (proj, fc2): A [r, in/tp] split like the input, B [out, r] replicated; the rank-r
   intermediate is summed over TP (`reduce_from_tensor_model_parallel_region`).
 Activations are megatron's [seq, batch, hidden]; `RowRouting` names the adapter of each batch row.
+MoE layers (Qwen3-MoE) carry their experts' adapters in `experts.LoraMoE` (split over EP ranks).
 """
 
 from __future__ import annotations
@@ -22,16 +23,21 @@ from torch import nn
 
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling.lora import PEFT_PREFIX, LoraShape, spec_targets
+from lockstep.workers.megatron.convert import local_experts
+from lockstep.workers.megatron.experts import DOWN, GATE, UP, ExpertLora, LoraMoE
 from lockstep.workers.megatron.model import HFArch
 
 Tensor = torch.Tensor
 
 
 class _Slot:
-    """Shared by every wrapper: adapter id -> batch-row indices of the current forward."""
+    """Shared by every wrapper: the current forward's adapter of each batch row (`groups`:
+    adapter id -> its rows), and every adapter id in sorted order (MoE tokens carry an index)."""
 
     def __init__(self) -> None:
         self.groups: dict[str, Tensor] = {}
+        self.rows: list[str | None] = []
+        self.names: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -127,20 +133,27 @@ class RowLora(_LoraLinear):
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """One local adapter tensor: its PEFT key and how TP shards merge (None: replicated)."""
+    """One local adapter tensor: its PEFT key and how TP shards merge (None: replicated);
+    `experts`: a 3-D expert tensor, whole over TP, this EP rank's experts along dim 0."""
 
     key: str
     cat_dim: int | None
+    experts: bool = False
 
 
 class MegatronLora:
     """Wraps one pipeline stage's linear layers; holds every tenant's local adapter shards."""
 
-    def __init__(self, model: nn.Module, arch: HFArch, tp: int, tp_rank: int) -> None:
+    def __init__(
+        self, model: nn.Module, arch: HFArch, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0
+    ) -> None:
         self.arch = arch
         self._slot = _Slot()
         self._specs: dict[str, LoraSpec] = {}
         self._wrappers: list[_LoraLinear] = []  # model order
+        self._experts: list[ExpertLora] = []  # model order
+        self._expert_range = local_experts(arch, ep, ep_rank) if arch.moe else range(0)
+        self._device = next(model.parameters()).device
         a = arch
         q_out, kv_out = a.heads * a.head_dim, a.kv_heads * a.head_dim
         decoder = getattr(model, "decoder", None)
@@ -177,6 +190,13 @@ class MegatronLora:
                     tp_rank,
                 )
             )
+            if arch.moe:
+                moe = LoraMoE(
+                    mlp, self._slot, pre + "mlp.experts", a.hidden, a.moe_intermediate, tp, tp_rank
+                )
+                layer.mlp = moe
+                self._experts += list(moe.slots.values())
+                continue
             mlp.linear_fc1 = self._add(
                 ColumnLora(
                     mlp.linear_fc1,
@@ -230,6 +250,16 @@ class MegatronLora:
                 pre + "self_attn.k_proj": LoraShape(arch.hidden, kv_out),
                 pre + "self_attn.v_proj": LoraShape(arch.hidden, kv_out),
                 pre + "self_attn.o_proj": LoraShape(q_out, arch.hidden),
+            }
+            if arch.moe:  # Tinker's 3-D expert adapters, in the local engine's order
+                e, inter = arch.experts, arch.moe_intermediate
+                out |= {
+                    f"{pre}mlp.experts.{GATE}": LoraShape(arch.hidden, inter, e),
+                    f"{pre}mlp.experts.{UP}": LoraShape(arch.hidden, inter, e),
+                    f"{pre}mlp.experts.{DOWN}": LoraShape(inter, arch.hidden, e),
+                }
+                continue
+            out |= {
                 pre + "mlp.gate_proj": LoraShape(arch.hidden, arch.intermediate),
                 pre + "mlp.up_proj": LoraShape(arch.hidden, arch.intermediate),
                 pre + "mlp.down_proj": LoraShape(arch.intermediate, arch.hidden),
@@ -266,11 +296,22 @@ class MegatronLora:
                 b_list.append(nn.Parameter(b.to(dev, torch.float32).contiguous().clone()))
             w.lora_A[aid], w.lora_B[aid] = a_list, b_list
             w.scale[aid] = spec.alpha / spec.rank
+        mine = slice(self._expert_range.start, self._expert_range.stop)
+        for x in self._experts:
+            if x.path.rsplit(".", 1)[-1] not in targets:
+                continue
+            for ab, store in (("A", x.lora_A), ("B", x.lora_B)):
+                full = state[f"{PEFT_PREFIX}{x.path}.lora_{ab}.weight"]
+                store[aid] = nn.Parameter(
+                    full[mine].to(self._device, torch.float32).contiguous().clone()
+                )
+            x.scale[aid] = spec.alpha / spec.rank
         self._specs[aid] = spec
 
     def remove_adapter(self, aid: str) -> None:
         self._specs.pop(aid, None)
-        for w in self._wrappers:
+        holders: list[_LoraLinear | ExpertLora] = [*self._wrappers, *self._experts]
+        for w in holders:
             w.lora_A.pop(aid, None)
             w.lora_B.pop(aid, None)
             w.scale.pop(aid, None)
@@ -285,6 +326,12 @@ class MegatronLora:
             for s, a, b in zip(w.segments, w.lora_A[aid], w.lora_B[aid], strict=True):
                 out.append((a, ParamInfo(f"{PEFT_PREFIX}{s.path}.lora_A.weight", a_dim)))
                 out.append((b, ParamInfo(f"{PEFT_PREFIX}{s.path}.lora_B.weight", b_dim)))
+        for x in self._experts:
+            if aid in x.lora_A:
+                for ab, p in (("A", x.lora_A[aid]), ("B", x.lora_B[aid])):
+                    out.append(
+                        (p, ParamInfo(f"{PEFT_PREFIX}{x.path}.lora_{ab}.weight", None, True))
+                    )
         return out
 
     @contextmanager
@@ -294,12 +341,19 @@ class MegatronLora:
         for row, aid in enumerate(adapter_ids):
             if aid is not None:
                 groups.setdefault(aid, []).append(row)
-        previous = self._slot.groups
-        self._slot.groups = {a: torch.tensor(r, dtype=torch.long) for a, r in groups.items()}
+        slot = self._slot
+        previous = slot.groups, slot.rows, slot.names
+        slot.groups = {a: torch.tensor(r, dtype=torch.long) for a, r in groups.items()}
+        slot.rows, slot.names = list(adapter_ids), sorted(self._specs)
         try:
             yield
         finally:
-            self._slot.groups = previous
+            slot.groups, slot.rows, slot.names = previous
+
+
+def merge_experts(parts: list[list[tuple[Tensor, ParamInfo]]]) -> dict[str, Tensor]:
+    """Full 3-D expert tensors from every EP rank's experts (outer list in EP-rank order)."""
+    return {info.key: torch.cat([p[i][0] for p in parts]) for i, (_, info) in enumerate(parts[0])}
 
 
 def merge_shards(parts: list[list[tuple[Tensor, ParamInfo]]]) -> dict[str, Tensor]:

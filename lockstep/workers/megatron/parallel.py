@@ -37,6 +37,8 @@ def init_parallel(
         tensor_model_parallel_size=cfg.tp,
         pipeline_model_parallel_size=cfg.pp,
         context_parallel_size=cfg.cp,
+        expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=1,  # whole experts (model.py)
         create_gloo_process_groups=backend == "gloo",
     )
     torch.manual_seed(seed)

@@ -13,12 +13,16 @@ global rank 0 returns results (the rest return None).
   then the same batched AdamW as the local engine, on this rank's shards only.
 - `gather_adapter` / `set_adapter`: adapters (and Adam moments) travel unsharded in PEFT keys;
   ranks slice their shards on the way in and rank 0 merges them on the way out.
+- MoE (EP > 1): the experts' all-to-alls pair up the DP replicas of an EP group, so every
+  replica runs the same number of micro-batches (all-padding ones where it has fewer rows);
+  expert grads sum over the expert-data-parallel group, and their norm over the EP group.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,7 @@ from lockstep.training.losses import datum_targets, loss_from_logprobs
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
 from lockstep.workers.megatron.convert import load_stage
 from lockstep.workers.megatron.logprobs import vocab_parallel_logprobs
-from lockstep.workers.megatron.lora import MegatronLora, ParamInfo, merge_shards
+from lockstep.workers.megatron.lora import MegatronLora, ParamInfo, merge_experts, merge_shards
 from lockstep.workers.megatron.model import HFArch, build_stage
 from lockstep.workers.megatron.parallel import ParallelConfig, init_parallel, shutdown_parallel
 
@@ -85,10 +89,14 @@ class RankWorker:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.edp_rank = ps.get_expert_data_parallel_rank()
         self.first = ps.is_pipeline_first_stage()
         self.last = ps.is_pipeline_last_stage()
         self.arch = arch = HFArch.from_dir(Path(model_dir))
-        parallel.check_model(arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate)
+        parallel.check_model(
+            arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate, arch.experts
+        )
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -96,7 +104,9 @@ class RankWorker:
         )
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
-        model = build_stage(arch, parallel.tp, parallel.pp, parallel.cp, parallel.sequence_parallel)
+        model = build_stage(
+            arch, parallel.tp, parallel.pp, parallel.cp, parallel.sequence_parallel, parallel.ep
+        )
         load_stage(
             model,
             _load_hf_weights(Path(model_dir)),
@@ -105,9 +115,13 @@ class RankWorker:
             self.tp_rank,
             parallel.pp,
             self.pp_rank,
+            parallel.ep,
+            self.ep_rank,
         )
         self.model = model.to(self.device)
-        self.lora = MegatronLora(self.model, arch, parallel.tp, self.tp_rank)
+        self.lora = MegatronLora(
+            self.model, arch, parallel.tp, self.tp_rank, parallel.ep, self.ep_rank
+        )
         self.chunk = chunk_tokens(arch.vocab // parallel.tp)
         self.adam: dict[str, AdamState] = {}
         # Added (as exact zeros) to a stage output that no adapter touched, so the schedule's
@@ -147,7 +161,9 @@ class RankWorker:
         self.adam[aid] = adam
 
     def _shard(self, full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
-        if info.cat_dim is not None:
+        if info.experts:
+            full = torch.chunk(full, self.parallel.ep)[self.ep_rank]
+        elif info.cat_dim is not None:
             full = torch.chunk(full, self.parallel.tp, dim=info.cat_dim)[self.tp_rank]
         return full.to(self.device, torch.float32).contiguous().clone()
 
@@ -156,35 +172,50 @@ class RankWorker:
         self.adam.pop(aid, None)
 
     def gather_adapter(self, aid: str, include_optimizer: bool) -> Any:
-        """Rank 0: (full PEFT state, full moments or None, Adam step); others: None."""
+        """Rank 0: (full PEFT state, full moments or None, Adam step); others: None. Dense
+        tensors come from DP replica 0 (one rank per TP shard), experts from expert-DP replica 0
+        (one rank per EP shard)."""
+        adam = self.adam[aid]
+        owned = [
+            (n, p, info)
+            for n, (p, info) in enumerate(self.lora.params(aid))
+            if (self.edp_rank if info.experts else self.dp_rank) == 0
+        ]
         mine = None
-        if self.dp_rank == 0:
-            adam = self.adam[aid]
-            params = [(p.detach().cpu(), info) for p, info in self.lora.params(aid)]
-            moments = None
+        if owned:
+            kinds: list[tuple[str, list[torch.Tensor] | None]] = [("", None)]
             if include_optimizer and adam.exp_avg:
-                moments = [
-                    [
-                        (m.detach().cpu(), dataclasses.replace(info, key=f"{info.key}.{kind}"))
-                        for m, (_, info) in zip(ms, params, strict=True)
-                    ]
-                    for kind, ms in (("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq))
+                kinds += [(".exp_avg", adam.exp_avg), (".exp_avg_sq", adam.exp_avg_sq)]
+            tensors = [
+                [
+                    (
+                        (p if ms is None else ms[n]).detach().cpu(),
+                        dataclasses.replace(info, key=info.key + suffix),
+                    )
+                    for n, p, info in owned
                 ]
-            mine = (self.pp_rank, self.tp_rank, params, moments, adam.step)
+                for suffix, ms in kinds
+            ]
+            mine = (self.pp_rank, self.tp_rank, self.ep_rank, tensors, adam.step)
         parts = self._gather(mine)
         if parts is None:
             return None
-        parts = sorted((p for p in parts if p is not None), key=lambda p: (p[0], p[1]))
-        state: dict[str, torch.Tensor] = {}
-        full_moments: dict[str, torch.Tensor] = {}
+        parts = [p for p in parts if p is not None]
+        merged: list[dict[str, torch.Tensor]] = [{}, {}, {}]  # state, exp_avg, exp_avg_sq
         for stage in range(self.parallel.pp):
-            shards = [p for p in parts if p[0] == stage]
-            state |= merge_shards([p[2] for p in shards])
-            if shards[0][3] is not None:
-                for k in range(2):
-                    full_moments |= merge_shards([p[3][k] for p in shards])
+            here = [p for p in parts if p[0] == stage]
+            # Dense tensors: one shard per TP rank; experts: one per EP rank; in rank order.
+            for experts, rank_of, merge in ((False, 1, merge_shards), (True, 2, merge_experts)):
+                shards = [
+                    [[t for t in kind if t[1].experts == experts] for kind in p[3]]
+                    for p in sorted(here, key=operator.itemgetter(rank_of))
+                ]
+                shards = [s for s in shards if s[0]]
+                for k in range(len(shards[0]) if shards else 0):
+                    merged[k] |= merge([s[k] for s in shards])
         step = max(p[4] for p in parts)
-        return state, (full_moments if include_optimizer else None), step
+        moments = merged[1] | merged[2] if include_optimizer else None
+        return merged[0], moments, step
 
     def _gather(self, obj: Any) -> list[Any] | None:
         world = self.parallel.world_size
@@ -244,15 +275,20 @@ class RankWorker:
         # engine); with PP > 1 the schedule then sends each micro-batch's shape along.
         rows.sort(key=lambda r: -r.length)
         dp, k = self.parallel.dp, self.dp_rank
+        share = [len(rows[i * len(rows) // dp : (i + 1) * len(rows) // dp]) for i in range(dp)]
         mine = rows[k * len(rows) // dp : (k + 1) * len(rows) // dp]  # this replica's rows
-        if not mine:
+        count = -(-len(mine) // self.micro_batch)
+        if self.parallel.ep > 1:  # the experts' all-to-alls pair up every replica's passes
+            count = max(-(-n // self.micro_batch) for n in share)
+        if not count:
             return
-        mbs = min(self.micro_batch, len(mine))
+        mbs = max(1, min(self.micro_batch, len(mine)))
         batches = []
-        for start in range(0, len(mine), mbs):
+        for start in range(0, count * mbs, mbs):
             chunk: list[_Row | None] = list(mine[start : start + mbs])
             chunk += [None] * (mbs - len(chunk))  # p2p needs equal micro-batch sizes
-            seq = -(-max(r.length for r in chunk if r is not None) // PAD_MULTIPLE) * PAD_MULTIPLE
+            longest = max((r.length for r in chunk if r is not None), default=1)
+            seq = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
             tokens = torch.zeros(mbs, seq, dtype=torch.long)
             for b, row in enumerate(chunk):
                 if row is not None:
@@ -306,7 +342,9 @@ class RankWorker:
             total = loss.sum()
             sums.append(total)
             outs[(row.request, row.index)] = (_np(logp), _np(loss), float(total.detach()))
-        loss_sum = torch.stack(sums).sum()
+        # An all-padding micro-batch (EP > 1) still backpropagates, as zeros, through the
+        # experts' all-to-alls its peers wait on.
+        loss_sum = torch.stack(sums).sum() if sums else logits.sum() * 0.0
         tokens = torch.tensor(sum(r.length for r in mb.rows if r is not None), dtype=torch.int)
         return loss_sum, tokens, {}
 
@@ -323,31 +361,32 @@ class RankWorker:
         has = torch.tensor([float(any(p.grad is not None for p, _ in params[t])) for t in tenants])
         dist.all_reduce(has, op=dist.ReduceOp.MAX)
         live = [t for t, h in zip(tenants, has.tolist(), strict=True) if h > 0]
-        grads = []
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
         for t in live:
-            for p, _ in params[t]:
+            for p, info in params[t]:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        if self.parallel.dp > 1 and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=ps.get_data_parallel_group())
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        # Global norm per tenant: TP shards add up, TP-replicated tensors count once.
+                (experts if info.experts else dense).append(p.grad)
+        # Dense grads sum over the DP replicas, expert grads over the ranks holding the same
+        # experts (the tokens they saw came from disjoint rows or TP shares).
+        _all_reduce(dense, ps.get_data_parallel_group(), self.parallel.dp)
+        edp = ps.get_expert_data_parallel_world_size()
+        _all_reduce(experts, ps.get_expert_data_parallel_group(), edp)
+        # Global norm per tenant: TP shards add up, TP-replicated tensors count once; experts
+        # add up over the EP group (whole over TP: counted on TP rank 0).
         sq = torch.zeros(len(tenants), dtype=torch.float64)
+        sq_experts = torch.zeros(len(tenants), dtype=torch.float64)
         for n, t in enumerate(tenants):
-            if t in live:
-                sq[n] = sum(
-                    (
-                        float((_grad(p).double() ** 2).sum())
-                        for p, info in params[t]
-                        if info.cat_dim is not None or self.tp_rank == 0
-                    ),
-                    0.0,
-                )
+            for p, info in params[t] if t in live else []:
+                if info.experts:
+                    sq_experts[n] += float((_grad(p).double() ** 2).sum())
+                elif info.cat_dim is not None or self.tp_rank == 0:
+                    sq[n] += float((_grad(p).double() ** 2).sum())
+        if self.parallel.ep > 1:
+            dist.all_reduce(sq_experts, group=ps.get_expert_model_parallel_group())
+        if self.tp_rank == 0:
+            sq += sq_experts
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         norms = sq.sqrt().tolist()
         groups, group_norms = [], []
@@ -372,6 +411,18 @@ class RankWorker:
             }
             for n, req in enumerate(requests)
         }
+
+
+def _all_reduce(grads: list[torch.Tensor], group: Any, size: int) -> None:
+    """Sum `grads` over `group` (of `size` ranks) in one flat all-reduce."""
+    if size <= 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _identity(logits: torch.Tensor) -> torch.Tensor:
