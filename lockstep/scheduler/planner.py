@@ -247,8 +247,18 @@ class _DeficitRoundRobin:
             used = self.admit(m, min(self.allowance[m], self.room))
             self.allowance[m] -= used
             self.room -= used
+        for m in self.active:  # an op bigger than the budget runs once its model saved for it
+            op = self.oversized(m)
+            if op is not None and self.allowance[m] >= op.tokens and self.keyspend.room(m, 0):
+                self.taken[m] += 1
+                self.keyspend.spend(m, op.tokens)
+                self.allowance[m] -= op.tokens
+                self.room = max(self.room - op.tokens, 0)
         for m in self.active:  # round two: leftover room, same order
             self.room -= self.admit(m, self.room)
+        saving = [m for m in self.active if self.oversized(m) is not None]
+        for m in saving:  # room nobody could use pays towards the oversized ops (no starving)
+            self.allowance[m] += self.room // len(saving)
         if self.active and not any(self.taken[m] for m in self.active):
             first = self.active[0]  # nothing fits: the most-owed runs alone
             self.taken[first] = len(self.units[first][0])
@@ -277,6 +287,16 @@ class _DeficitRoundRobin:
                     return spent
                 spent += o.tokens
         return spent
+
+    def oversized(self, m: str) -> QueuedOp | None:
+        """m's next pass op if it is bigger than the whole budget and m took nothing yet in
+        this cycle (it waits until m's allowance pays for it, then runs in an overlong cycle)."""
+        if self.taken[m]:
+            return None
+        passes = [op for unit in self.units[m] for op in unit]
+        if not passes or passes[0].tokens <= self.budget:
+            return None
+        return passes[0]
 
     def _take(self, m: str, tokens: int, ops: int, spent: int, limit: int) -> bool:
         if spent + tokens > limit or not self.keyspend.room(m, tokens):
