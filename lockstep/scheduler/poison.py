@@ -1,9 +1,10 @@
 """Find the request that kills an engine, with a bounded number of restarts.
 
 The dispatcher keeps one hunt for the training engine (fused passes), the sampling lane one for
-the sampling engine (sample batches). A fused pass that kills the engine (signal, OOM kill) leaves nothing recorded: the cycle runs
-again on a fresh engine. A request that kills it deterministically would do so forever, and
-every tenant would wait behind it. So the dispatcher keeps score here:
+the sampling engine (sample batches). A fused pass that kills the engine (signal, OOM kill)
+leaves nothing recorded: the cycle runs again on a fresh engine. A request that kills it
+deterministically would do so forever, and every tenant would wait behind it. So the dispatcher
+(and the lane) keep score here:
 
 - first death: the same work runs again (most deaths are not the requests' fault);
 - second death of a call holding some of the same requests: those are the suspects; from then on
