@@ -176,6 +176,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     extra = ["--clock-policy", args.policy]
     if args.token_budget is not None:
         extra += ["--token-budget", str(args.token_budget)]
+    if args.cycle_target is not None:
+        extra += ["--cycle-target", str(args.cycle_target)]
     print(f"starting lockstep serve {' '.join(extra)} ...", flush=True)
     server = start_server(root / "serve", *extra)
     services: list[Any] = []
@@ -256,6 +258,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--policy", default="triggered", choices=("triggered", "periodic"))
     p.add_argument("--token-budget", type=int, default=None, help="default: the server's")
+    p.add_argument(
+        "--cycle-target", type=float, default=None, help="default: the server's; 0 = off"
+    )
     p.add_argument("--steps", type=int, default=60, help="steps per light tenant per phase")
     p.add_argument("--warmup", type=int, default=5, help="first steps per tenant not counted")
     p.add_argument("--heavy-batch", type=int, default=64)
