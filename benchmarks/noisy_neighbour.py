@@ -4,8 +4,9 @@ Through the real `tinker` SDK against a real `lockstep serve` (default tiny mode
 
   light  three tenants (one API key each), 1 datum x 64 tokens, pipelined
          forward_backward + optim_step (step k+1 is submitted before step k is awaited)
-  heavy  one tenant submitting as fast as it can: `--heavy-batch` data x `--heavy-tokens`
-         tokens per forward_backward, `--heavy-depth` steps in flight
+  heavy  one tenant submitting as fast as it can: steps of `--heavy-calls` forward_backward
+         calls of `--heavy-batch` data x `--heavy-tokens` tokens (gradient accumulation, 8192
+         tokens per step by default) then an optim_step, `--heavy-depth` steps in flight
 
 Phase "alone": the light tenants by themselves. Phase "beside": the same, with the heavy tenant
 running. Per light step: wall time from submission to both results, and the clock cycles it
@@ -40,6 +41,8 @@ from common import (
     write_json,
 )
 
+from lockstep.ports import free_port
+
 NAME = "noisy_neighbour"
 LIGHT_TENANTS = 3
 LIGHT_TOKENS = 64
@@ -68,9 +71,9 @@ def make_datum(n: int, vocab: int, offset: int = 0) -> Any:
     )
 
 
-def cycles_started(base_url: str) -> int:
-    """The server's clock-cycle counter (lockstep_cycles_total on /metrics)."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as resp:
+def cycles_started(metrics_url: str) -> int:
+    """The scheduler's clock-cycle counter (lockstep_cycles_total on its --metrics-port)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
     total = 0.0
     for line in text.splitlines():
@@ -80,7 +83,7 @@ def cycles_started(base_url: str) -> int:
 
 
 async def light_tenant(
-    idx: int, tc: Any, datum: Any, steps: int, base_url: str, lr: float
+    idx: int, tc: Any, datum: Any, steps: int, metrics_url: str, lr: float
 ) -> list[LightStep]:
     """Pipelined: at most two steps in flight; each step's completion is timed on its own."""
     from tinker import types
@@ -95,7 +98,7 @@ async def light_tenant(
 
     inflight: list[asyncio.Task[None]] = []
     for k in range(steps):
-        before = await asyncio.to_thread(cycles_started, base_url)
+        before = await asyncio.to_thread(cycles_started, metrics_url)
         t0 = time.perf_counter()
         fb = tc.forward_backward([datum], "cross_entropy")
         opt = tc.optim_step(types.AdamParams(learning_rate=lr))
@@ -107,30 +110,36 @@ async def light_tenant(
 
 
 async def heavy_tenant(
-    tc: Any, batch: list[Any], depth: int, stop: asyncio.Event, lr: float
+    tc: Any, batch: list[Any], calls: int, depth: int, stop: asyncio.Event, lr: float
 ) -> dict[str, Any]:
+    """Steps of `calls` forward_backward calls of `batch` then one optim_step (gradient
+    accumulation), `depth` steps in flight, until `stop`."""
     from tinker import types
 
-    tokens_per_step = sum(d.model_input.length for d in batch)
+    call_tokens = sum(d.model_input.length for d in batch)
     done = 0
+    per_cycle: dict[int, int] = {}  # clock cycle -> heavy pass tokens it ran
     t0 = time.perf_counter()
-    inflight: list[Any] = []
+    inflight: list[tuple[list[Any], Any]] = []
     while not stop.is_set() or inflight:
         if not stop.is_set() and len(inflight) < depth:
-            fb = tc.forward_backward(batch, "cross_entropy")
-            opt = tc.optim_step(types.AdamParams(learning_rate=lr))
-            inflight.append((fb, opt))
+            fbs = [tc.forward_backward(batch, "cross_entropy") for _ in range(calls)]
+            inflight.append((fbs, tc.optim_step(types.AdamParams(learning_rate=lr))))
             continue
-        fb, opt = inflight.pop(0)
-        await fb.result_async(TIMEOUT_S)
+        fbs, opt = inflight.pop(0)
+        for fb in fbs:
+            cycle = int((await fb.result_async(TIMEOUT_S)).metrics["clock_cycle:unique"])
+            per_cycle[cycle] = per_cycle.get(cycle, 0) + call_tokens
         await opt.result_async(TIMEOUT_S)
         done += 1
     elapsed = time.perf_counter() - t0
     return {
         "steps": done,
-        "tokens_per_step": tokens_per_step,
+        "tokens_per_step": calls * call_tokens,
         "elapsed_s": elapsed,
-        "tokens_per_s": done * tokens_per_step / elapsed,
+        "tokens_per_s": done * calls * call_tokens / elapsed,
+        "max_tokens_per_cycle": max(per_cycle.values(), default=0),
+        "cycles_per_step": len(per_cycle) / max(done, 1),
     }
 
 
@@ -148,17 +157,19 @@ def summarize(steps: list[LightStep]) -> dict[str, Any]:
 
 
 async def phase(
-    server: Any, lights: list[Any], datum: Any, args: argparse.Namespace, heavy: Any | None
+    metrics_url: str, lights: list[Any], datum: Any, args: argparse.Namespace, heavy: Any | None
 ) -> dict[str, Any]:
     stop = asyncio.Event()
     heavy_task = None
     if heavy is not None:
         tc, batch = heavy
-        heavy_task = asyncio.create_task(heavy_tenant(tc, batch, args.heavy_depth, stop, args.lr))
+        heavy_task = asyncio.create_task(
+            heavy_tenant(tc, batch, args.heavy_calls, args.heavy_depth, stop, args.lr)
+        )
         await asyncio.sleep(args.heavy_lead_s)  # the heavy tenant's queue fills first
     runs = await asyncio.gather(
         *(
-            light_tenant(i, tc, datum, args.steps, server.base_url, args.lr)
+            light_tenant(i, tc, datum, args.steps, metrics_url, args.lr)
             for i, tc in enumerate(lights)
         )
     )
@@ -173,7 +184,9 @@ async def phase(
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     import tinker
 
-    extra = ["--clock-policy", args.policy]
+    metrics_port = free_port()
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    extra = ["--clock-policy", args.policy, "--metrics-port", str(metrics_port)]
     if args.token_budget is not None:
         extra += ["--token-budget", str(args.token_budget)]
     if args.cycle_target is not None:
@@ -197,9 +210,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         batch = [make_datum(args.heavy_tokens, vocab, i) for i in range(args.heavy_batch)]
         for tc in [*lights, heavy_tc]:  # warm-up: first passes compile / allocate
             tc.forward_backward([datum], "cross_entropy").result(TIMEOUT_S)
-        alone = asyncio.run(phase(server, lights, datum, args, None))
+        alone = asyncio.run(phase(metrics_url, lights, datum, args, None))
         print(f"alone: {alone['light']}", flush=True)
-        beside = asyncio.run(phase(server, lights, datum, args, (heavy_tc, batch)))
+        beside = asyncio.run(phase(metrics_url, lights, datum, args, (heavy_tc, batch)))
         print(f"beside: {beside['light']} heavy: {beside['heavy']}", flush=True)
         heavy_alone = None
         if not args.no_heavy_alone:
@@ -223,7 +236,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 async def heavy_only(tc: Any, batch: list[Any], args: argparse.Namespace) -> dict[str, Any]:
     stop = asyncio.Event()
-    task = asyncio.create_task(heavy_tenant(tc, batch, args.heavy_depth, stop, args.lr))
+    task = asyncio.create_task(
+        heavy_tenant(tc, batch, args.heavy_calls, args.heavy_depth, stop, args.lr)
+    )
     await asyncio.sleep(args.heavy_alone_s)
     stop.set()
     return await task
@@ -263,9 +278,10 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=60, help="steps per light tenant per phase")
     p.add_argument("--warmup", type=int, default=5, help="first steps per tenant not counted")
-    p.add_argument("--heavy-batch", type=int, default=64)
-    p.add_argument("--heavy-tokens", type=int, default=512)
-    p.add_argument("--heavy-depth", type=int, default=8)
+    p.add_argument("--heavy-batch", type=int, default=8, help="datums per heavy call")
+    p.add_argument("--heavy-tokens", type=int, default=128, help="tokens per heavy datum")
+    p.add_argument("--heavy-calls", type=int, default=8, help="heavy calls per optim_step")
+    p.add_argument("--heavy-depth", type=int, default=4, help="heavy steps in flight")
     p.add_argument("--heavy-lead-s", type=float, default=2.0)
     p.add_argument("--heavy-alone-s", type=float, default=20.0)
     p.add_argument("--no-heavy-alone", action="store_true")
@@ -296,7 +312,8 @@ def main() -> None:
     print(
         f"p99 ratio {result['p99_ratio']:.2f} {check(result['p99_ratio'] <= TARGET_RATIO)} "
         f"(<= {TARGET_RATIO}); p50 ratio {result['p50_ratio']:.2f}; heavy beside "
-        f"{heavy['tokens_per_s']:,.0f} tokens/s"
+        f"{heavy['tokens_per_s']:,.0f} tokens/s, at most {heavy['max_tokens_per_cycle']} "
+        f"tokens in one cycle, {heavy['cycles_per_step']:.2f} cycles per step"
         + (
             f", alone {result['heavy_alone']['tokens_per_s']:,.0f} tokens/s"
             if result["heavy_alone"]

@@ -81,9 +81,10 @@ class ClockConfig:
         default=0.05,
         metadata=flag(
             "--cycle-target",
-            help="seconds of engine work one cycle aims at: it packs the pass tokens the engine "
-            "gets through in that time (at most --token-budget), so a heavy tenant's excess "
-            "waits for later cycles; 0 = always pack up to --token-budget",
+            help="seconds of pass work one cycle aims at, beyond its fixed costs: it packs the "
+            "tokens the engine gets through in that time at its measured per-token cost (at "
+            "most --token-budget), so a heavy tenant's excess waits for later cycles; 0 = always "
+            "pack up to --token-budget",
             on=SCHEDULER,
         ),
     )
