@@ -137,10 +137,11 @@ class Clock:
         plan = plan_cycle(
             ready,
             next_seq,
-            self.pace.budget(),
+            self.config.token_budget,
             self.deficits,
             owners=owners,
             key_cap=self.key_token_cap,
+            cycle_tokens=self.pace.budget(),
         )
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
         self._backlog = sum(map(len, queues.values())) > sum(len(w.ops()) for w in plan.models)

@@ -308,3 +308,30 @@ def test_an_op_bigger_than_the_budget_waits_until_its_model_saved_for_it() -> No
     heavy = next(w for w in plan.models if w.model_id == "heavy")
     assert heavy.tokens == 4000 and heavy.optim is not None
     assert "heavy" not in plan.deficits
+
+
+def test_a_run_of_calls_bigger_than_the_cycle_spreads_over_cycles() -> None:
+    """The clock's pace (cycle_tokens) is below the heavy tenant's gradient-accumulation run,
+    the memory bound (token_budget) is not: the run goes call by call, beside the light ones."""
+    owed: dict[str, int] = {}
+    heavy = [op("heavy", s, "forward_backward", 300) for s in range(1, 9)]
+    ran: list[int] = []
+    for _ in range(10):
+        queues = light_and_heavy(heavy_tokens=0)
+        queues["heavy"] = heavy
+        nxt = dict.fromkeys(queues, 1)
+        nxt["heavy"] = 1 + sum(ran)
+        plan = plan_cycle(queues, nxt, 65536, owed, cycle_tokens=1000)
+        assert {f"light{i}" for i in range(3)} <= {w.model_id for w in plan.models}
+        assert plan.tokens <= 1000
+        owed = plan.deficits
+        ran.append(sum(len(w.passes) for w in plan.models if w.model_id == "heavy"))
+        if sum(ran) == len(heavy):
+            return
+    raise AssertionError(f"the heavy run did not finish: {ran}")
+
+
+def test_alone_a_call_bigger_than_the_cycle_runs_at_once() -> None:
+    queues = {"m": [op("m", s, "forward_backward", 1500) for s in (1, 2)]}
+    plan = plan_cycle(queues, {"m": 1}, 65536, cycle_tokens=1000)
+    assert plan.tokens == 3000
