@@ -58,7 +58,7 @@ class Clock:
         # Pass tokens per cycle: what the engine does in --cycle-target seconds (pace.py).
         self.pace = CyclePace(config.token_budget, config.cycle_target_s)
         self._stopping = False
-        self._backlog = False  # the last cycle left ready work queued: start the next at once
+        self._backlog = False  # passes had to wait for room: the next cycle starts at once
         self.accounting: Accounting | None = None  # tenancy: set by the scheduler server
 
     def queue_state(self, model_id: str) -> tuple[QueueState, str]:
@@ -144,7 +144,7 @@ class Clock:
             cycle_tokens=self.pace.budget(),
         )
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
-        self._backlog = sum(map(len, queues.values())) > sum(len(w.ops()) for w in plan.models)
+        self._backlog = bool(plan.deficits)
         # Models of ended sessions leave the engine once their queues drain (durable state stays).
         await self.dispatcher.resident.free_ended(w.model_id for w in plan.models)
         return plan, queues
