@@ -25,7 +25,7 @@ from lockstep.scheduler.records import QueuedOp
 from lockstep.scheduler.sampling_lane import SamplingLane
 from lockstep.scheduler.span import ClockMeter
 from lockstep.scheduler.store import Store
-from lockstep.vocab import ClockPolicy, QueueState
+from lockstep.vocab import PASS_KINDS, ClockPolicy, QueueState
 
 log = logging.getLogger(__name__)
 # An idle clock records the background snapshots that finished meanwhile this often, so a
@@ -141,7 +141,9 @@ class Clock:
             self.deficits,
             owners=owners,
             key_cap=self.key_token_cap,
-            cycle_tokens=self.pace.budget(),
+            cycle_tokens=self.pace.budget(
+                m for m, ops in queues.items() if any(op.kind in PASS_KINDS for op in ops)
+            ),
         )
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
         self._backlog = bool(plan.deficits)

@@ -200,8 +200,7 @@ def plan_cycle(
     cycle_tokens: int | None = None,
 ) -> CyclePlan:
     """Pack every model's ready work into one cycle of `cycle_tokens` pass tokens (the clock's
-    pace, default `token_budget`, the memory bound of one fused pass). A model alone in the cycle
-    may fill `token_budget`: the pace only matters when tenants share a cycle.
+    pace while tenants share it; default `token_budget`, the memory bound of one fused pass).
 
     Fairness is deficit round robin over pass tokens: each model with passes waiting earns
     `budget / n` tokens per cycle on top of what it was owed (`deficits`) and is admitted whole
@@ -224,7 +223,7 @@ def plan_cycle(
     works = {m: w for m, w in works.items() if w.ops()}
     budget = token_budget if cycle_tokens is None else min(cycle_tokens, token_budget)
     packer = _DeficitRoundRobin(
-        works, budget, token_budget, dict(deficits or {}), _KeySpend(owners or {}, key_cap)
+        works, budget, dict(deficits or {}), _KeySpend(owners or {}, key_cap)
     )
     packer.pack()
     return packer.plan()
@@ -234,12 +233,7 @@ class _DeficitRoundRobin:
     """One cycle of deficit round robin over pass tokens (see `plan_cycle`)."""
 
     def __init__(
-        self,
-        works: dict[str, ModelWork],
-        budget: int,
-        cap: int,
-        owed: dict[str, int],
-        keyspend: _KeySpend,
+        self, works: dict[str, ModelWork], budget: int, owed: dict[str, int], keyspend: _KeySpend
     ) -> None:
         self.works = works
         self.keyspend = keyspend
@@ -248,8 +242,7 @@ class _DeficitRoundRobin:
         self.active = sorted(
             (m for m in works if self.units[m]), key=lambda m: (-owed.get(m, 0), m)
         )
-        # This cycle's pass tokens: the pace while tenants share it; alone, one fused pass.
-        self.budget = budget if len(self.active) > 1 else cap
+        self.budget = budget  # this cycle's pass tokens
         quantum = self.budget // max(len(self.active), 1)
         self.allowance = {m: owed.get(m, 0) + quantum for m in self.active}
         self.taken: dict[str, int] = {m: 0 for m in works}  # pass ops admitted per model

@@ -329,9 +329,3 @@ def test_a_run_of_calls_bigger_than_the_cycle_spreads_over_cycles() -> None:
         if sum(ran) == len(heavy):
             return
     raise AssertionError(f"the heavy run did not finish: {ran}")
-
-
-def test_alone_a_call_bigger_than_the_cycle_runs_at_once() -> None:
-    queues = {"m": [op("m", s, "forward_backward", 1500) for s in (1, 2)]}
-    plan = plan_cycle(queues, {"m": 1}, 65536, cycle_tokens=1000)
-    assert plan.tokens == 3000
