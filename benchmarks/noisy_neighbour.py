@@ -54,6 +54,7 @@ TIMEOUT_S = 300.0
 class LightStep:
     tenant: int
     step: int
+    cycle: int  # clock cycle that ran its forward_backward
     latency_s: float
     cycles_waited: int  # cycle that ran it minus the last cycle started before submission
 
@@ -94,7 +95,7 @@ async def light_tenant(
         result = await fb.result_async(TIMEOUT_S)
         await opt.result_async(TIMEOUT_S)
         cycle = int(result.metrics["clock_cycle:unique"])
-        out.append(LightStep(idx, k, time.perf_counter() - t0, cycle - before))
+        out.append(LightStep(idx, k, cycle, time.perf_counter() - t0, cycle - before))
 
     inflight: list[asyncio.Task[None]] = []
     for k in range(steps):
@@ -140,6 +141,7 @@ async def heavy_tenant(
         "tokens_per_s": done * calls * call_tokens / elapsed,
         "max_tokens_per_cycle": max(per_cycle.values(), default=0),
         "cycles_per_step": len(per_cycle) / max(done, 1),
+        "tokens_per_cycle": per_cycle,
     }
 
 
@@ -177,7 +179,11 @@ async def phase(
     steps = [s for run in runs for s in run if s.step >= args.warmup]
     out: dict[str, Any] = {"light": summarize(steps), "light_steps": [asdict(s) for s in steps]}
     if heavy_task is not None:
-        out["heavy"] = await heavy_task
+        done = out["heavy"] = await heavy_task
+        first, last = min(s.cycle for s in steps), max(s.cycle for s in steps)
+        shared = [n for c, n in done["tokens_per_cycle"].items() if first <= c <= last]
+        done["shared_max_tokens_per_cycle"] = max(shared, default=0)  # beside the light tenants
+        done["shared_mean_tokens_per_cycle"] = float(np.mean(shared)) if shared else 0.0
     return out
 
 
@@ -312,8 +318,9 @@ def main() -> None:
     print(
         f"p99 ratio {result['p99_ratio']:.2f} {check(result['p99_ratio'] <= TARGET_RATIO)} "
         f"(<= {TARGET_RATIO}); p50 ratio {result['p50_ratio']:.2f}; heavy beside "
-        f"{heavy['tokens_per_s']:,.0f} tokens/s, at most {heavy['max_tokens_per_cycle']} "
-        f"tokens in one cycle, {heavy['cycles_per_step']:.2f} cycles per step"
+        f"{heavy['tokens_per_s']:,.0f} tokens/s, {heavy['cycles_per_step']:.2f} cycles per step, "
+        f"in cycles with light steps at most {heavy['shared_max_tokens_per_cycle']} tokens "
+        f"(mean {heavy['shared_mean_tokens_per_cycle']:.0f})"
         + (
             f", alone {result['heavy_alone']['tokens_per_s']:,.0f} tokens/s"
             if result["heavy_alone"]
