@@ -1,17 +1,38 @@
-"""Shared fixtures: a real Redis-compatible server process (the binary `lockstep serve` uses)."""
+"""Shared fixtures: a real Redis-compatible server process (the binary `lockstep serve` uses),
+and the closing of every SDK session a test or fixture opened (`tests.sdk_sessions`)."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from lockstep.supervisor import redis_binary
+from tests import sdk_sessions
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any]) -> Generator[None, None, None]:
+    """SDK sessions a fixture opens close when it is torn down, before its own teardown code
+    (which may stop their server)."""
+    with sdk_sessions.collect() as opened:
+        yield
+    if opened:
+        fixturedef.addfinalizer(lambda: sdk_sessions.close(opened))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """SDK sessions a test opens close when it ends, while its servers still run."""
+    with sdk_sessions.collect() as opened:
+        yield
+    sdk_sessions.close(opened)
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,24 @@ class ClockConfig:
     )
     token_budget: int = field(
         default=65536,
-        metadata=flag("--token-budget", help="pass tokens packed into one cycle", on=SCHEDULER),
+        metadata=flag(
+            "--token-budget",
+            help="most pass tokens one fused pass may hold (a memory bound)",
+            on=SCHEDULER,
+        ),
+    )
+    # Light tenants wait for whole cycles, so a cycle's length bounds their latency beside a
+    # heavy tenant (scheduler.pace turns it into tokens from the measured engine rate).
+    cycle_target_s: float = field(
+        default=0.05,
+        metadata=flag(
+            "--cycle-target",
+            help="seconds of pass work one cycle aims at, beyond its fixed costs: it packs the "
+            "tokens the engine gets through in that time at its measured per-token cost (at "
+            "most --token-budget), so a heavy tenant's excess waits for later cycles; 0 = always "
+            "pack up to --token-budget",
+            on=SCHEDULER,
+        ),
     )
 
 

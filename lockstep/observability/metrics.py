@@ -157,7 +157,8 @@ CLOCK_BUSY_RATIO = Gauge(
 )
 CLOCK_TOKEN_BUDGET = Gauge(
     "lockstep_clock_token_budget",
-    "The configured pass-token budget of one cycle.",
+    "Pass tokens the clock packs into one cycle now: what the engine does in --cycle-target "
+    "seconds at its measured rate, at most --token-budget.",
     registry=SCHEDULER,
 )
 TENANTS_WAITING = Gauge(

@@ -19,12 +19,13 @@ from lockstep.scheduler.accounting import Accounting
 from lockstep.scheduler.dispatch import CycleAborted, Dispatcher
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.outcome import NO_OUTCOME, Outcome
+from lockstep.scheduler.pace import CyclePace
 from lockstep.scheduler.planner import CyclePlan, ModelWork, plan_cycle
 from lockstep.scheduler.records import QueuedOp
 from lockstep.scheduler.sampling_lane import SamplingLane
 from lockstep.scheduler.span import ClockMeter
 from lockstep.scheduler.store import Store
-from lockstep.vocab import ClockPolicy, QueueState
+from lockstep.vocab import PASS_KINDS, ClockPolicy, QueueState
 
 log = logging.getLogger(__name__)
 # An idle clock records the background snapshots that finished meanwhile this often, so a
@@ -54,7 +55,10 @@ class Clock:
         self.cycles_run = 0
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
         self.meter = ClockMeter(config.token_budget, store.model)
+        # Pass tokens per cycle: what the engine does in --cycle-target seconds (pace.py).
+        self.pace = CyclePace(config.token_budget, config.cycle_target_s)
         self._stopping = False
+        self._backlog = False  # passes had to wait for room: the next cycle starts at once
         self.accounting: Accounting | None = None  # tenancy: set by the scheduler server
 
     def queue_state(self, model_id: str) -> tuple[QueueState, str]:
@@ -101,7 +105,9 @@ class Clock:
             # The one place training runs: in colocated mode the sampler gives its memory
             # back for the duration (lane.training_phase; a no-op otherwise).
             async with self.lane.training_phase():
+                dispatch_started = time.monotonic()
                 outcomes = await self.dispatcher.run(plan, cycle)
+                self.pace.observe(plan.tokens, time.monotonic() - dispatch_started)
         except CycleAborted:
             self.meter.failed("engine")
             self.wake.set()  # nothing was recorded: the same work runs on the fresh engine
@@ -135,8 +141,12 @@ class Clock:
             self.deficits,
             owners=owners,
             key_cap=self.key_token_cap,
+            cycle_tokens=self.pace.budget(
+                m for m, ops in queues.items() if any(op.kind in PASS_KINDS for op in ops)
+            ),
         )
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
+        self._backlog = bool(plan.deficits)
         # Models of ended sessions leave the engine once their queues drain (durable state stays).
         await self.dispatcher.resident.free_ended(w.model_id for w in plan.models)
         return plan, queues
@@ -168,7 +178,8 @@ class Clock:
             except TimeoutError:  # idle: record the snapshots the engine finished meanwhile
                 await self._record_durable()
         self.wake.clear()
-        await asyncio.sleep(self.config.gather_s)  # let requests sent together land together
+        if not self._backlog:  # work already waiting needs no gathering
+            await asyncio.sleep(self.config.gather_s)  # let requests sent together land together
 
     async def _record_durable(self) -> None:
         try:

@@ -197,15 +197,20 @@ def plan_cycle(
     deficits: dict[str, int] | None = None,
     owners: dict[str, str] | None = None,
     key_cap: int = 0,
+    cycle_tokens: int | None = None,
 ) -> CyclePlan:
-    """Pack every model's ready work into one cycle under `token_budget` pass tokens.
+    """Pack every model's ready work into one cycle of `cycle_tokens` pass tokens (the clock's
+    pace while tenants share it; default `token_budget`, the memory bound of one fused pass).
 
     Fairness is deficit round robin over pass tokens: each model with passes waiting earns
     `budget / n` tokens per cycle on top of what it was owed (`deficits`) and is admitted whole
     units while it can pay for them, most-owed first. Leftover room then goes to whoever still
-    has work (work-conserving). A unit bigger than the whole budget is split across cycles, and
-    if nothing at all fits, the most-owed model's next unit runs alone: a huge batch is delayed,
-    never starved, and cannot starve others.
+    has work (work-conserving). A unit bigger than the cycle is admitted op by op, so a run of
+    calls (gradient accumulation) spreads over cycles while the others' requests go into each
+    one; an op bigger than the cycle waits until its model has saved enough (the room nobody
+    used is saved towards it too) and then runs in one longer cycle beside the others' usual
+    share. If nothing at all fits, the most-owed model's next piece runs alone: a huge batch is
+    delayed, never starved, and cannot starve others.
 
     `key_cap` (0 = off) caps the pass tokens of all models of one API key (`owners`: model ->
     key; a model missing there is a key of its own) in this cycle; the rest waits, owed as
@@ -216,8 +221,9 @@ def plan_cycle(
     """
     works = {m: take_model_work(m, ops, next_seq.get(m, 0)) for m, ops in queues.items() if ops}
     works = {m: w for m, w in works.items() if w.ops()}
+    budget = token_budget if cycle_tokens is None else min(cycle_tokens, token_budget)
     packer = _DeficitRoundRobin(
-        works, token_budget, dict(deficits or {}), _KeySpend(owners or {}, key_cap)
+        works, budget, dict(deficits or {}), _KeySpend(owners or {}, key_cap)
     )
     packer.pack()
     return packer.plan()
@@ -230,52 +236,62 @@ class _DeficitRoundRobin:
         self, works: dict[str, ModelWork], budget: int, owed: dict[str, int], keyspend: _KeySpend
     ) -> None:
         self.works = works
-        self.budget = budget
         self.keyspend = keyspend
         self.units = {m: pass_units(w.passes) for m, w in works.items()}
         # Models with passes waiting, most-owed first.
         self.active = sorted(
             (m for m in works if self.units[m]), key=lambda m: (-owed.get(m, 0), m)
         )
-        quantum = budget // max(len(self.active), 1)
+        self.budget = budget  # this cycle's pass tokens
+        quantum = self.budget // max(len(self.active), 1)
         self.allowance = {m: owed.get(m, 0) + quantum for m in self.active}
         self.taken: dict[str, int] = {m: 0 for m in works}  # pass ops admitted per model
-        self.room = budget
+        self.room = self.budget
 
     def pack(self) -> None:
         for m in self.active:  # round one: each model spends what it is owed
             used = self.admit(m, min(self.allowance[m], self.room))
             self.allowance[m] -= used
             self.room -= used
+        for m in self.active:  # a piece bigger than the cycle runs once its model saved for it
+            piece = self.piece(m)
+            size = sum(o.tokens for o in piece)
+            if size > self.budget and self.allowance[m] >= size and not self.taken[m]:
+                if self._take(m, size, len(piece), 0, size):
+                    self.allowance[m] -= size
         for m in self.active:  # round two: leftover room, same order
             self.room -= self.admit(m, self.room)
+        saving = [m for m in self.active if sum(o.tokens for o in self.piece(m)) > self.budget]
+        for m in saving:  # room nobody could use pays towards the big pieces (no starving)
+            self.allowance[m] += self.room // len(saving)
         if self.active and not any(self.taken[m] for m in self.active):
             first = self.active[0]  # nothing fits: the most-owed runs alone
-            self.taken[first] = len(self.units[first][0])
+            self.taken[first] = len(self.piece(first))
             self.allowance[first] = 0
 
-    def admit(self, m: str, limit: int) -> int:
-        """Admit m's next units while they cost at most `limit` and fit its key's cap; returns
-        tokens spent. A unit that can never fit (bigger than the whole budget or the key's
-        cap) is admitted op by op instead."""
-        spent = 0
+    def piece(self, m: str) -> list[QueuedOp]:
+        """m's next admission: the rest of its current unit if the unit fits the cycle and m's
+        key cap, else the unit's next op alone; [] when all of m's passes are taken."""
         done = self.taken[m]
         for unit in self.units[m]:
             if done >= len(unit):
                 done -= len(unit)
                 continue
-            rest, done = unit[done:], 0
             whole = sum(o.tokens for o in unit)
             if whole <= self.budget and self.keyspend.fits(whole):
-                size = sum(o.tokens for o in rest)
-                if not self._take(m, size, len(rest), spent, limit):
-                    break
-                spent += size
-                continue
-            for o in rest:  # an oversized call: split it across cycles
-                if not self._take(m, o.tokens, 1, spent, limit):
-                    return spent
-                spent += o.tokens
+                return unit[done:]
+            return [unit[done]]
+        return []
+
+    def admit(self, m: str, limit: int) -> int:
+        """Admit m's next pieces while they cost at most `limit` in all and fit its key's cap;
+        returns tokens spent."""
+        spent = 0
+        while piece := self.piece(m):
+            size = sum(o.tokens for o in piece)
+            if not self._take(m, size, len(piece), spent, limit):
+                break
+            spent += size
         return spent
 
     def _take(self, m: str, tokens: int, ops: int, spent: int, limit: int) -> bool:

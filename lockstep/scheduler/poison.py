@@ -1,8 +1,10 @@
-"""Find the request that kills the training engine, with a bounded number of restarts.
+"""Find the request that kills an engine, with a bounded number of restarts.
 
-A fused pass that kills the engine (signal, OOM kill) leaves nothing recorded: the cycle runs
-again on a fresh engine. A request that kills it deterministically would do so forever, and
-every tenant would wait behind it. So the dispatcher keeps score here:
+The dispatcher keeps one hunt for the training engine (fused passes), the sampling lane one for
+the sampling engine (sample batches). A fused pass that kills the engine (signal, OOM kill)
+leaves nothing recorded: the cycle runs again on a fresh engine. A request that kills it
+deterministically would do so forever, and every tenant would wait behind it. So the dispatcher
+(and the lane) keep score here:
 
 - first death: the same work runs again (most deaths are not the requests' fault);
 - second death of a call holding some of the same requests: those are the suspects; from then on
@@ -26,6 +28,9 @@ MAX_REFUSED = 1024
 
 @dataclass
 class PoisonHunt:
+    request: str = "forward_backward"  # what the refusal calls the request...
+    engine: str = "training engine"  # ...and the engine it killed
+    hint: str = "a smaller batch or shorter rows may fit"
     died_once: frozenset[str] = frozenset()
     suspects: frozenset[str] = frozenset()
     deaths: dict[str, int] = field(default_factory=dict)  # per request id, while suspected
@@ -68,8 +73,8 @@ class PoisonHunt:
         if len(narrowed) == 1:
             (culprit,) = narrowed
             self.refused[culprit] = (
-                f"this forward_backward crashed the training engine {self.deaths.pop(culprit)} "
-                f"times ({reason}); it is refused (a smaller batch or shorter rows may fit)"
+                f"this {self.request} crashed the {self.engine} {self.deaths.pop(culprit)} "
+                f"times ({reason}); it is refused ({self.hint})"
             )
             self.suspects = frozenset()
             while len(self.refused) > MAX_REFUSED:  # oldest first; long answered by then

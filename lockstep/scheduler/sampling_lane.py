@@ -28,6 +28,7 @@ from lockstep.observability import metrics
 from lockstep.scheduler import tracing, translate
 from lockstep.scheduler.accounting import Accounting
 from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.poison import PoisonHunt
 from lockstep.scheduler.records import InflightTarget, SamplerRecord
 from lockstep.scheduler.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
@@ -58,6 +59,10 @@ class SamplingLane:
         self._serving: dict[str, InflightTarget] = {}  # model -> newest loaded inflight version
         self._loading: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._retired: set[str] = set()  # superseded inflight adapters, unloaded before a batch
+        # Which sample kills the sampling engine, when one does every time (bounded restarts).
+        self.poison = PoisonHunt(
+            "sample", "sampling engine", "a shorter prompt or fewer tokens may fit"
+        )
 
     def stop(self) -> None:
         self._stopping = True
@@ -184,14 +189,16 @@ class SamplingLane:
         while not self._stopping:
             try:
                 served = await self.serve_once()
-            except EngineDied as exc:  # the batch stays queued and runs on a fresh sampler
+            except EngineDied as exc:
+                # The samples not yet answered stay queued and run on a fresh sampler, cut by
+                # `poison` once a batch died twice, so one that kills it every time is refused.
                 log.error("sampling engine died (%s); restarting it", exc)
                 metrics.scheduler_error("engine")
                 self._loaded.clear()
                 self._serving.clear()  # a fresh engine has no adapters: reload on demand
                 self._retired.clear()
                 await asyncio.to_thread(self.engine.restart)
-                served = 0
+                served = 1  # work is still queued: no waiting for a wake-up
             except Exception:
                 log.exception("sampling batch failed")
                 metrics.scheduler_error("sampling")
@@ -221,6 +228,11 @@ class SamplingLane:
             if job.status != JobStatus.PENDING:
                 await self.store.finish_sample(job, result=job.result, error=job.error)
                 continue
+            refused = self.poison.verdict(job.request_id)
+            if refused is not None:  # it killed the sampler on its own: never run again
+                await self._finish(job, error=refused)
+                metrics.sample_failed([job.owner])
+                continue
             try:
                 sample = pb.SubmitRequest.FromString(job.payload).sample
                 adapter_id = await self._adapter_for(sample.sampling_session_id)
@@ -234,23 +246,37 @@ class SamplingLane:
             request.cache_namespace = sample.sampling_session_id
             requests.append(request)
             topk.append(sample.topk_prompt_logprobs)
-        if requests:
-            started = time.time()  # [trace hook]
+        batch = list(zip(jobs, requests, topk, strict=True))
+        for call in self.poison.calls([r.request_id for r in requests], batch):
+            await self._sample(call)
+        return len(request_ids)
+
+    async def _sample(self, call: list[tuple[Job, SampleRequest, int]]) -> None:
+        """One engine call; its samples are answered before the next call runs, so a later call
+        that kills the engine leaves only its own samples (and those after it) queued."""
+        jobs = [job for job, _, _ in call]
+        requests = [request for _, request, _ in call]
+        ids = [r.request_id for r in requests]
+        started = time.time()  # [trace hook]
+        try:
             async with self._engine_lock:
                 with metrics.engine_call("sampler", "sample") as timer:
                     results = await asyncio.to_thread(self.engine.sample, requests)
-            metrics.sampled([job.owner for job in jobs], results, timer.seconds)
-            if self.accounting is not None:  # tenancy: usage per key
-                await self.accounting.on_sampled(jobs, requests, results)
-            for job, result, k in zip(jobs, results, topk, strict=True):
-                if result.error is not None:
-                    await self._finish(job, error=result.error)
-                else:
-                    response = translate.sample_response(result, k)
-                    await self._finish(job, result=pb.JobResult(sample=response))
-            jobs_done = [(j.request_id, j.model_id, j.seq_id) for j in jobs]  # [trace hook]
-            await tracing.sampled(jobs_done, started)  # [trace hook]
-        return len(request_ids)
+        except EngineDied as exc:
+            self.poison.died(ids, str(exc))
+            raise
+        self.poison.survived(ids)
+        metrics.sampled([job.owner for job in jobs], results, timer.seconds)
+        if self.accounting is not None:  # tenancy: usage per key
+            await self.accounting.on_sampled(jobs, requests, results)
+        for (job, _, k), result in zip(call, results, strict=True):
+            if result.error is not None:
+                await self._finish(job, error=result.error)
+            else:
+                response = translate.sample_response(result, k)
+                await self._finish(job, result=pb.JobResult(sample=response))
+        jobs_done = [(j.request_id, j.model_id, j.seq_id) for j in jobs]  # [trace hook]
+        await tracing.sampled(jobs_done, started)  # [trace hook]
 
     async def _adapter_for(self, sampler_id: str) -> str | None:
         sampler = await self.store.sampler(sampler_id)

@@ -186,6 +186,10 @@ class ArithmeticSamplingEngine(SamplingEngine):
     def __init__(self, directory: Path) -> None:
         self._card = card(directory)
         self.adapters: dict[str, np.ndarray] = {}
+        # Fault injection: any batch holding a prompt with this token kills the sampler.
+        self.poison_token: int | None = None
+        self.dead = False  # like a dead process: every sample fails until restart()
+        self.restarts = 0
 
     def card(self) -> ModelCard:
         return self._card
@@ -197,12 +201,26 @@ class ArithmeticSamplingEngine(SamplingEngine):
         self.adapters.pop(adapter_id, None)
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        if self.dead:
+            raise EngineDied("fake sampler killed by the test")
+        if self.poison_token is not None and any(self.poison_token in r.prompt for r in requests):
+            self.dead = True
+            raise EngineDied("fake sampler killed by a poison prompt (signal 9)")
         out = []
         for r in requests:
-            w = self.adapters.get(r.adapter_id or "")
+            if r.adapter_id is None:  # the base model: weights 0, so its answer is the prompt's sum
+                seq = SampledSequence([sum(r.prompt)], [0.0], "length")
+                out.append(SampleResult(r.request_id, [seq] * r.num_samples))
+                continue
+            w = self.adapters.get(r.adapter_id)
             if w is None:
                 out.append(SampleResult(r.request_id, [], error=f"{r.adapter_id} not loaded"))
                 continue
             seq = SampledSequence([weights_token(w)], [0.0], "length")
             out.append(SampleResult(r.request_id, [seq] * r.num_samples))
         return out
+
+    def restart(self) -> None:
+        self.adapters.clear()  # like a fresh process: adapters are loaded again on demand
+        self.dead = False
+        self.restarts += 1

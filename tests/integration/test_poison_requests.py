@@ -1,13 +1,16 @@
-"""A request that kills the training engine every time is found and refused with a bounded
-number of engine restarts, and every other tenant's work completes with the numbers of an
-undisturbed run. The real scheduler in-process on a real Redis; the FAKE arithmetic engine
-dies whenever a pass holds the poison token (fault injection)."""
+"""A request that kills the training engine (a fused pass) or the sampling engine (a sample
+batch) every time is found and refused with a bounded number of engine restarts, and every other
+request completes with the numbers of an undisturbed run. The real scheduler in-process on a real
+Redis; the FAKE arithmetic engines die whenever a pass or a prompt holds the poison token (fault
+injection)."""
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lockstep.scheduler.poison import PoisonHunt
@@ -85,3 +88,82 @@ def test_the_hunt_halves_the_suspects_and_forgets_a_one_off_death() -> None:
     one_off.survived(ids)
     one_off.died(ids, "signal 9")  # a first death again, not a second
     assert one_off.calls(ids, ids) == [ids]
+
+
+def _sample_reply(sched: Scheduler, rid: str, wait_s: float = 60.0) -> pb.FutureReply:
+    """The sample's answer; samples run on the sampling lane (its own task), not on ticks."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        reply = sched.stub.RetrieveFuture(pb.RetrieveFutureRequest(owner=OWNER, request_id=rid))
+        if reply.WhichOneof("state") != "try_again":
+            return reply
+        time.sleep(0.02)
+    raise AssertionError(f"sample {rid} still pending after {wait_s} s")
+
+
+@pytest.mark.parametrize("samples,poisoned", [(1, [0]), (5, [3]), (8, [0, 6])])
+def test_a_poison_sample_is_refused_and_the_others_answered(
+    started: list[Scheduler],  # noqa: F811
+    url: str,  # noqa: F811
+    tmp_path: Path,
+    samples: int,
+    poisoned: list[int],
+) -> None:
+    """The sampling lane hunts the sample that kills the sampling engine the same way: bounded
+    restarts, that sample refused (category user), every other sample answered correctly."""
+    sched = _start(started, url, tmp_path)
+    sched.sampler.poison_token = POISON
+    session = sched.stub.CreateSession(pb.CreateSessionRequest(owner=OWNER)).session_id
+    sampler = sched.stub.CreateSamplingSession(
+        pb.CreateSamplingSessionRequest(
+            owner=OWNER, session_id=session, sampling_session_seq_id=0, base_model="Fake/arithmetic"
+        )
+    ).sampler_id
+    prompts = [([POISON] if i in poisoned else []) + GOOD[i % len(GOOD)] for i in range(samples)]
+    params = pb.SamplingParams(max_tokens=1)
+    # Queued together (the lane is held) so they meet the engine in one batch.
+    sched.run(sched.lane._engine_lock.acquire())
+    rids = [
+        sched.stub.Submit(
+            pb.SubmitRequest(
+                owner=OWNER,
+                sample=pb.Sample(
+                    sampling_session_id=sampler,
+                    seq_id=i,
+                    prompt_tokens=p,
+                    num_samples=1,
+                    params=params,
+                ),
+            )
+        ).request_id
+        for i, p in enumerate(prompts)
+    ]
+    sched.loop.call_soon_threadsafe(sched.lane._engine_lock.release)
+    replies = [_sample_reply(sched, rid) for rid in rids]
+
+    bound = len(poisoned) * (2 + math.ceil(math.log2(samples)))
+    assert 2 <= sched.sampler.restarts <= bound
+    for i, reply in enumerate(replies):
+        if i in poisoned:
+            assert reply.WhichOneof("state") == "error", i
+            assert reply.error.category == "user"
+            assert "this sample crashed the sampling engine" in reply.error.message
+            assert "it is refused" in reply.error.message
+            continue
+        assert reply.WhichOneof("state") == "result", (i, reply)
+        tokens = np.frombuffer(reply.result.sample.sequences[0].tokens, "<i4")
+        assert tokens.tolist() == [sum(prompts[i])]  # the fake sampler's answer: the prompt's sum
+    # The sampler keeps serving afterwards.
+    again = sched.stub.Submit(
+        pb.SubmitRequest(
+            owner=OWNER,
+            sample=pb.Sample(
+                sampling_session_id=sampler,
+                seq_id=samples,
+                prompt_tokens=GOOD[0],
+                num_samples=1,
+                params=params,
+            ),
+        )
+    ).request_id
+    assert _sample_reply(sched, again).WhichOneof("state") == "result"

@@ -265,3 +265,67 @@ def test_a_models_ops_come_out_in_seq_order_with_rejections_between() -> None:
     ]
     (work,) = plan_cycle({"a": ops}, {"a": 1}, 1000).models
     assert [o.seq_id for o in work.ops()] == [1, 2, 3, 4, 5]
+
+
+def light_and_heavy(heavy_tokens: int, n_light: int = 3) -> dict[str, list[QueuedOp]]:
+    queues = {
+        f"light{i}": [op(f"light{i}", 1, "forward_backward", 64), op(f"light{i}", 2, "optim_step")]
+        for i in range(n_light)
+    }
+    queues["heavy"] = [
+        op("heavy", 1, "forward_backward", heavy_tokens),
+        op("heavy", 2, "optim_step"),
+    ]
+    return queues
+
+
+def test_a_heavy_tenant_beside_light_ones_fills_only_the_budget() -> None:
+    """Light tenants' steps go into every cycle; the heavy one's excess waits (noisy neighbour)."""
+    queues = light_and_heavy(heavy_tokens=0)
+    queues["heavy"] = [op("heavy", s, "forward_backward", 300) for s in range(1, 9)]
+    plan = plan_cycle(queues, dict.fromkeys(queues, 1), token_budget=1000)
+    assert {w.model_id for w in plan.models} >= {"light0", "light1", "light2"}
+    assert all(w.optim is not None for w in plan.models if w.model_id.startswith("light"))
+    assert plan.tokens <= 1000
+    assert "heavy" in plan.deficits
+
+
+def test_an_op_bigger_than_the_budget_waits_until_its_model_saved_for_it() -> None:
+    """Each cycle the light tenants run; the unused room pays towards the heavy op, which then
+    runs in one overlong cycle beside them: never starved, never blocking them."""
+    owed: dict[str, int] = {}
+    cycles = 0
+    while True:
+        cycles += 1
+        queues = light_and_heavy(heavy_tokens=4000)
+        plan = plan_cycle(queues, dict.fromkeys(queues, 1), 1000, owed)
+        assert {f"light{i}" for i in range(3)} <= {w.model_id for w in plan.models}
+        owed = plan.deficits
+        if any(w.model_id == "heavy" for w in plan.models):
+            break
+        assert cycles < 10
+    assert 2 <= cycles <= 6
+    heavy = next(w for w in plan.models if w.model_id == "heavy")
+    assert heavy.tokens == 4000 and heavy.optim is not None
+    assert "heavy" not in plan.deficits
+
+
+def test_a_run_of_calls_bigger_than_the_cycle_spreads_over_cycles() -> None:
+    """The clock's pace (cycle_tokens) is below the heavy tenant's gradient-accumulation run,
+    the memory bound (token_budget) is not: the run goes call by call, beside the light ones."""
+    owed: dict[str, int] = {}
+    heavy = [op("heavy", s, "forward_backward", 300) for s in range(1, 9)]
+    ran: list[int] = []
+    for _ in range(10):
+        queues = light_and_heavy(heavy_tokens=0)
+        queues["heavy"] = heavy
+        nxt = dict.fromkeys(queues, 1)
+        nxt["heavy"] = 1 + sum(ran)
+        plan = plan_cycle(queues, nxt, 65536, owed, cycle_tokens=1000)
+        assert {f"light{i}" for i in range(3)} <= {w.model_id for w in plan.models}
+        assert plan.tokens <= 1000
+        owed = plan.deficits
+        ran.append(sum(len(w.passes) for w in plan.models if w.model_id == "heavy"))
+        if sum(ran) == len(heavy):
+            return
+    raise AssertionError(f"the heavy run did not finish: {ran}")

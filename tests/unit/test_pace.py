@@ -1,0 +1,59 @@
+"""CyclePace: the cycle-time target in tokens, from the measured engine rate (pure)."""
+
+from __future__ import annotations
+
+from lockstep.scheduler.pace import MIN_CYCLE_TOKENS, SHARE_CYCLES, CyclePace
+
+SHARED = ("light", "heavy")  # models with passes queued: tenants share the clock
+
+
+def engine(tokens: int) -> float:
+    """A cycle's dispatch seconds: 30 ms fixed (optimizer steps, calls) + 50 us per token."""
+    return 0.03 + 50e-6 * tokens
+
+
+def test_before_cycles_of_different_sizes_the_budget_is_the_token_budget() -> None:
+    pace = CyclePace(65536, 0.05)
+    assert pace.budget(SHARED) == 65536
+    for _ in range(5):
+        pace.observe(4096, engine(4096))  # one size only: cost per token unknown
+    assert pace.budget(SHARED) == 65536
+
+
+def test_the_budget_is_the_tokens_the_target_buys_beyond_fixed_costs() -> None:
+    pace = CyclePace(65536, 0.05)
+    for i in range(40):
+        tokens = 192 if i % 2 else 8192  # light-only cycles and packed ones
+        pace.observe(tokens, engine(tokens))
+    assert abs(pace.budget(SHARED) - 1000) <= 2  # 50 ms / 50 us
+
+
+def test_the_budget_stays_within_its_bounds() -> None:
+    fast = CyclePace(4096, 0.05)
+    slow = CyclePace(65536, 0.05)
+    for tokens in (100, 10_000, 100, 10_000):
+        fast.observe(tokens, 1e-9 * tokens + 0.01)
+        slow.observe(tokens, 1e-3 * tokens)
+    assert fast.budget(SHARED) == 4096  # never above the memory bound
+    assert slow.budget(SHARED) == MIN_CYCLE_TOKENS  # a light step always fits
+
+
+def test_zero_target_packs_the_whole_budget() -> None:
+    pace = CyclePace(65536, 0.0)
+    for tokens in (100, 10_000):
+        pace.observe(tokens, engine(tokens))
+    assert pace.budget(SHARED) == 65536
+
+
+def test_a_model_alone_packs_the_whole_budget_and_recent_neighbours_count() -> None:
+    pace = CyclePace(65536, 0.05)
+    for i in range(40):
+        tokens = 192 if i % 2 else 8192
+        pace.observe(tokens, engine(tokens))
+    assert pace.budget(["heavy"]) == 65536  # alone
+    assert pace.budget(["heavy", "light"]) < 2000
+    # The light tenant is between two steps: the heavy one still shares the clock with it...
+    assert pace.budget(["heavy"]) < 2000
+    for _ in range(SHARE_CYCLES):  # ...until it has had no passes for a few cycles
+        budget = pace.budget(["heavy"])
+    assert budget == 65536
