@@ -199,8 +199,9 @@ def plan_cycle(
     key_cap: int = 0,
     cycle_tokens: int | None = None,
 ) -> CyclePlan:
-    """Pack every model's ready work into one cycle of `cycle_tokens` pass tokens (the clock's
-    pace while tenants share it; default `token_budget`, the memory bound of one fused pass).
+    """Pack every model's ready work into one cycle under `token_budget` pass tokens (the memory
+    bound of one fused pass). While tenants share the clock, `cycle_tokens` (its pace) caps each
+    model's share: no model packs more than the pace or the next-largest model's ready passes.
 
     Fairness is deficit round robin over pass tokens: each model with passes waiting earns
     `budget / n` tokens per cycle on top of what it was owed (`deficits`) and is admitted whole
@@ -221,7 +222,14 @@ def plan_cycle(
     """
     works = {m: take_model_work(m, ops, next_seq.get(m, 0)) for m, ops in queues.items() if ops}
     works = {m: w for m, w in works.items() if w.ops()}
-    budget = token_budget if cycle_tokens is None else min(cycle_tokens, token_budget)
+    budget = token_budget
+    if cycle_tokens is not None:
+        # No model's passes take more of the cycle than the pace or the next-largest model's
+        # ready passes: tenants of like size pack whole, a heavy one cannot make its light
+        # neighbours' cycles long.
+        sizes = sorted((w.tokens for w in works.values()), reverse=True)
+        cap = max(cycle_tokens, sizes[1] if len(sizes) > 1 else 0)
+        budget = min(token_budget, max(1, sum(min(size, cap) for size in sizes)))
     packer = _DeficitRoundRobin(
         works, budget, dict(deficits or {}), _KeySpend(owners or {}, key_cap)
     )

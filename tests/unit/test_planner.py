@@ -323,9 +323,18 @@ def test_a_run_of_calls_bigger_than_the_cycle_spreads_over_cycles() -> None:
         nxt["heavy"] = 1 + sum(ran)
         plan = plan_cycle(queues, nxt, 65536, owed, cycle_tokens=1000)
         assert {f"light{i}" for i in range(3)} <= {w.model_id for w in plan.models}
-        assert plan.tokens <= 1000
+        # The heavy model packs at most the pace; the light ones' steps go in beside it.
+        assert sum(w.tokens for w in plan.models if w.model_id == "heavy") <= 1000
         owed = plan.deficits
         ran.append(sum(len(w.passes) for w in plan.models if w.model_id == "heavy"))
         if sum(ran) == len(heavy):
             return
     raise AssertionError(f"the heavy run did not finish: {ran}")
+
+
+def test_tenants_of_like_size_pack_whole_under_the_pace() -> None:
+    """Eight tenants each sending 256 tokens share a cycle whose pace is 500 tokens: none is
+    bigger than its neighbours, so all go in ONE cycle (the pace bounds the heavy, not the many)."""
+    queues = {f"t{i}": [op(f"t{i}", 1, "forward_backward", 256)] for i in range(8)}
+    plan = plan_cycle(queues, dict.fromkeys(queues, 1), 65536, {}, cycle_tokens=500)
+    assert plan.tokens == 8 * 256 and not plan.deficits
