@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import tinker
+import zstandard
 from tinker import types
 
 from lockstep.devserver import Server, start_server, stop_server
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 COUNT = "lockstep_http_request_duration_seconds_count"
 WAIT_S = 60.0
 LONG = 400  # tokens: a sample that keeps the sampling lane busy for a while
+MAX_BODY = 8_000_000  # --max-body-bytes of the second server
 
 
 def _calls(server: Server, route: str, status: str = "200") -> float:
@@ -57,8 +59,7 @@ def test_samples_complete_through_the_session_poller(
     polls = _calls(server, "/api/v1/retrieve_futures")
     params = types.SamplingParams(max_tokens=4, temperature=1.0)
     futures = [
-        sampler.sample(prompt=_prompt(i), num_samples=2, sampling_params=params)
-        for i in range(6)
+        sampler.sample(prompt=_prompt(i), num_samples=2, sampling_params=params) for i in range(6)
     ]
     for future in futures:
         result = future.result(timeout=WAIT_S)
@@ -263,6 +264,8 @@ def knobs_off_compression_on(tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "on",
         "--sample-polling",
         "per-request",
+        "--max-body-bytes",
+        str(MAX_BODY),
     )
     yield srv
     assert stop_server(srv) == 0, srv.log()[-3000:]
@@ -293,3 +296,21 @@ def test_zstd_bodies_and_per_request_polling(
     assert len(result.sequences) == 1
     assert _calls(srv, "/api/v1/retrieve_futures") == 0  # one long-poll per sample instead
     assert _calls(srv, "/api/v1/retrieve_future") >= 1
+
+
+def test_a_zstd_bomb_is_refused_at_the_decompressed_limit(knobs_off_compression_on: Server) -> None:
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (MAX_BODY + 1))
+    assert len(bomb) < 10_000
+    answer = httpx.post(
+        knobs_off_compression_on.base_url + "/api/v1/forward_backward",
+        content=bomb,
+        headers={
+            "X-API-Key": API_KEY,
+            "Content-Type": "application/x-protobuf",
+            "Content-Encoding": "zstd",
+        },
+        timeout=WAIT_S,
+    )
+    assert answer.status_code == 413, answer.text
+    assert str(MAX_BODY) in answer.json()["detail"]
+    assert "decompressed" in answer.json()["detail"]
