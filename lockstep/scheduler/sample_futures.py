@@ -24,9 +24,13 @@ from lockstep.vocab import ErrorCategory, JobStatus
 CLONE_SPAN = 1_000_000_000
 # Completions handed out per poll (the rest come on the next one, at once).
 MAX_PER_POLL = 1000
+# Completions one log keeps unacknowledged. A client that waits per request (older SDKs,
+# --sample-polling per-request) never acknowledges any; a session poller acknowledges on every
+# poll and is never this far behind (the sample queue itself holds at most 20000 by default).
+MAX_LOGGED = 100_000
 
 # KEYS: job, sample queue, completion log, its cursor. ARGV: request id, status, ttl,
-# result ("" = none), error ("" = none), category, log state, payload bytes.
+# result ("" = none), error ("" = none), category, log state, payload bytes, log length cap.
 _FINISH = """
 redis.call('LREM', KEYS[2], 1, ARGV[1])
 if redis.call('HGET', KEYS[1], 'status') ~= 'pending' then
@@ -39,6 +43,7 @@ redis.call('HDEL', KEYS[1], 'payload')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 local c = redis.call('INCR', KEYS[4])
 redis.call('ZADD', KEYS[3], c, c .. '|' .. ARGV[7] .. '|' .. ARGV[1] .. '|' .. ARGV[8])
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -1 - tonumber(ARGV[9]))
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('EXPIRE', KEYS[4], ARGV[3])
 return 1
@@ -106,6 +111,7 @@ async def finish(
         category,
         LogState.FAILED if failed else LogState.FINISHED,
         0 if failed else len(result or b""),
+        MAX_LOGGED,
     )
     return bool(written)
 

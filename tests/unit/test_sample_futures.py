@@ -196,3 +196,22 @@ def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
         await store.close()
 
     asyncio.run(go())
+
+
+def test_a_log_nobody_acknowledges_keeps_only_its_newest_completions(
+    clean_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that waits per request never acknowledges its log: it stays bounded."""
+    monkeypatch.setattr(sample_futures, "MAX_LOGGED", 3)
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        jobs = [await _claim(store, s) for s in range(1, 6)]
+        for job in jobs:
+            assert await sample_futures.finish(store, job, result=b"x")
+        found = await sample_futures.since(store, SAMPLER, 0, 0)
+        assert [c.request_id for c in found.entries] == [j.request_id for j in jobs[2:]]
+        assert found.cursor == 5
+        await store.close()
+
+    asyncio.run(go())
