@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 COUNT = "lockstep_http_request_duration_seconds_count"
 WAIT_S = 60.0
-LONG = 400  # tokens: a sample that keeps the sampling lane busy for a while
+LONG = 150  # tokens: a sample that keeps the sampling lane busy for a few seconds
 MAX_BODY = 8_000_000  # --max-body-bytes of the second server
 
 
