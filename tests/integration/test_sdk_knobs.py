@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 COUNT = "lockstep_http_request_duration_seconds_count"
 WAIT_S = 60.0
-LONG = 150  # tokens: a sample that keeps the sampling lane busy for a few seconds
+BLOCK = 800  # tokens: a sample that keeps the sampling lane busy for a second or more
 MAX_BODY = 8_000_000  # --max-body-bytes of the second server
 
 
@@ -79,22 +79,31 @@ def test_an_unpickled_client_joins_its_sampling_session(
     assert _calls(server, "/api/v1/join_sampling_session") == joins + 1
 
 
+def _wait_calls(server: Server, route: str, above: float) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while _calls(server, route) <= above:
+        assert time.monotonic() < deadline, f"no {route} call came"
+        time.sleep(0.1)
+
+
 def test_an_abandoned_sample_is_cancelled_on_the_server(
     server: Server, sampler: tinker.SamplingClient
 ) -> None:
     cancels = _calls(server, "/api/v1/cancel_future")
-    long = types.SamplingParams(max_tokens=LONG, temperature=1.0, stop=[])
-    future = sampler.sample(prompt=_prompt(11), num_samples=1, sampling_params=long)
-    with pytest.raises(TimeoutError):
-        future.result(timeout=0.5)
-    future.future().cancel()
-    deadline = time.monotonic() + WAIT_S
-    while _calls(server, "/api/v1/cancel_future") == cancels:
-        assert time.monotonic() < deadline, "the SDK sent no cancel_future"
-        time.sleep(0.2)
-    # the sampler still serves what comes next
+    sent = _calls(server, "/api/v1/asample")
+    long = types.SamplingParams(max_tokens=BLOCK, temperature=1.0, stop=[])
+    blocker = sampler.sample(prompt=_prompt(11), num_samples=1, sampling_params=long)
+    _wait_calls(server, "/api/v1/asample", sent)
+    time.sleep(0.3)  # the lane is running it: what comes next waits for the next batch
     short = types.SamplingParams(max_tokens=2, temperature=1.0)
-    after = sampler.sample(prompt=_prompt(12), num_samples=1, sampling_params=short)
+    victim = sampler.sample(prompt=_prompt(12), num_samples=1, sampling_params=short)
+    _wait_calls(server, "/api/v1/asample", sent + 1)  # its future exists on the server
+    victim.future().cancel()  # abandoned while it waits behind the blocker
+    _wait_calls(server, "/api/v1/cancel_future", cancels)
+    assert "cancelled by its client" in server.log()
+    assert len(blocker.result(timeout=WAIT_S).sequences[0].tokens) == BLOCK
+    # the sampler still serves what comes next
+    after = sampler.sample(prompt=_prompt(13), num_samples=1, sampling_params=short)
     assert len(after.result(timeout=WAIT_S).sequences) == 1
 
 
@@ -163,8 +172,8 @@ def _poll(
 
 
 def test_a_cancelled_queued_sample_never_runs(http: httpx.Client, sampling_session: str) -> None:
-    blocker = _asample(http, sampling_session, 1, LONG)  # keeps the lane busy
-    victim = _asample(http, sampling_session, 2, LONG)  # queued behind it
+    blocker = _asample(http, sampling_session, 1, BLOCK)  # keeps the lane busy
+    victim = _asample(http, sampling_session, 2, 2)  # queued behind it
     cancelled = _ok(http.post("/api/v1/cancel_future", json={"request_id": victim}))
     assert cancelled == {"request_id": victim, "outcome": "cancelled"}
     answer = _retrieve(http, victim).json()
