@@ -32,6 +32,12 @@ DEFAULT_MICRO_BATCH_TOKENS = 1024
 DEFAULT_SNAPSHOT_INTERVAL_S = 10.0
 TRACE_RETENTION_S = 7 * 24 * 3600
 LogLevel = Literal["debug", "info", "warning", "error"]
+# Whether the SDK zstd-compresses its fwd/bwd bodies; auto: unless the gateway binds loopback
+# (lockstep.gateway.settings.compress_fwdbwd decides).
+FwdbwdCompression = Literal["auto", "on", "off"]
+# How SDK SamplingClients wait for their samples: one session poller on retrieve_futures, or a
+# retrieve_future long-poll per sample.
+SamplePolling = Literal["session", "per-request"]
 TE_MISSING = (
     "needs NVIDIA Transformer Engine, which is not installed: megatron-core runs context "
     "parallel only in TEDotProductAttention and sequence parallel only with TE norms/linears"
@@ -536,6 +542,24 @@ class GatewayConfig:
             "--tokenizer-dir",
             help="the served model's directory (tokenizer, chat template) for /oai and /anthropic",
             on=GATEWAY_ONLY,
+        ),
+    )
+    fwdbwd_compression: FwdbwdCompression = field(
+        default="auto",
+        metadata=flag(
+            "--fwdbwd-compression",
+            help="have the SDK zstd-compress its forward_backward bodies (auto: on unless the "
+            "API binds a loopback address)",
+            on=GATEWAY,
+        ),
+    )
+    sample_polling: SamplePolling = field(
+        default="session",
+        metadata=flag(
+            "--sample-polling",
+            help="how SDK sampling clients wait for results: one poller per sampling session "
+            "(/api/v1/retrieve_futures) or one long-poll per sample",
+            on=GATEWAY,
         ),
     )
     long_poll_seconds: float = field(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from lockstep import config
 from lockstep.config import LockstepConfig
 from lockstep.gateway.app import run_gateway
-from lockstep.gateway.settings import GatewaySettings
+from lockstep.gateway.settings import GatewaySettings, compress_fwdbwd
 
 
 def build_parser(base: LockstepConfig | None = None) -> argparse.ArgumentParser:
@@ -52,6 +52,8 @@ def settings_from_config(cfg: LockstepConfig) -> GatewaySettings:
         tokenizer_dir=g.tokenizer_dir,
         keys_file=g.keys_file,
         custom_loss_server_side=cfg.engine.kind == "local",
+        proto_compress_fwdbwd=compress_fwdbwd(g.fwdbwd_compression, g.host),
+        sample_session_polling=g.sample_polling == "session",
     )
 
 

@@ -3,16 +3,32 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from lockstep.config import GatewayConfig, Limits
+from lockstep.config.sections import FwdbwdCompression
 
 # The SDK's retrieve_future client timeout is 45 s; a long-poll must answer well before it.
 MAX_LONG_POLL_SECONDS = 40.0
 _CONFIG = GatewayConfig()
 _LIMITS = Limits()
+
+
+def compress_fwdbwd(choice: FwdbwdCompression, host: str) -> bool:
+    """Whether the SDK is told to zstd-compress its fwd/bwd bodies. Auto: on unless the API
+    binds a loopback address (there the bytes never cross a network, and compressing a large
+    batch costs the client seconds of CPU)."""
+    if choice != "auto":
+        return choice == "on"
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: reachable from elsewhere
+        return True
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,10 @@ class GatewaySettings:
         custom_loss_server_side: tell the SDK to upload custom losses (create_custom_loss) and
             run them here; off for an engine that does not run them (Megatron), so the SDK
             runs them client-side.
+        proto_compress_fwdbwd: tell the SDK to zstd-compress its protobuf fwd/bwd bodies
+            (`compress_fwdbwd` decides it from the config); any body may be compressed anyway.
+        sample_session_polling: tell the SDK to wait for samples with one poller per sampling
+            session (`/api/v1/retrieve_futures`) instead of a long-poll per sample.
     """
 
     scheduler_address: str
@@ -58,6 +78,8 @@ class GatewaySettings:
     tokenizer_dir: Path | None = None
     keys_file: Path | None = None
     custom_loss_server_side: bool = True
+    proto_compress_fwdbwd: bool = False
+    sample_session_polling: bool = True
 
     def __post_init__(self) -> None:
         if not self.scheduler_address:

@@ -323,6 +323,19 @@ HTTP_IN_FLIGHT = Gauge(
     "HTTP requests being served now (long polls included).",
     registry=GATEWAY,
 )
+HTTP_COMPRESSED_BODIES = Counter(
+    "lockstep_http_compressed_bodies_total",
+    "Request bodies received with a Content-Encoding (the SDK's zstd fwd/bwd bodies), and "
+    "their bytes before and after decompression.",
+    ["encoding"],
+    registry=GATEWAY,
+)
+HTTP_COMPRESSED_BYTES = Counter(
+    "lockstep_http_compressed_body_bytes_total",
+    "Bytes of compressed request bodies as received (form=wire) and decompressed (form=plain).",
+    ["encoding", "form"],
+    registry=GATEWAY,
+)
 
 TENANTS = TenantLabels()
 OWNERS = OwnerCache()
@@ -473,6 +486,12 @@ def http_error_category(status: int) -> str | None:
     if status in (502, 503, 504):
         return "unavailable"
     return "server" if status >= 500 else "user"
+
+
+def compressed_body(encoding: str, wire_bytes: int, plain_bytes: int) -> None:
+    HTTP_COMPRESSED_BODIES.labels(encoding).inc()
+    HTTP_COMPRESSED_BYTES.labels(encoding, "wire").inc(wire_bytes)
+    HTTP_COMPRESSED_BYTES.labels(encoding, "plain").inc(plain_bytes)
 
 
 def http_request(method: str, route: str, status: int, seconds: float) -> None:

@@ -1,12 +1,17 @@
-"""Long-poll support: wake the RetrieveFuture calls waiting on a request when it completes."""
+"""Long-poll support: wake the calls waiting on a key (a request id, or a sampling session's
+completion log) when something under it completes."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from lockstep.scheduler.store import Job, Store
 from lockstep.vocab import JobStatus
+
+T = TypeVar("T")
 
 
 class FutureBoard:
@@ -17,27 +22,41 @@ class FutureBoard:
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: defaultdict[str, int] = defaultdict(int)
 
-    def notify(self, request_id: str) -> None:
-        event = self._events.get(request_id)
-        if event is not None:
-            event.set()
+    def notify(self, *keys: str) -> None:
+        # The event goes with the wake-up: a later wait on the key (a poller's next poll) waits
+        # for the next completion instead of waking at once.
+        for key in keys:
+            event = self._events.pop(key, None)
+            if event is not None:
+                event.set()
 
     async def wait(self, request_id: str, timeout: float) -> Job | None:
         """The job once finished, or as it stands when `timeout` runs out; None if unknown."""
+        return await self.wait_until(
+            request_id,
+            lambda: self.store.job(request_id, payload=False),
+            lambda job: job is None or job.status != JobStatus.PENDING,
+            timeout,
+        )
+
+    async def wait_until(
+        self, key: str, read: Callable[[], Awaitable[T]], done: Callable[[T], bool], timeout: float
+    ) -> T:
+        """`read()` once `done` holds for it, or as it stands when `timeout` runs out."""
         # Register before reading so a completion between the read and the wait is not missed.
-        event = self._events.setdefault(request_id, asyncio.Event())
-        self._waiters[request_id] += 1
+        event = self._events.setdefault(key, asyncio.Event())
+        self._waiters[key] += 1
         try:
-            job = await self.store.job(request_id, payload=False)
-            if job is None or job.status != JobStatus.PENDING or timeout <= 0:
-                return job
+            value = await read()
+            if done(value) or timeout <= 0:
+                return value
             try:
                 await asyncio.wait_for(event.wait(), timeout)
             except TimeoutError:
                 pass
-            return await self.store.job(request_id, payload=False)
+            return await read()
         finally:
-            self._waiters[request_id] -= 1
-            if self._waiters[request_id] <= 0:
-                self._waiters.pop(request_id, None)
-                self._events.pop(request_id, None)
+            self._waiters[key] -= 1
+            if self._waiters[key] <= 0:
+                self._waiters.pop(key, None)
+                self._events.pop(key, None)

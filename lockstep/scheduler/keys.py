@@ -31,6 +31,22 @@ def sample_claim(sampling_session_id: str, seq_id: int) -> str:
     return f"{PREFIX}sseq:{sampling_session_id}:{seq_id}"
 
 
+def sample_done(sampling_session_id: str, clone: int) -> str:
+    """Sorted set: cursor -> "<cursor>|<state>|<request id>|<payload bytes>", the completions of
+    one (sampling session, clone) not yet acknowledged by its retrieve_futures poller."""
+    return f"{PREFIX}sdone:{sampling_session_id}:{clone}"
+
+
+def sample_done_cursor(sampling_session_id: str, clone: int) -> str:
+    """String: the last cursor handed out in `sample_done` (INCR; never moves back)."""
+    return f"{PREFIX}sdone_cursor:{sampling_session_id}:{clone}"
+
+
+def sampler_clients(sampling_session_id: str) -> str:
+    """String: the last clone id handed to a client joining the sampling session (INCR)."""
+    return f"{PREFIX}sclients:{sampling_session_id}"
+
+
 def pending(model_id: str) -> str:
     """Sorted set: seq_id -> request id of the model's queued training requests."""
     return f"{PREFIX}pending:{model_id}"

@@ -25,7 +25,7 @@ from pathlib import Path
 from lockstep.engine.interface import EngineDied, SamplingEngine
 from lockstep.engine.types import SampleRequest
 from lockstep.observability import metrics
-from lockstep.scheduler import tracing, translate
+from lockstep.scheduler import sample_futures, tracing, translate
 from lockstep.scheduler.accounting import Accounting
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.poison import PoisonHunt
@@ -225,8 +225,8 @@ class SamplingLane:
         requests: list[SampleRequest] = []
         topk: list[int] = []
         for job in await self.store.jobs(request_ids):
-            if job.status != JobStatus.PENDING:
-                await self.store.finish_sample(job, result=job.result, error=job.error)
+            if job.status != JobStatus.PENDING:  # finished, or cancelled: only dequeue it
+                await sample_futures.finish(self.store, job)
                 continue
             refused = self.poison.verdict(job.request_id)
             if refused is not None:  # it killed the sampler on its own: never run again
@@ -254,6 +254,9 @@ class SamplingLane:
     async def _sample(self, call: list[tuple[Job, SampleRequest, int]]) -> None:
         """One engine call; its samples are answered before the next call runs, so a later call
         that kills the engine leaves only its own samples (and those after it) queued."""
+        call = await self._live(call)
+        if not call:
+            return
         jobs = [job for job, _, _ in call]
         requests = [request for _, request, _ in call]
         ids = [r.request_id for r in requests]
@@ -278,6 +281,15 @@ class SamplingLane:
         jobs_done = [(j.request_id, j.model_id, j.seq_id) for j in jobs]  # [trace hook]
         await tracing.sampled(jobs_done, started)  # [trace hook]
 
+    async def _live(
+        self, call: list[tuple[Job, SampleRequest, int]]
+    ) -> list[tuple[Job, SampleRequest, int]]:
+        """The call without the samples cancelled since the batch was read (an adapter load or
+        an earlier call of the batch can take a while): a cancelled sample never reaches the
+        engine."""
+        live = await sample_futures.pending(self.store, [job.request_id for job, _, _ in call])
+        return [item for item in call if item[0].request_id in live]
+
     async def _adapter_for(self, sampler_id: str) -> str | None:
         sampler = await self.store.sampler(sampler_id)
         if sampler is None:
@@ -292,7 +304,7 @@ class SamplingLane:
     async def _finish(
         self, job: Job, result: pb.JobResult | None = None, error: str | None = None
     ) -> None:
-        await self.store.finish_sample(
-            job, result=result.SerializeToString() if result else None, error=error
+        await sample_futures.finish(
+            self.store, job, result=result.SerializeToString() if result else None, error=error
         )
-        self.board.notify(job.request_id)
+        self.board.notify(job.request_id, sample_futures.job_topic(job))

@@ -14,7 +14,7 @@ import grpc
 from lockstep.engine.interface import UserInputError
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath
-from lockstep.scheduler import redis_conn, tracing
+from lockstep.scheduler import redis_conn, sample_futures, tracing
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.records import CheckpointRecord, ModelRecord
@@ -22,7 +22,7 @@ from lockstep.scheduler.store import Store
 from lockstep.scheduler.submissions import Submissions
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
-from lockstep.vocab import JobStatus
+from lockstep.vocab import JobStatus, OpKind
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -177,6 +177,45 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             )
         return pb.FutureReply(result=pb.JobResult.FromString(job.result or b""))
 
+    @grpc_errors
+    async def RetrieveFutures(self, request, context):
+        sampler = await self.catalog.owned_sampler(request.owner, request.sampler_id)
+        timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
+
+        async def read() -> sample_futures.Completions:
+            return await sample_futures.since(
+                self.store, sampler.sampler_id, request.clone, request.prev_cursor
+            )
+
+        try:
+            with metrics.FUTURE_WAITERS.track_inprogress():
+                found = await self.board.wait_until(
+                    sample_futures.topic(sampler.sampler_id, request.clone),
+                    read,
+                    lambda c: bool(c.entries),
+                    timeout,
+                )
+        except sample_futures.CursorAhead as exc:
+            raise UserInputError("prev_cursor", str(exc)) from exc
+        return pb.RetrieveFuturesReply(completions=found.entries, cursor=found.cursor)
+
+    @grpc_errors
+    async def CancelFuture(self, request, context):
+        job = await self.store.job(request.request_id, payload=False)
+        if job is None or job.owner != request.owner:
+            raise NotFound(f"request {request.request_id} does not exist")
+        if job.kind != OpKind.SAMPLE:
+            raise UserInputError(
+                "request_id",
+                f"{request.request_id} is a {job.kind} request: only samples can be cancelled "
+                "(a model's training requests run in seq_id order)",
+            )
+        outcome = await sample_futures.cancel(self.store, job)
+        if outcome == sample_futures.Outcome.CANCELLED:
+            self.board.notify(job.request_id, sample_futures.job_topic(job))
+            log.info("sample %s cancelled by its client", job.request_id)
+        return pb.CancelFutureReply(outcome=outcome.value)
+
     # ---------------------------------------------------------------- models and samplers
     @grpc_errors
     async def GetModelInfo(self, request, context):
@@ -208,6 +247,12 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return self._sampler_info(
             await self.catalog.owned_sampler(request.owner, request.sampler_id)
         )
+
+    @grpc_errors
+    async def JoinSamplingSession(self, request, context):
+        sampler = await self.catalog.owned_sampler(request.owner, request.sampler_id)
+        clone = await sample_futures.join(self.store, sampler.sampler_id)
+        return pb.JoinSamplingSessionReply(client_counter=clone)
 
     @staticmethod
     def _sampler_info(rec: Any) -> pb.SamplerInfo:

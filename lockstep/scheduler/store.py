@@ -454,30 +454,6 @@ class Store:
             await pipe.execute()
         return rid
 
-    async def finish_sample(
-        self,
-        job: Job,
-        *,
-        result: bytes | None = None,
-        error: str | None = None,
-        category: ErrorCategory = ErrorCategory.USER,
-    ) -> None:
-        """Write a sample's outcome and take it off the sample queue, in one transaction."""
-        fields: dict[str, bytes | str] = {
-            "status": JobStatus.DONE if error is None else JobStatus.FAILED
-        }
-        if result is not None:
-            fields["result"] = result
-        if error is not None:
-            fields["error"] = error
-            fields["category"] = category
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.job(job.request_id), mapping=fields)
-            pipe.hdel(keys.job(job.request_id), "payload")
-            pipe.expire(keys.job(job.request_id), self.result_ttl_s)
-            pipe.lrem(keys.SAMPLE_QUEUE, 1, job.request_id)
-            await pipe.execute()
-
     async def replay_log(self, model_id: str, after_seq: int) -> list[Job]:
         """The passes and steps to re-run, in seq order, on the snapshot taken at `after_seq`."""
         ids = await self.redis.zrangebyscore(keys.replay(model_id), f"({after_seq}", "+inf")

@@ -18,12 +18,23 @@ class SamplerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SAMPLER_KIND_SNAPSHOT: _ClassVar[SamplerKind]
     SAMPLER_KIND_INFLIGHT: _ClassVar[SamplerKind]
+
+class CancelOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CANCEL_OUTCOME_UNSPECIFIED: _ClassVar[CancelOutcome]
+    CANCEL_OUTCOME_CANCELLED: _ClassVar[CancelOutcome]
+    CANCEL_OUTCOME_ALREADY_FINISHED: _ClassVar[CancelOutcome]
+    CANCEL_OUTCOME_ALREADY_FAILED: _ClassVar[CancelOutcome]
 CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
 CHECKPOINT_KIND_TRAINING: CheckpointKind
 CHECKPOINT_KIND_SAMPLER: CheckpointKind
 CHECKPOINT_KIND_EXTERNAL: CheckpointKind
 SAMPLER_KIND_SNAPSHOT: SamplerKind
 SAMPLER_KIND_INFLIGHT: SamplerKind
+CANCEL_OUTCOME_UNSPECIFIED: CancelOutcome
+CANCEL_OUTCOME_CANCELLED: CancelOutcome
+CANCEL_OUTCOME_ALREADY_FINISHED: CancelOutcome
+CANCEL_OUTCOME_ALREADY_FAILED: CancelOutcome
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -449,6 +460,52 @@ class FutureReply(_message.Message):
     error: JobError
     def __init__(self, try_again: _Optional[_Union[TryAgain, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ...) -> None: ...
 
+class RetrieveFuturesRequest(_message.Message):
+    __slots__ = ("owner", "sampler_id", "clone", "prev_cursor", "timeout_seconds")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLONE_FIELD_NUMBER: _ClassVar[int]
+    PREV_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    sampler_id: str
+    clone: int
+    prev_cursor: int
+    timeout_seconds: float
+    def __init__(self, owner: _Optional[str] = ..., sampler_id: _Optional[str] = ..., clone: _Optional[int] = ..., prev_cursor: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FutureCompletion(_message.Message):
+    __slots__ = ("request_id", "failed", "payload_size")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    failed: bool
+    payload_size: int
+    def __init__(self, request_id: _Optional[str] = ..., failed: bool = ..., payload_size: _Optional[int] = ...) -> None: ...
+
+class RetrieveFuturesReply(_message.Message):
+    __slots__ = ("completions", "cursor")
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[FutureCompletion]
+    cursor: int
+    def __init__(self, completions: _Optional[_Iterable[_Union[FutureCompletion, _Mapping]]] = ..., cursor: _Optional[int] = ...) -> None: ...
+
+class CancelFutureRequest(_message.Message):
+    __slots__ = ("owner", "request_id")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    request_id: str
+    def __init__(self, owner: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CancelFutureReply(_message.Message):
+    __slots__ = ("outcome",)
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    outcome: CancelOutcome
+    def __init__(self, outcome: _Optional[_Union[CancelOutcome, str]] = ...) -> None: ...
+
 class ModelRef(_message.Message):
     __slots__ = ("owner", "model_id")
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +553,12 @@ class SamplerRef(_message.Message):
     owner: str
     sampler_id: str
     def __init__(self, owner: _Optional[str] = ..., sampler_id: _Optional[str] = ...) -> None: ...
+
+class JoinSamplingSessionReply(_message.Message):
+    __slots__ = ("client_counter",)
+    CLIENT_COUNTER_FIELD_NUMBER: _ClassVar[int]
+    client_counter: int
+    def __init__(self, client_counter: _Optional[int] = ...) -> None: ...
 
 class SamplerInfo(_message.Message):
     __slots__ = ("sampler_id", "base_model", "model_path")

@@ -79,6 +79,16 @@ class SchedulerStub(object):
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.RetrieveFutureRequest.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.FutureReply.FromString,
                 _registered_method=True)
+        self.RetrieveFutures = channel.unary_unary(
+                '/lockstep.v1.Scheduler/RetrieveFutures',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.RetrieveFuturesRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RetrieveFuturesReply.FromString,
+                _registered_method=True)
+        self.CancelFuture = channel.unary_unary(
+                '/lockstep.v1.Scheduler/CancelFuture',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.CancelFutureRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.CancelFutureReply.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/lockstep.v1.Scheduler/GetModelInfo',
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.ModelRef.SerializeToString,
@@ -93,6 +103,11 @@ class SchedulerStub(object):
                 '/lockstep.v1.Scheduler/GetSampler',
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.SamplerRef.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SamplerInfo.FromString,
+                _registered_method=True)
+        self.JoinSamplingSession = channel.unary_unary(
+                '/lockstep.v1.Scheduler/JoinSamplingSession',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.SamplerRef.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.JoinSamplingSessionReply.FromString,
                 _registered_method=True)
         self.GetServerCapabilities = channel.unary_unary(
                 '/lockstep.v1.Scheduler/GetServerCapabilities',
@@ -237,6 +252,20 @@ class SchedulerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RetrieveFutures(self, request, context):
+        """A sampling session's completed samples since a cursor (long-poll): the SDK's session poller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelFuture(self, request, context):
+        """Cancel a sample: a queued one never runs; its future completes as cancelled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Models and samplers.
         """
@@ -252,6 +281,13 @@ class SchedulerServicer(object):
 
     def GetSampler(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinSamplingSession(self, request, context):
+        """A new client of an existing sampling session (an unpickled SamplingClient): its clone id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -404,6 +440,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RetrieveFutureRequest.FromString,
                     response_serializer=lockstep_dot_v1_dot_scheduler__pb2.FutureReply.SerializeToString,
             ),
+            'RetrieveFutures': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetrieveFutures,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RetrieveFuturesRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.RetrieveFuturesReply.SerializeToString,
+            ),
+            'CancelFuture': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelFuture,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.CancelFutureRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.CancelFutureReply.SerializeToString,
+            ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.ModelRef.FromString,
@@ -418,6 +464,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetSampler,
                     request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SamplerRef.FromString,
                     response_serializer=lockstep_dot_v1_dot_scheduler__pb2.SamplerInfo.SerializeToString,
+            ),
+            'JoinSamplingSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinSamplingSession,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.SamplerRef.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.JoinSamplingSessionReply.SerializeToString,
             ),
             'GetServerCapabilities': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerCapabilities,
@@ -754,6 +805,60 @@ class Scheduler(object):
             _registered_method=True)
 
     @staticmethod
+    def RetrieveFutures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/RetrieveFutures',
+            lockstep_dot_v1_dot_scheduler__pb2.RetrieveFuturesRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.RetrieveFuturesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelFuture(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/CancelFuture',
+            lockstep_dot_v1_dot_scheduler__pb2.CancelFutureRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.CancelFutureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetModelInfo(request,
             target,
             options=(),
@@ -824,6 +929,33 @@ class Scheduler(object):
             '/lockstep.v1.Scheduler/GetSampler',
             lockstep_dot_v1_dot_scheduler__pb2.SamplerRef.SerializeToString,
             lockstep_dot_v1_dot_scheduler__pb2.SamplerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinSamplingSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/JoinSamplingSession',
+            lockstep_dot_v1_dot_scheduler__pb2.SamplerRef.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.JoinSamplingSessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -182,3 +182,22 @@ def test_kill_redis_mid_run(fresh) -> None:  # type: ignore[no-untyped-def]
     assert "clock cycle failed" not in log, log[-5000:]
     assert not SERVER_ERROR.search(log), SERVER_ERROR.findall(log)
     assert_same_adapters(reference, survived)
+
+
+def test_samples_on_the_session_poller_survive_a_scheduler_kill(fresh) -> None:  # type: ignore[no-untyped-def]
+    """The SDK's session poller (retrieve_futures) rides out a scheduler restart: the queued
+    samples run on the new scheduler and every future completes with its result."""
+    srv = fresh("poller")
+    client = tinker.ServiceClient(base_url=srv.base_url, api_key=API_KEY)
+    sampler = client.create_sampling_client(base_model="Lockstep/tiny-qwen3").result()
+    params = types.SamplingParams(max_tokens=128, temperature=1.0, stop=[])
+    futures = [
+        sampler.sample(types.ModelInput.from_ints([1 + i, 2, 3]), 1, params) for i in range(8)
+    ]
+    time.sleep(0.5)  # submitted, running
+    kill(serve_child(srv, "lockstep.scheduler").pid)
+    assert not all(f.future().done() for f in futures), "all done before the kill"
+    for future in futures:
+        assert len(future.result(timeout=240).sequences[0].tokens) == 128
+    assert "scheduler exited" in srv.log()
+    assert "/api/v1/retrieve_futures" in srv.log()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 
 import numpy as np
@@ -14,8 +15,12 @@ from tinker import types
 from tinker.proto import request_conv, response_conv, tinker_public_pb2
 from tinker.types.provenance_spans import PromptProvenanceSpan, SampledProvenanceSpan
 
+from lockstep.config import LockstepConfig
+from lockstep.config.sections import FwdbwdCompression
+from lockstep.gateway.__main__ import settings_from_config
 from lockstep.gateway.body import BodyError, decompress
 from lockstep.gateway.errors import ApiError
+from lockstep.gateway.settings import compress_fwdbwd
 from lockstep.gateway.translate import training
 from lockstep.gateway.wire import requests as rq
 from lockstep.wire.v1 import tinker_pb2
@@ -285,3 +290,30 @@ def test_shape_checks_name_the_field(mutate: object, message: str) -> None:
         training.forward_backward_from_proto("o", request.SerializeToString())
     assert err.value.status_code == 400
     assert err.value.detail.startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("choice", "host", "expected"),
+    [
+        ("auto", "127.0.0.1", False),
+        ("auto", "localhost", False),
+        ("auto", "::1", False),
+        ("auto", "0.0.0.0", True),
+        ("auto", "10.1.2.3", True),
+        ("auto", "gateway.internal", True),
+        ("on", "127.0.0.1", True),
+        ("off", "0.0.0.0", False),
+    ],
+)
+def test_fwdbwd_compression_is_on_by_default_off_loopback(
+    choice: FwdbwdCompression, host: str, expected: bool
+) -> None:
+    assert compress_fwdbwd(choice, host) is expected
+    cfg = LockstepConfig()
+    cfg = dataclasses.replace(
+        cfg,
+        gateway=dataclasses.replace(
+            cfg.gateway, host=host, fwdbwd_compression=choice, scheduler_address="127.0.0.1:1"
+        ),
+    )
+    assert settings_from_config(cfg).proto_compress_fwdbwd is expected

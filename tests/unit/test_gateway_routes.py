@@ -54,8 +54,11 @@ def test_client_config_and_friends(api: Any) -> None:
         "fwdbwd_max_chunk_len": 1024,  # the SDK chunks below the server's limits
         "fwdbwd_max_chunk_bytes_count": 5_000_000,
         "custom_loss_server_side": True,  # create_custom_loss uploads; losses run here
+        "sample_use_retrieve_futures": True,  # one session poller instead of one per sample
+        "sample_join_sampling_session": True,  # unpickled clients ask for their clone id
     }
-    assert api.post("/api/v1/client/dynamic_config", json={}).status_code == 200
+    dynamic = api.post("/api/v1/client/dynamic_config", json={})
+    assert dynamic.json() == {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
     telemetry = api.post("/api/v1/telemetry", json={"events": [], "session_id": "s"})
     assert telemetry.json() == {"status": "accepted"}
 

@@ -107,6 +107,24 @@ class InstantJobs:
             result.sample.CopyFrom(_sample_output(job.sample))
         return pb.FutureReply(result=result)
 
+    def retrieve_futures(self, req: pb.RetrieveFuturesRequest) -> pb.RetrieveFuturesReply:
+        """The SDK's session poller: every sample of the (sampling session, clone) is done, so
+        the completions after the cursor are all of those submitted after it."""
+        done = [
+            request_id
+            for request_id, job in self.jobs.items()
+            if job.WhichOneof("op") == "sample"
+            and job.sample.sampling_session_id == req.sampler_id
+            and job.sample.seq_id // 1_000_000_000 == req.clone
+        ]
+        return pb.RetrieveFuturesReply(
+            completions=[
+                pb.FutureCompletion(request_id=request_id, payload_size=1)
+                for request_id in done[req.prev_cursor :]
+            ],
+            cursor=len(done),
+        )
+
 
 @pytest.fixture(scope="module")
 def gateway_url() -> Iterator[tuple[StandInScheduler, str]]:
@@ -140,6 +158,7 @@ def test_sdk_training_and_sampling_flow(
     jobs = InstantJobs()
     standin.replies["Submit"] = jobs.submit
     standin.replies["RetrieveFuture"] = jobs.retrieve
+    standin.replies["RetrieveFutures"] = jobs.retrieve_futures
     standin.replies["CreateSession"] = pb.CreateSessionReply(session_id=SESSION)
     standin.replies["GetModelInfo"] = pb.ModelInfo(model_id=MODEL, base_model=BASE, lora_rank=8)
     standin.replies["ListCheckpoints"] = pb.CheckpointList(

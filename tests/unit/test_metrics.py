@@ -358,7 +358,10 @@ def test_labels_stay_bounded() -> None:
         "lockstep_engine_phase",
         "action",
         "direction",
-    }  # action: release | resume (sampler memory); direction: in | out | freed (model paging)
+        "encoding",
+        "form",
+    }  # action: release | resume (sampler memory); direction: in | out | freed (model paging);
+    # encoding: zstd | gzip | x-gzip | deflate (request bodies); form: wire | plain
     for registry in (metrics.SCHEDULER, metrics.GATEWAY):
         for family in registry.collect():
             if not family.name.startswith("lockstep_"):

@@ -17,9 +17,6 @@ from lockstep.gateway.settings import GatewaySettings
 # SDK paths this server does not serve (the SDK gets a 404), and why.
 NOT_SERVED = {
     "/api/v1/auth/token": "JWT exchange; this server uses plain X-API-Key auth",
-    "/api/v1/cancel_future": "off: client/dynamic_config says sample_cancel_enabled=false",
-    "/api/v1/join_sampling_session": "shared sampling sessions are not implemented",
-    "/api/v1/retrieve_futures": "the SDK falls back to retrieve_future",
     "/api/v1/sessions/test-session": "hosted console",
     "/api/v1/sessions/{}/project": "projects are a hosted console feature",
 }

@@ -20,20 +20,23 @@ health_router = APIRouter(tags=["health"])
 
 @router.post("/client/config")
 async def client_config(request: Request, owner: Owner) -> rs.ClientConfigResponse:
-    # Plain X-API-Key auth, plain httpx transport, uncompressed fwd/bwd bodies (zstd bodies
-    # are accepted anyway: see lockstep.gateway.body). The SDK chunks its fwd/bwd batches
-    # below the server's limits, so a large batch never meets a 400 or a 413.
+    # Plain X-API-Key auth, plain httpx transport; zstd fwd/bwd bodies as the settings say (any
+    # body may be compressed anyway: see lockstep.gateway.body). The SDK chunks its fwd/bwd
+    # batches below the server's limits, so a large batch never meets a 400 or a 413.
     settings = request.app.state.settings
     return rs.ClientConfigResponse(
+        proto_compress_fwdbwd=settings.proto_compress_fwdbwd,
         fwdbwd_max_chunk_len=min(1024, settings.max_datums_per_request),
         fwdbwd_max_chunk_bytes_count=min(5_000_000, settings.max_body_bytes // 2),
         custom_loss_server_side=settings.custom_loss_server_side,
+        sample_use_retrieve_futures=settings.sample_session_polling,
+        sample_join_sampling_session=True,
     )
 
 
 @router.post("/client/dynamic_config")
 async def client_dynamic_config(owner: Owner) -> rs.ClientDynamicConfigResponse:
-    return rs.ClientDynamicConfigResponse()
+    return rs.ClientDynamicConfigResponse(sample_cancel_enabled=True)
 
 
 @router.post("/telemetry")

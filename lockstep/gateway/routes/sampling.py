@@ -24,6 +24,18 @@ async def create_sampling_session(
     return rs.CreateSamplingSessionResponse(sampling_session_id=info.sampler_id)
 
 
+@router.post("/join_sampling_session")
+async def join_sampling_session(
+    body: rq.JoinSamplingSessionRequest, owner: Owner, stub: Scheduler
+) -> rs.JoinSamplingSessionResponse:
+    """An unpickled SamplingClient's clone id, unique in its sampling session."""
+    ref = pb.SamplerRef(
+        owner=owner, sampler_id=check_id("sampling_session_id", body.sampling_session_id)
+    )
+    reply = await stub.JoinSamplingSession(ref, timeout=CALL_TIMEOUT_S)
+    return rs.JoinSamplingSessionResponse(client_counter=reply.client_counter)
+
+
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(sampler_id: str, owner: Owner, stub: Scheduler) -> rs.GetSamplerResponse:
     ref = pb.SamplerRef(owner=owner, sampler_id=check_id("sampler_id", sampler_id))

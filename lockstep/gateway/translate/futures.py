@@ -4,6 +4,8 @@
 * failed        -> 200 JSON `{"error": msg, "category": "user"|"server"|"unknown"}`
 * fwd/bwd, sample results -> 200 `application/x-protobuf` bytes of the wire message
 * other results -> 200 JSON shaped as the SDK's response type for that request
+
+and `RetrieveFuturesReply` / `CancelFutureReply` -> retrieve_futures / cancel_future (§2.6-2.7).
 """
 
 from __future__ import annotations
@@ -113,3 +115,30 @@ def future_response(
     if state == "result":
         return result_response(reply.result, request_type)
     return failed("the scheduler returned an empty future reply", "server")
+
+
+def completions(reply: pb.RetrieveFuturesReply) -> rs.FuturesRetrieveResponse:
+    return rs.FuturesRetrieveResponse(
+        completions=[
+            rs.FutureFailed(request_id=c.request_id)
+            if c.failed
+            else rs.FutureFinished(
+                request_id=c.request_id, response_payload_uncompressed_size=c.payload_size
+            )
+            for c in reply.completions
+        ],
+        cursor=reply.cursor,
+    )
+
+
+_CANCEL_OUTCOMES: dict[int, rs.CancelOutcome] = {
+    pb.CANCEL_OUTCOME_CANCELLED: "cancelled",
+    pb.CANCEL_OUTCOME_ALREADY_FINISHED: "already_finished",
+    pb.CANCEL_OUTCOME_ALREADY_FAILED: "already_failed",
+}
+
+
+def cancel_outcome(reply: pb.CancelFutureReply) -> rs.CancelOutcome:
+    if reply.outcome not in _CANCEL_OUTCOMES:
+        raise ValueError(f"the scheduler answered an unknown cancel outcome {reply.outcome}")
+    return _CANCEL_OUTCOMES[reply.outcome]

@@ -226,6 +226,10 @@ class CreateSamplingSessionRequest(WireModel):
     model_path: str | None = None
 
 
+class JoinSamplingSessionRequest(WireModel):
+    sampling_session_id: str
+
+
 class SamplingParams(WireModel):
     max_tokens: PosInt | None = None
     seed: int | None = None
@@ -256,6 +260,24 @@ class SampleRequest(WireModel):
 class FutureRetrieveRequest(WireModel):
     request_id: str
     allow_metadata_only: bool = False
+
+
+class SamplingSessionFuturesTarget(WireModel):
+    type: Literal["sampling_session"] = "sampling_session"
+    sampling_session_id: str
+    cloned_sampler_id: Annotated[int, Field(ge=0, le=INT64_MAX // 1_000_000_000)] = 0
+
+
+class FuturesRetrieveRequest(WireModel):
+    target: SamplingSessionFuturesTarget
+    prev_cursor: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    timeout: FiniteNonNeg | None = None  # None: the server's long-poll; 0: answer at once
+    # Results the client fetched. Kept anyway: a re-poll after a transport error finds them.
+    retrieved_request_ids: list[str] = []
+
+
+class CancelFutureRequest(WireModel):
+    request_id: str
 
 
 class WeightsInfoRequest(WireModel):

@@ -24,11 +24,13 @@ class ClientConfigResponse(WireModel):
     fwdbwd_max_chunk_len: int = 1024  # datums per fwd/bwd request the SDK sends
     fwdbwd_max_chunk_bytes_count: int = 5_000_000  # its estimated body bytes per request
     custom_loss_server_side: bool = False  # create_custom_loss uploads; losses run here
+    sample_use_retrieve_futures: bool = False  # one retrieve_futures poller per sampling session
+    sample_join_sampling_session: bool = False  # unpickled SamplingClients ask for a clone id
 
 
 class ClientDynamicConfigResponse(WireModel):
     refresh_interval_sec: int = 300
-    sample_cancel_enabled: bool = False
+    sample_cancel_enabled: bool = False  # abandoned samples are cancelled (cancel_future)
 
 
 class TelemetryResponse(WireModel):
@@ -104,6 +106,32 @@ class RequestFailedResponse(WireModel):
     category: Literal["user", "server", "unknown"]
 
 
+class FutureFinished(WireModel):
+    state: Literal["finished"] = "finished"
+    request_id: str
+    response_payload_uncompressed_size: int
+
+
+class FutureFailed(WireModel):
+    state: Literal["failed"] = "failed"  # failed or cancelled; retrieve_future tells which
+    request_id: str
+
+
+class FuturesRetrieveResponse(WireModel):
+    completions: list[FutureFinished | FutureFailed]
+    cursor: int  # the SDK sends it back as prev_cursor
+
+
+# cancelled: its future now answers a "cancelled" error (a queued sample never runs);
+# already_finished / already_failed: it had an outcome, which stands.
+CancelOutcome = Literal["cancelled", "already_finished", "already_failed"]
+
+
+class CancelFutureResponse(WireModel):
+    request_id: str
+    outcome: CancelOutcome
+
+
 class CreateModelResult(WireModel):
     type: Literal["create_model"] = "create_model"
     model_id: str
@@ -173,6 +201,11 @@ class GetInfoResponse(WireModel):
 class CreateSamplingSessionResponse(WireModel):
     type: Literal["create_sampling_session"] = "create_sampling_session"
     sampling_session_id: str
+
+
+class JoinSamplingSessionResponse(WireModel):
+    type: Literal["join_sampling_session"] = "join_sampling_session"
+    client_counter: int  # the joining client's clone id: its seq_ids start at it * 1e9
 
 
 class GetSamplerResponse(WireModel):

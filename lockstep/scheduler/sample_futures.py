@@ -1,0 +1,182 @@
+"""A sampling session's futures in Redis: finishing and cancelling samples, the completion log
+that the SDK's session poller reads (`retrieve_futures`), and clone ids for joining clients.
+
+Every sample finishes exactly once, through FINISH: a cancel and the sampling lane may race
+(the lane still running a sample its client just cancelled), and whichever writes first wins;
+the other only takes the request off the queue. The finish also appends one entry to the log of
+the sample's (sampling session, clone), in the same script, so a poller never misses one.
+
+The SDK numbers a clone's samples from clone * 1e9 (an unpickled SamplingClient), and polls the
+completions of its own clone only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+
+from lockstep.scheduler import keys
+from lockstep.scheduler.store import Job, Store
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import ErrorCategory, JobStatus
+
+# The SDK's clone numbering: a client's seq_ids are clone * CLONE_SPAN + n.
+CLONE_SPAN = 1_000_000_000
+# Completions handed out per poll (the rest come on the next one, at once).
+MAX_PER_POLL = 1000
+# Completions one log keeps unacknowledged. A client that waits per request (older SDKs,
+# --sample-polling per-request) never acknowledges any; a session poller acknowledges on every
+# poll and is never this far behind (the sample queue itself holds at most 20000 by default).
+MAX_LOGGED = 100_000
+
+# KEYS: job, sample queue, completion log, its cursor. ARGV: request id, status, ttl,
+# result ("" = none), error ("" = none), category, log state, payload bytes, log length cap.
+_FINISH = """
+redis.call('LREM', KEYS[2], 1, ARGV[1])
+if redis.call('HGET', KEYS[1], 'status') ~= 'pending' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[2])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'result', ARGV[4]) end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5], 'category', ARGV[6]) end
+redis.call('HDEL', KEYS[1], 'payload')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+local c = redis.call('INCR', KEYS[4])
+redis.call('ZADD', KEYS[3], c, c .. '|' .. ARGV[7] .. '|' .. ARGV[1] .. '|' .. ARGV[8])
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -1 - tonumber(ARGV[9]))
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[4], ARGV[3])
+return 1
+"""
+
+
+class LogState(StrEnum):
+    """The two completion states of the SDK's FutureCompletion."""
+
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class Outcome(IntEnum):
+    """What cancelling a sample did (pb.CancelOutcome)."""
+
+    CANCELLED = pb.CANCEL_OUTCOME_CANCELLED
+    ALREADY_FINISHED = pb.CANCEL_OUTCOME_ALREADY_FINISHED
+    ALREADY_FAILED = pb.CANCEL_OUTCOME_ALREADY_FAILED
+
+
+class CursorAhead(ValueError):
+    """A poll's prev_cursor is past every completion this session's log handed out."""
+
+
+def clone_of(seq_id: int) -> int:
+    return seq_id // CLONE_SPAN
+
+
+def topic(sampling_session_id: str, clone: int) -> str:
+    """The FutureBoard key a (sampling session, clone) poller waits on."""
+    return f"sdone:{sampling_session_id}:{clone}"
+
+
+def job_topic(job: Job) -> str:
+    return topic(job.model_id, clone_of(job.seq_id))
+
+
+def cancelled_message(request_id: str) -> str:
+    return f"cancelled: request {request_id} was cancelled by its client before it finished"
+
+
+async def finish(
+    store: Store,
+    job: Job,
+    *,
+    result: bytes | None = None,
+    error: str | None = None,
+    category: ErrorCategory = ErrorCategory.USER,
+) -> bool:
+    """Write a sample's outcome unless it has one (then only dequeue it). True: written."""
+    failed = error is not None
+    written = await store.redis.eval(
+        _FINISH,
+        4,
+        keys.job(job.request_id),
+        keys.SAMPLE_QUEUE,
+        keys.sample_done(job.model_id, clone_of(job.seq_id)),
+        keys.sample_done_cursor(job.model_id, clone_of(job.seq_id)),
+        job.request_id,
+        JobStatus.FAILED if failed else JobStatus.DONE,
+        store.result_ttl_s,
+        result or b"",
+        error or "",
+        category,
+        LogState.FAILED if failed else LogState.FINISHED,
+        0 if failed else len(result or b""),
+        MAX_LOGGED,
+    )
+    return bool(written)
+
+
+async def cancel(store: Store, job: Job) -> Outcome:
+    """Fail a sample that has not finished with the cancelled outcome (it leaves the queue, so
+    it never runs); a finished one keeps its outcome."""
+    message = cancelled_message(job.request_id)
+    if await finish(store, job, error=message):
+        return Outcome.CANCELLED
+    status = await store.redis.hget(keys.job(job.request_id), "status")
+    return Outcome.ALREADY_FINISHED if status == JobStatus.DONE.encode() else Outcome.ALREADY_FAILED
+
+
+async def pending(store: Store, request_ids: list[str]) -> set[str]:
+    """Which of these jobs are still pending (not finished or cancelled meanwhile)."""
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for rid in request_ids:
+            pipe.hget(keys.job(rid), "status")
+        statuses = await pipe.execute()
+    want = JobStatus.PENDING.encode()
+    return {rid for rid, s in zip(request_ids, statuses, strict=True) if s == want}
+
+
+@dataclass(frozen=True)
+class Completions:
+    entries: list[pb.FutureCompletion]
+    cursor: int
+
+
+async def since(
+    store: Store, sampling_session_id: str, clone: int, prev_cursor: int
+) -> Completions:
+    """The completions after `prev_cursor`; those at or before it are dropped (seen)."""
+    log = keys.sample_done(sampling_session_id, clone)
+    async with store.redis.pipeline(transaction=True) as pipe:
+        pipe.zremrangebyscore(log, "-inf", prev_cursor)
+        pipe.get(keys.sample_done_cursor(sampling_session_id, clone))
+        pipe.zrangebyscore(log, f"({prev_cursor}", "+inf", start=0, num=MAX_PER_POLL)
+        _, last_raw, raw = await pipe.execute()
+    last = int(last_raw or 0)
+    if prev_cursor > last:
+        raise CursorAhead(
+            f"{prev_cursor} is past the last completion ({last}) of sampling "
+            f"session {sampling_session_id} clone {clone} (its completions expired, or the "
+            "server's state was reset)"
+        )
+    entries = []
+    cursor = prev_cursor
+    for item in raw:
+        at, state, rid, size = item.decode().split("|")
+        cursor = int(at)
+        entries.append(
+            pb.FutureCompletion(
+                request_id=rid, failed=state == LogState.FAILED, payload_size=int(size)
+            )
+        )
+    return Completions(entries, cursor)
+
+
+async def join(store: Store, sampling_session_id: str) -> int:
+    """A clone id for a new client of the session, unique in it (the original client is 0)."""
+    key = keys.sampler_clients(sampling_session_id)
+    async with store.redis.pipeline(transaction=True) as pipe:
+        pipe.incr(key)
+        pipe.expire(key, store.result_ttl_s)
+        counter, _ = await pipe.execute()
+    return int(counter)

@@ -1,0 +1,217 @@
+"""A sampling session's futures in Redis (real Redis, real local sampler): each sample completes
+once, in the log of its (sampling session, clone) that retrieve_futures reads; a cancel wins
+over a later finish and a finish over a later cancel; a cancelled queued sample never reaches
+the engine; joining clients get distinct clone ids."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from lockstep.engine.types import SampleRequest, SampleResult
+from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+from lockstep.rollout.local import LocalSamplingEngine
+from lockstep.scheduler import keys, sample_futures
+from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.records import SamplerRecord
+from lockstep.scheduler.sampling_lane import SamplingLane
+from lockstep.scheduler.store import Job, Store
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import JobStatus
+
+SAMPLER = "sess-1:sample:0"
+CLONE_1 = sample_futures.CLONE_SPAN  # the first seq_id of clone 1
+
+
+async def _claim(store: Store, seq_id: int, max_tokens: int = 2) -> Job:
+    payload = pb.SubmitRequest(
+        owner="o",
+        sample=pb.Sample(
+            sampling_session_id=SAMPLER,
+            seq_id=seq_id,
+            prompt_tokens=[1, 2, 3],
+            num_samples=1,
+            params=pb.SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=-1, top_p=1.0),
+        ),
+    ).SerializeToString()
+    rid, created = await store.claim_sample(
+        owner="o", sampler_id=SAMPLER, seq_id=seq_id, payload=payload
+    )
+    assert created
+    job = await store.job(rid)
+    assert job is not None
+    return job
+
+
+def _ids(found: sample_futures.Completions) -> list[tuple[str, bool]]:
+    return [(c.request_id, c.failed) for c in found.entries]
+
+
+def test_completions_are_logged_per_clone_once_and_dropped_once_seen(clean_redis: str) -> None:
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        a, b, c = [await _claim(store, s) for s in (1, 2, CLONE_1 + 1)]
+        assert await sample_futures.finish(store, a, result=b"12345")
+        assert await sample_futures.finish(store, c, error="engine said no")
+        assert not await sample_futures.finish(store, a, result=b"again")  # once only
+        assert await sample_futures.cancel(store, b) == sample_futures.Outcome.CANCELLED
+
+        first = await sample_futures.since(store, SAMPLER, 0, 0)
+        assert _ids(first) == [(a.request_id, False), (b.request_id, True)]
+        assert first.entries[0].payload_size == 5
+        assert first.cursor == 2
+        other = await sample_futures.since(store, SAMPLER, 1, 0)
+        assert _ids(other) == [(c.request_id, True)]
+
+        # prev_cursor acknowledges: those entries are gone, the cursor stays
+        empty = await sample_futures.since(store, SAMPLER, 0, first.cursor)
+        assert (empty.entries, empty.cursor) == ([], first.cursor)
+        assert await store.redis.zcard(keys.sample_done(SAMPLER, 0)) == 0
+        with pytest.raises(sample_futures.CursorAhead, match="past the last completion"):
+            await sample_futures.since(store, SAMPLER, 0, first.cursor + 1)
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_cancel_and_finish_race_whoever_writes_first_wins(clean_redis: str) -> None:
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        queued, done = await _claim(store, 1), await _claim(store, 2)
+        assert await sample_futures.cancel(store, queued) == sample_futures.Outcome.CANCELLED
+        job = await store.job(queued.request_id)
+        assert job is not None and job.status == JobStatus.FAILED
+        assert job.error == sample_futures.cancelled_message(queued.request_id)
+        assert "cancelled" in (job.error or "")
+        assert queued.request_id not in await store.queued_samples(10)
+        # the lane finishing it afterwards (it was already in the engine) changes nothing
+        assert not await sample_futures.finish(store, queued, result=b"late")
+        job = await store.job(queued.request_id)
+        assert job is not None and job.status == JobStatus.FAILED and job.result is None
+        assert await sample_futures.cancel(store, queued) == sample_futures.Outcome.ALREADY_FAILED
+
+        assert await sample_futures.finish(store, done, result=b"ok")
+        assert await sample_futures.cancel(store, done) == sample_futures.Outcome.ALREADY_FINISHED
+        job = await store.job(done.request_id)
+        assert job is not None and (job.status, job.result) == (JobStatus.DONE, b"ok")
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_joining_clients_get_distinct_clone_ids(clean_redis: str) -> None:
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        got = await asyncio.gather(*(sample_futures.join(store, SAMPLER) for _ in range(5)))
+        assert sorted(got) == [1, 2, 3, 4, 5]  # the original client is 0
+        assert await sample_futures.join(store, "sess-1:sample:1") == 1
+        await store.close()
+
+    asyncio.run(go())
+
+
+class RecordingSampler(LocalSamplingEngine):
+    """The local sampler, recording which requests reached it."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.seen: list[str] = []
+
+    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
+        self.seen.extend(r.request_id for r in requests)
+        return super().sample(requests)
+
+
+@pytest.fixture(scope="module")
+def sampler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingSampler]:
+    engine = RecordingSampler(
+        ensure_default_model(tmp_path_factory.mktemp("models")), DEFAULT_MODEL_NAME
+    )
+    yield engine
+    engine.close()
+
+
+def test_a_cancelled_queued_sample_never_reaches_the_engine(
+    clean_redis: str, sampler: RecordingSampler
+) -> None:
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        await store.put_sampler(
+            SamplerRecord(sampler_id=SAMPLER, owner="o", session_id="sess-1", base_model="m")
+        )
+        board = FutureBoard(store)
+        lane = SamplingLane(store, sampler, board)
+        kept, cancelled = await _claim(store, 1), await _claim(store, 2)
+        poll = asyncio.create_task(
+            board.wait_until(
+                sample_futures.topic(SAMPLER, 0),
+                lambda: sample_futures.since(store, SAMPLER, 0, 0),
+                lambda found: len(found.entries) == 2,
+                timeout=60,
+            )
+        )
+        await asyncio.sleep(0)  # the poller waits before anything completes
+        assert await sample_futures.cancel(store, cancelled) == sample_futures.Outcome.CANCELLED
+        sampler.seen.clear()
+        assert await lane.serve_once() == 1
+        assert sampler.seen == [kept.request_id]
+        found = await poll  # woken by the lane's finish, not by the timeout
+        job = await store.job(kept.request_id)
+        assert job is not None and job.status == JobStatus.DONE, job.error
+        assert _ids(found) == [(cancelled.request_id, True), (kept.request_id, False)]
+        job = await store.job(kept.request_id)
+        assert job is not None and job.status == JobStatus.DONE
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
+    clean_redis: str, sampler: RecordingSampler
+) -> None:
+    """A cancel between the lane reading the queue and calling the engine (an adapter load can
+    sit in between) still keeps the sample out of the engine."""
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        await store.put_sampler(
+            SamplerRecord(sampler_id=SAMPLER, owner="o", session_id="sess-1", base_model="m")
+        )
+        lane = SamplingLane(store, sampler, FutureBoard(store))
+        kept, cancelled = await _claim(store, 1), await _claim(store, 2)
+        adapter_for = lane._adapter_for
+
+        async def cancel_meanwhile(sampler_id: str) -> str | None:
+            await sample_futures.cancel(store, cancelled)
+            return await adapter_for(sampler_id)
+
+        lane._adapter_for = cancel_meanwhile  # type: ignore[method-assign]
+        sampler.seen.clear()
+        await lane.serve_once()
+        assert sampler.seen == [kept.request_id]
+        job = await store.job(cancelled.request_id)
+        assert job is not None and job.status == JobStatus.FAILED
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_a_log_nobody_acknowledges_keeps_only_its_newest_completions(
+    clean_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that waits per request never acknowledges its log: it stays bounded."""
+    monkeypatch.setattr(sample_futures, "MAX_LOGGED", 3)
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        jobs = [await _claim(store, s) for s in range(1, 6)]
+        for job in jobs:
+            assert await sample_futures.finish(store, job, result=b"x")
+        found = await sample_futures.since(store, SAMPLER, 0, 0)
+        assert [c.request_id for c in found.entries] == [j.request_id for j in jobs[2:]]
+        assert found.cursor == 5
+        await store.close()
+
+    asyncio.run(go())
