@@ -36,8 +36,8 @@ def collect() -> Iterator[list[Any]]:
     try:
         yield opened
     finally:
-        with _lock:
-            _collectors.remove(opened)
+        with _lock:  # by identity: two collectors holding equal lists are still two
+            _collectors[:] = [c for c in _collectors if c is not opened]
 
 
 def close(clients: list[Any]) -> None:

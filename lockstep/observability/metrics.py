@@ -157,8 +157,9 @@ CLOCK_BUSY_RATIO = Gauge(
 )
 CLOCK_TOKEN_BUDGET = Gauge(
     "lockstep_clock_token_budget",
-    "Pass tokens the clock packs into one cycle now: what the engine does in --cycle-target "
-    "seconds at its measured rate, at most --token-budget.",
+    "Pass tokens one model may pack into a cycle now: while tenants share the clock, what the "
+    "engine does in --cycle-target seconds at its measured rate (or the next-largest model's "
+    "ready passes), at most --token-budget; alone, --token-budget.",
     registry=SCHEDULER,
 )
 TENANTS_WAITING = Gauge(

@@ -17,6 +17,7 @@ model's seq_ids (a request not yet arrived) stops that model until the missing r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -60,13 +61,16 @@ class CyclePlan:
     """Everything one clock cycle does. Engines consume this; nothing else decides the order.
 
     models:   each model's work, in the order the fairness rule admitted them.
-    budget:   the token budget the passes were packed under.
+    budget:   the token budget of a fused pass (--token-budget, the memory bound).
     deficits: pass tokens each model that had to wait is owed in the next cycle.
+    pace:     the most pass tokens one model could pack in this cycle (the clock's pace while
+              tenants share it; else the budget).
     """
 
     models: tuple[ModelWork, ...]
     budget: int
     deficits: dict[str, int] = field(default_factory=dict)
+    pace: int = 0
 
     @property
     def empty(self) -> bool:
@@ -222,19 +226,17 @@ def plan_cycle(
     """
     works = {m: take_model_work(m, ops, next_seq.get(m, 0)) for m, ops in queues.items() if ops}
     works = {m: w for m, w in works.items() if w.ops()}
-    budget = token_budget
+    room = pace = token_budget
     if cycle_tokens is not None:
         # No model's passes take more of the cycle than the pace or the next-largest model's
         # ready passes: tenants of like size pack whole, a heavy one cannot make its light
         # neighbours' cycles long.
         sizes = sorted((w.tokens for w in works.values()), reverse=True)
-        cap = max(cycle_tokens, sizes[1] if len(sizes) > 1 else 0)
-        budget = min(token_budget, max(1, sum(min(size, cap) for size in sizes)))
-    packer = _DeficitRoundRobin(
-        works, budget, dict(deficits or {}), _KeySpend(owners or {}, key_cap)
-    )
+        pace = min(token_budget, max(cycle_tokens, sizes[1] if len(sizes) > 1 else 0))
+        room = max(1, sum(min(size, pace) for size in sizes))
+    packer = _DeficitRoundRobin(works, room, dict(deficits or {}), _KeySpend(owners or {}, key_cap))
     packer.pack()
-    return packer.plan()
+    return dataclasses.replace(packer.plan(), budget=token_budget, pace=pace)
 
 
 class _DeficitRoundRobin:

@@ -75,7 +75,7 @@ class ClockMeter:
         self._queued_owners = set(depth)
         metrics.FUTURES_PENDING.labels("training").set(sum(depth.values()))
         metrics.TENANTS_WAITING.set(len(plan.deficits))
-        metrics.CLOCK_TOKEN_BUDGET.set(plan.budget)  # --cycle-target at the measured rate
+        metrics.CLOCK_TOKEN_BUDGET.set(plan.pace or plan.budget)
         if runs:
             span.mark("plan")
             if not plan.empty:

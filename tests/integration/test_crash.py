@@ -190,14 +190,15 @@ def test_samples_on_the_session_poller_survive_a_scheduler_kill(fresh) -> None: 
     srv = fresh("poller")
     client = tinker.ServiceClient(base_url=srv.base_url, api_key=API_KEY)
     sampler = client.create_sampling_client(base_model="Lockstep/tiny-qwen3").result()
-    params = types.SamplingParams(max_tokens=128, temperature=1.0, stop=[])
+    # 800 tokens each: seconds of decoding, so the kill lands while they are pending.
+    params = types.SamplingParams(max_tokens=800, temperature=1.0, stop=[])
     futures = [
         sampler.sample(types.ModelInput.from_ints([1 + i, 2, 3]), 1, params) for i in range(8)
     ]
-    time.sleep(0.5)  # submitted, running
+    time.sleep(0.3)  # submitted, running
     kill(serve_child(srv, "lockstep.scheduler").pid)
     assert not all(f.future().done() for f in futures), "all done before the kill"
     for future in futures:
-        assert len(future.result(timeout=240).sequences[0].tokens) == 128
+        assert len(future.result(timeout=240).sequences[0].tokens) == 800
     assert "scheduler exited" in srv.log()
     assert "/api/v1/retrieve_futures" in srv.log()

@@ -189,7 +189,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     assert PROMETHEUS is not None
     tmp = tmp_path_factory.mktemp("prometheus")
     metrics_port = free_port()
-    server = start_server(tmp / "data", "--metrics-port", str(metrics_port))
+    # Compressed fwd/bwd bodies (off by default on a loopback bind) so their panel has data.
+    server = start_server(
+        tmp / "data", "--metrics-port", str(metrics_port), "--fwdbwd-compression", "on"
+    )
     prom_port = free_port()
     _config(
         tmp / "prometheus.yml", server.base_url.removeprefix("http://"), f"127.0.0.1:{metrics_port}"
