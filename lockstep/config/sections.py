@@ -87,10 +87,10 @@ class ClockConfig:
         default=0.05,
         metadata=flag(
             "--cycle-target",
-            help="seconds of pass work one cycle aims at, beyond its fixed costs: it packs the "
-            "tokens the engine gets through in that time at its measured per-token cost (at "
-            "most --token-budget), so a heavy tenant's excess waits for later cycles; 0 = always "
-            "pack up to --token-budget",
+            help="seconds of pass work one tenant may add to a shared cycle, beyond its fixed "
+            "costs: no tenant packs more than the tokens the engine gets through in that time "
+            "at its measured per-token cost (or the next-largest tenant's ready passes), so a "
+            "heavy tenant's excess waits for later cycles; 0 = always pack up to --token-budget",
             on=SCHEDULER,
         ),
     )
