@@ -17,22 +17,9 @@ from tests.scheduler_standin import (
     TEST_API_KEY,
     StandInScheduler,
     gateway_client,
-    running_standin,
 )
 
 RUN = "sess-1:train:0"
-
-
-@pytest.fixture(scope="module")
-def standin() -> Iterator[tuple[StandInScheduler, str]]:
-    with running_standin() as running:
-        yield running
-
-
-@pytest.fixture
-def sched(standin: tuple[StandInScheduler, str]) -> StandInScheduler:
-    standin[0].reset()
-    return standin[0]
 
 
 @pytest.fixture

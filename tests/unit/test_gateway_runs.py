@@ -28,7 +28,6 @@ from tests.scheduler_standin import (
     TEST_API_KEY,
     StandInScheduler,
     gateway_client,
-    running_standin,
 )
 
 OWNER = owner_of(TEST_API_KEY)
@@ -41,18 +40,6 @@ CKPT = pb.Checkpoint(
     tinker_path=f"tinker://{RUN}/weights/ckpt-1",
     size_bytes=1234,
 )
-
-
-@pytest.fixture(scope="module")
-def standin() -> Iterator[tuple[StandInScheduler, str]]:
-    with running_standin() as running:
-        yield running
-
-
-@pytest.fixture
-def sched(standin: tuple[StandInScheduler, str]) -> StandInScheduler:
-    standin[0].reset()
-    return standin[0]
 
 
 @pytest.fixture
