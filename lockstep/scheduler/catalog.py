@@ -72,10 +72,7 @@ class Catalog:
         return rec
 
     async def owned_session(self, owner: str, session_id: str) -> SessionRecord:
-        rec = await self.store.session(session_id)
-        if rec is None or rec.owner != owner:
-            raise NotFound(f"session {session_id} does not exist")
-        return rec
+        return _owned_session(await self.store.session(session_id), owner, session_id)
 
     async def live_session(
         self, owner: str, session_id: str, field: str = "session_id"
@@ -83,13 +80,16 @@ class Catalog:
         """A session that has not ended: an ended one (closed, or silent past the expiry) is a
         permanent 400, not a 404 (its runs and checkpoints still exist)."""
         rec = await self.owned_session(owner, session_id)
-        if rec.finished:
-            raise UserInputError(
-                field,
-                f"session {session_id} has ended (closed, or no heartbeat within the expiry); "
-                "its checkpoints remain: start a new session and load them",
-            )
-        return rec
+        return _live(rec, field)
+
+    async def live_model(self, owner: str, model_id: str) -> ModelRecord:
+        """A model of `owner` whose session has not ended (what a training request needs), read
+        with its session in one round trip."""
+        model, session = await self.store.model_and_session(model_id)
+        if model is None or model.owner != owner:
+            raise NotFound(f"model {model_id} does not exist")
+        _live(_owned_session(session, owner, model.session_id), "model_id")
+        return model
 
     async def heartbeat(self, owner: str, session_id: str) -> bool:
         rec = await self.owned_session(owner, session_id)
@@ -223,3 +223,19 @@ class Catalog:
             raise NotFound(f"checkpoint {tinker_path} has no files on this server")
         files = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
         return directory, files
+
+
+def _owned_session(rec: SessionRecord | None, owner: str, session_id: str) -> SessionRecord:
+    if rec is None or rec.owner != owner:
+        raise NotFound(f"session {session_id} does not exist")
+    return rec
+
+
+def _live(rec: SessionRecord, field: str) -> SessionRecord:
+    if rec.finished:
+        raise UserInputError(
+            field,
+            f"session {rec.session_id} has ended (closed, or no heartbeat within the expiry); "
+            "its checkpoints remain: start a new session and load them",
+        )
+    return rec

@@ -20,7 +20,7 @@ from lockstep.scheduler.dispatch import CycleAborted, Dispatcher
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.outcome import NO_OUTCOME, Outcome
 from lockstep.scheduler.pace import CyclePace
-from lockstep.scheduler.planner import CyclePlan, ModelWork, plan_cycle
+from lockstep.scheduler.planner import CyclePlan, plan_cycle
 from lockstep.scheduler.records import QueuedOp
 from lockstep.scheduler.sampling_lane import SamplingLane
 from lockstep.scheduler.span import ClockMeter
@@ -98,7 +98,7 @@ class Clock:
         await self.meter.planned(span, queues, plan, runs)
         if not runs:
             return plan
-        cycle = await self.store.next_cycle()
+        cycle = await self.dispatcher.begin(plan)  # its number and payloads: one round trip
         ops = [op for work in plan.models for op in work.ops()]  # [trace hook]
         trace = tracing.begin_cycle(cycle, ops, len(plan.models), plan.tokens)  # [trace hook]
         try:
@@ -152,14 +152,15 @@ class Clock:
         return plan, queues
 
     async def commit(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
-        """Record every op's outcome, one transaction per op. A model's ops commit in seq_id
-        order (its progress only moves forward); different models commit concurrently."""
-
-        async def one_model(work: ModelWork) -> None:
-            for op in work.ops():
-                await self.store.commit(op, outcomes.get(op.request_id, NO_OUTCOME))
-
-        await asyncio.gather(*(one_model(work) for work in plan.models))
+        """Record every op's outcome, each atomically, all in one round trip; a model's ops in
+        seq_id order."""
+        await self.store.commit_cycle(
+            [
+                (op, outcomes.get(op.request_id, NO_OUTCOME))
+                for work in plan.models
+                for op in work.ops()
+            ]
+        )
 
     def notify(self, plan: CyclePlan) -> None:
         """Wake the futures waiting on this cycle's requests."""

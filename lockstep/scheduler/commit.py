@@ -1,17 +1,19 @@
-"""One transaction per op: how a cycle's outcomes reach Redis (`Store.commit` delegates here).
+"""How a cycle's outcomes reach Redis (`Store.commit_cycle` delegates here).
 
-Each op's result or error, the checkpoint / sampler / inflight records it made, its model record,
-the model's progress and its replay log are written in ONE WATCH/MULTI transaction, so a crash
-leaves all of it or none of it. Progress only moves forward, enforced here and not only by the
-order of commits: `next_seq` = max(recorded, seq_id + 1), `snapshot_seq` likewise.
+Each op's outcome is ONE Lua script: the job's result or error, the checkpoint / sampler /
+inflight records it made, its model record, the model's progress and its replay log, all or
+nothing (a crash leaves none of it; then the op runs again). A cycle sends every op's script in
+one pipeline: one round trip, and one append-only-file write for the whole cycle.
+
+Progress only moves forward, enforced inside the script and not by the order of commits:
+`next_seq` = max(recorded, seq_id + 1), `snapshot_seq` likewise.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
-
-from redis.exceptions import WatchError
 
 from lockstep.scheduler import keys
 from lockstep.scheduler.outcome import Outcome
@@ -20,15 +22,89 @@ from lockstep.vocab import CheckpointType, JobStatus, OpKind
 
 # Ops whose effect a snapshot does not yet hold are re-run from the replay log on a restore.
 REPLAYED = frozenset({OpKind.FORWARD_BACKWARD, OpKind.OPTIM_STEP})
-# The inflight weights target of a model only moves to a newer version (compare-and-set).
-ADVANCE_INFLIGHT = """
-local current = redis.call('GET', KEYS[1])
-if current and cjson.decode(current)['version'] >= tonumber(ARGV[1]) then
-  return 0
+
+# The one trim rule: replay-log entries a snapshot covers leave the log and their job keeps its
+# outcome only (the payload goes; it expires with the other results).
+_TRIM = """
+local function trim(replay, upto, job_prefix, ttl)
+  local stale = redis.call('ZRANGEBYSCORE', replay, '-inf', upto)
+  if #stale == 0 then return end
+  redis.call('ZREM', replay, unpack(stale))
+  for _, rid in ipairs(stale) do
+    redis.call('HDEL', job_prefix .. rid, 'payload')
+    redis.call('EXPIRE', job_prefix .. rid, ttl)
+  end
 end
-redis.call('SET', KEYS[1], ARGV[2])
+"""
+# The inflight weights target of a model only moves to a newer version (compare-and-set).
+_ADVANCE = """
+local function advance(key, version, record)
+  local current = redis.call('GET', key)
+  if current and cjson.decode(current)['version'] >= tonumber(version) then return 0 end
+  redis.call('SET', key, record)
+  return 1
+end
+"""
+ADVANCE_INFLIGHT = _ADVANCE + "return advance(KEYS[1], ARGV[1], ARGV[2])"
+
+# KEYS: 1 progress, 2 pending, 3 job, 4 replay, 5 model, 6 checkpoints, 7 inflight target,
+#       8 sampler, 9 session's samplers.
+# ARGV: 1 request id, 2 seq_id, 3 the outcome's snapshot_seq ('' none), 4 now, 5 result TTL,
+#       6 job key prefix, 7 replayed ('1': keep the payload in the replay log),
+#       8 model record expected ('' no change), 9 model record after,
+#       10 checkpoint id ('' none), 11 checkpoint record, 12 inflight version ('' none),
+#       13 inflight record, 14 sampler id ('' none), 15 sampler record,
+#       16.. the job's outcome fields as name, value pairs (none: a rejected op's error was
+#       written at submission).
+# Returns 1 committed, 0 committed already (no longer pending), -1 the model record changed
+# since it was read (read it again and retry).
+COMMIT_OP = (
+    _TRIM
+    + _ADVANCE
+    + """
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+if ARGV[8] ~= '' and redis.call('GET', KEYS[5]) ~= ARGV[8] then return -1 end
+local seq = tonumber(ARGV[2])
+local recorded = redis.call('HMGET', KEYS[1], 'next_seq', 'snapshot_seq')
+local progress = {'next_seq', math.max(tonumber(recorded[1]) or 0, seq + 1),
+                  'last_request_time', ARGV[4]}
+local own = tonumber(ARGV[3])
+if own then
+  local snapshot = math.max(own, tonumber(recorded[2]) or own)
+  progress[5], progress[6] = 'snapshot_seq', snapshot
+  trim(KEYS[4], snapshot, ARGV[6], ARGV[5])
+end
+if ARGV[10] ~= '' then redis.call('HSET', KEYS[6], ARGV[10], ARGV[11]) end
+if ARGV[8] ~= '' then redis.call('SET', KEYS[5], ARGV[9]) end
+if ARGV[12] ~= '' then advance(KEYS[7], ARGV[12], ARGV[13]) end
+if ARGV[14] ~= '' then
+  redis.call('SET', KEYS[8], ARGV[15])
+  redis.call('SADD', KEYS[9], ARGV[14])
+end
+if #ARGV > 15 then redis.call('HSET', KEYS[3], unpack(ARGV, 16)) end
+redis.call('ZREM', KEYS[2], ARGV[1])
+if ARGV[7] == '1' and not (own and seq <= own) then
+  redis.call('ZADD', KEYS[4], seq, ARGV[1])
+else
+  redis.call('HDEL', KEYS[3], 'payload')
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+end
+redis.call('HSET', KEYS[1], unpack(progress))
 return 1
 """
+)
+
+# KEYS: 1 progress, 2 replay. ARGV: 1 seq, 2 job key prefix, 3 result TTL. Returns the mark.
+MARK_SNAPSHOT = (
+    _TRIM
+    + """
+local mark = math.max(tonumber(ARGV[1]), tonumber(redis.call('HGET', KEYS[1], 'snapshot_seq'))
+                      or tonumber(ARGV[1]))
+redis.call('HSET', KEYS[1], 'snapshot_seq', mark)
+trim(KEYS[2], mark, ARGV[2], ARGV[3])
+return mark
+"""
+)
 
 
 def progress_of(raw: list[bytes | None]) -> tuple[int, int | None]:
@@ -36,137 +112,116 @@ def progress_of(raw: list[bytes | None]) -> tuple[int, int | None]:
     return int(raw[0] or 0), None if raw[1] is None else int(raw[1])
 
 
-async def commit_op(redis: Any, result_ttl_s: int, op: QueuedOp, outcome: Outcome) -> bool:
-    """Record one training op's outcome in ONE transaction: the job's result or error, the
-    checkpoint / sampler records it made, its model record, the model's progress and replay
-    log. A crash leaves either all of it or none of it (then the op runs again).
-
-    Progress only moves forward: `next_seq` becomes max(recorded, seq_id + 1) and
-    `snapshot_seq` max(recorded, new), so an op committed late can never move a model back.
-    Idempotent: an op no longer pending was committed already (returns False).
-    A successful forward_backward keeps its payload and joins the model's replay log until a
-    snapshot covers it; a new `snapshot_seq` empties the log up to it.
-    """
-    watched = (keys.progress(op.model_id), keys.pending(op.model_id), keys.model(op.model_id))
-    async with redis.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(*watched)
-                if await pipe.zscore(keys.pending(op.model_id), op.request_id) is None:
-                    return False
-                next_seq, snapshot_seq = progress_of(
-                    await pipe.hmget(keys.progress(op.model_id), ["next_seq", "snapshot_seq"])
-                )
-                model = await _model_after(pipe, op.model_id, outcome)
-                new_snapshot = outcome.snapshot_seq
-                if new_snapshot is not None and snapshot_seq is not None:
-                    new_snapshot = max(new_snapshot, snapshot_seq)
-                stale: list[str] = []
-                if new_snapshot is not None:
-                    stale = [
-                        r.decode()
-                        for r in await pipe.zrangebyscore(
-                            keys.replay(op.model_id), "-inf", new_snapshot
-                        )
-                    ]
-                pipe.multi()
-                _write_outcome(pipe, op, outcome, model, result_ttl_s)
-                progress: dict[str, float | int] = {
-                    "next_seq": max(next_seq, op.seq_id + 1),
-                    "last_request_time": time.time(),
-                }
-                if new_snapshot is not None:
-                    progress["snapshot_seq"] = new_snapshot
-                pipe.hset(keys.progress(op.model_id), mapping=progress)
-                _trim_replay(pipe, op.model_id, stale, result_ttl_s)
-                await pipe.execute()
-                return True
-            except WatchError:
-                continue
+async def commit_ops(
+    redis: Any, result_ttl_s: int, pairs: Sequence[tuple[QueuedOp, Outcome]]
+) -> list[bool]:
+    """Record each op's outcome (one script per op, all in one round trip), in the order given:
+    a model's ops must come in seq_id order. Idempotent: an op no longer pending was committed
+    already (False)."""
+    models = await _models_before(redis, pairs)
+    todo = list(range(len(pairs)))
+    committed = [False] * len(pairs)
+    while todo:
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in todo:
+                op, outcome = pairs[i]
+                args = _args(op, outcome, models.get(i, (b"", b"")), result_ttl_s)
+                pipe.eval(COMMIT_OP, 9, *_keys(op, outcome), *args)
+            replies = await pipe.execute()
+        retry = [i for i, reply in zip(todo, replies, strict=True) if int(reply) < 0]
+        for i, reply in zip(todo, replies, strict=True):
+            committed[i] = int(reply) == 1
+        if retry:  # a model record changed under us: read it again
+            models = await _models_before(redis, [pairs[i] for i in retry], retry)
+        todo = retry
+    return committed
 
 
-async def _model_after(pipe: Any, model_id: str, outcome: Outcome) -> ModelRecord | None:
-    """The model record as `outcome` leaves it (None: unchanged). Read under the WATCH."""
-    ckpt = outcome.checkpoint
-    if ckpt is None:
-        return None
-    raw = await pipe.get(keys.model(model_id))
-    if raw is None:
-        return None
-    model = decode(raw, ModelRecord)
-    if ckpt.checkpoint_type == CheckpointType.TRAINING:
-        model.last_checkpoint = ckpt.checkpoint_id
-    elif ckpt.checkpoint_type == CheckpointType.SAMPLER:
-        model.last_sampler_checkpoint = ckpt.checkpoint_id
-    return model
+def _keys(op: QueuedOp, outcome: Outcome) -> list[str]:
+    sampler = outcome.sampler
+    return [
+        keys.progress(op.model_id),
+        keys.pending(op.model_id),
+        keys.job(op.request_id),
+        keys.replay(op.model_id),
+        keys.model(op.model_id),
+        keys.checkpoints(op.model_id),
+        keys.inflight_target(op.model_id),
+        keys.sampler(sampler.sampler_id if sampler else ""),
+        keys.session_samplers(sampler.session_id if sampler else ""),
+    ]
 
 
-def _write_outcome(
-    pipe: Any, op: QueuedOp, outcome: Outcome, model: ModelRecord | None, result_ttl_s: int
-) -> None:
-    """Queue (inside MULTI) the job's fields, its records, and its place in the replay log."""
-    job = keys.job(op.request_id)
-    if outcome.checkpoint is not None:
-        rec = outcome.checkpoint
-        pipe.hset(keys.checkpoints(op.model_id), rec.checkpoint_id, encoder.encode(rec))
-    if model is not None:
-        pipe.set(keys.model(op.model_id), encoder.encode(model))
-    if outcome.inflight is not None:  # versions only move forward (compare-and-set)
-        t = outcome.inflight
-        pipe.eval(
-            ADVANCE_INFLIGHT, 1, keys.inflight_target(t.model_id), t.version, encoder.encode(t)
-        )
-    if outcome.sampler is not None:
-        pipe.set(keys.sampler(outcome.sampler.sampler_id), encoder.encode(outcome.sampler))
-        pipe.sadd(keys.session_samplers(outcome.sampler.session_id), outcome.sampler.sampler_id)
+def _args(
+    op: QueuedOp, outcome: Outcome, model: tuple[bytes, bytes], result_ttl_s: int
+) -> list[bytes | str | int | float]:
+    ckpt, target, sampler = outcome.checkpoint, outcome.inflight, outcome.sampler
+    before, after = model
+    args: list[bytes | str | int | float] = [
+        op.request_id,
+        op.seq_id,
+        "" if outcome.snapshot_seq is None else outcome.snapshot_seq,
+        time.time(),
+        result_ttl_s,
+        keys.job(""),
+        "1" if op.kind in REPLAYED and outcome.error is None else "0",
+        before,
+        after,
+        ckpt.checkpoint_id if ckpt else "",
+        encoder.encode(ckpt) if ckpt else b"",
+        target.version if target else "",
+        encoder.encode(target) if target else b"",
+        sampler.sampler_id if sampler else "",
+        encoder.encode(sampler) if sampler else b"",
+    ]
     if op.kind != OpKind.REJECTED:  # a rejected op's error was written at submission
-        fields: dict[str, bytes | str] = {
-            "status": JobStatus.DONE if outcome.error is None else JobStatus.FAILED
-        }
+        args += ["status", JobStatus.DONE if outcome.error is None else JobStatus.FAILED]
         if outcome.result is not None:
-            fields["result"] = outcome.result.SerializeToString()
+            args += ["result", outcome.result.SerializeToString()]
         if outcome.error is not None:
-            fields["error"] = outcome.error
-            fields["category"] = outcome.category
-        pipe.hset(job, mapping=fields)
-    pipe.zrem(keys.pending(op.model_id), op.request_id)
-    covered = outcome.snapshot_seq is not None and op.seq_id <= outcome.snapshot_seq
-    if op.kind in REPLAYED and outcome.error is None and not covered:
-        # A replay-log entry keeps its payload until a snapshot covers it.
-        pipe.zadd(keys.replay(op.model_id), {op.request_id: op.seq_id})
-    else:
-        pipe.hdel(job, "payload")
-        pipe.expire(job, result_ttl_s)
+            args += ["error", outcome.error, "category", outcome.category]
+    return args
+
+
+async def _models_before(
+    redis: Any, pairs: Sequence[tuple[QueuedOp, Outcome]], index: Sequence[int] | None = None
+) -> dict[int, tuple[bytes, bytes]]:
+    """For each op that registers a checkpoint: its model record as read now (or as the op
+    before it in this batch leaves it) and as the op leaves it. One read for the batch."""
+    at = range(len(pairs)) if index is None else index
+    saves = [(i, op, o.checkpoint) for i, (op, o) in zip(at, pairs, strict=True) if o.checkpoint]
+    if not saves:
+        return {}
+    ids = sorted({op.model_id for _, op, _ in saves})
+    async with redis.pipeline(transaction=False) as pipe:
+        for model_id in ids:
+            pipe.get(keys.model(model_id))
+        current: dict[str, bytes | None] = dict(zip(ids, await pipe.execute(), strict=True))
+    out: dict[int, tuple[bytes, bytes]] = {}
+    for i, op, ckpt in saves:
+        raw = current[op.model_id]
+        if raw is None:
+            continue
+        model = decode(raw, ModelRecord)
+        if ckpt.checkpoint_type == CheckpointType.TRAINING:
+            model.last_checkpoint = ckpt.checkpoint_id
+        elif ckpt.checkpoint_type == CheckpointType.SAMPLER:
+            model.last_sampler_checkpoint = ckpt.checkpoint_id
+        out[i] = (raw, encoder.encode(model))
+        current[op.model_id] = out[i][1]  # the next save of this model in the batch starts here
+    return out
 
 
 async def mark_snapshot(redis: Any, result_ttl_s: int, model_id: str, seq: int) -> int:
     """Record a snapshot finished in the background: `snapshot_seq` = max(recorded, seq)
-    and the replay log trimmed up to it, in one transaction. Returns the recorded mark."""
-    async with redis.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(keys.progress(model_id))
-                _, current = progress_of(
-                    await pipe.hmget(keys.progress(model_id), ["next_seq", "snapshot_seq"])
-                )
-                mark = seq if current is None else max(seq, current)
-                stale = [
-                    r.decode()
-                    for r in await pipe.zrangebyscore(keys.replay(model_id), "-inf", mark)
-                ]
-                pipe.multi()
-                pipe.hset(keys.progress(model_id), "snapshot_seq", mark)
-                _trim_replay(pipe, model_id, stale, result_ttl_s)
-                await pipe.execute()
-                return mark
-            except WatchError:
-                continue
-
-
-def _trim_replay(pipe: Any, model_id: str, stale: list[str], result_ttl_s: int) -> None:
-    if not stale:
-        return
-    pipe.zrem(keys.replay(model_id), *stale)
-    for rid in stale:
-        pipe.hdel(keys.job(rid), "payload")
-        pipe.expire(keys.job(rid), result_ttl_s)
+    and the replay log trimmed up to it, in one script. Returns the recorded mark."""
+    mark = await redis.eval(
+        MARK_SNAPSHOT,
+        2,
+        keys.progress(model_id),
+        keys.replay(model_id),
+        seq,
+        keys.job(""),
+        result_ttl_s,
+    )
+    return int(mark)

@@ -29,6 +29,7 @@ from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, ephemeral_dir
 from lockstep.scheduler import custom_losses, encryption, storage, tracing, translate
 from lockstep.scheduler.cadence import SnapshotCadence
+from lockstep.scheduler.decoded import DecodedPasses
 from lockstep.scheduler.outcome import Outcome, failure
 from lockstep.scheduler.planner import CyclePlan
 from lockstep.scheduler.poison import PoisonHunt
@@ -69,8 +70,13 @@ class Dispatcher:
         data_dir: Path,
         max_resident: int = 0,
         snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S,
+        decoded: DecodedPasses | None = None,
     ) -> None:
         self.store = store
+        # Passes validated and decoded at submission (run as they are); payloads of the rest,
+        # read for the whole cycle in one round trip (`begin`).
+        self.decoded = decoded or DecodedPasses()
+        self._payloads: dict[str, bytes] = {}
         self.engine = engine
         self.data_dir = data_dir
         # Paging restores a model from its snapshot + replay log: keep page-ins cheap.
@@ -90,6 +96,14 @@ class Dispatcher:
     async def _call(self, fn, *args):
         with metrics.engine_call("trainer", fn.__name__):
             return await asyncio.to_thread(fn, *args)
+
+    async def begin(self, plan: CyclePlan) -> int:
+        """Number the cycle and read the payloads it needs (not decoded already): one round
+        trip."""
+        ops = [*plan.pre, *plan.passes, *plan.optims, *plan.post]
+        unread = [op.request_id for op in ops if op.request_id not in self.decoded]
+        cycle, self._payloads = await self.store.begin_cycle(unread)
+        return cycle
 
     async def run(self, plan: CyclePlan, cycle: int) -> dict[str, Outcome]:
         """Execute the plan; one Outcome per op. A model whose state cannot be restored fails
@@ -243,10 +257,22 @@ class Dispatcher:
             await self._call(self.engine.run_passes, passes)
 
     async def _request(self, op: QueuedOp) -> pb.SubmitRequest:
-        job = await self.store.job(op.request_id)
-        if job is None:
-            raise RuntimeError(f"job {op.request_id} vanished from the store")
-        return pb.SubmitRequest.FromString(job.payload)
+        payload = self._payloads.pop(op.request_id, None)
+        if payload is None:  # not read with its cycle (a re-run after an abort)
+            job = await self.store.job(op.request_id)
+            if job is None:
+                raise RuntimeError(f"job {op.request_id} vanished from the store")
+            payload = job.payload
+        return pb.SubmitRequest.FromString(payload)
+
+    async def _pass(self, op: QueuedOp) -> PassRequest:
+        """The pass as validated at submission, or decoded from its payload."""
+        held = self.decoded.take(op.request_id)
+        if held is not None:
+            return held
+        pass_req = translate.pass_request(op.request_id, (await self._request(op)).forward_backward)
+        await custom_losses.attach(self.store, pass_req)
+        return pass_req
 
     async def _single(self, op: QueuedOp) -> Outcome:
         """An op that runs alone (create, load, save), through its handler."""
@@ -354,10 +380,7 @@ class Dispatcher:
                 outcomes[op.request_id] = Outcome(error=refused, category=ErrorCategory.USER)
                 continue
             try:
-                req = await self._request(op)
-                pass_req = translate.pass_request(op.request_id, req.forward_backward)
-                await custom_losses.attach(self.store, pass_req)
-                requests.append(pass_req)
+                requests.append(await self._pass(op))
             except Exception as exc:
                 outcomes[op.request_id] = failure(exc)
         results: list[PassResult] = []

@@ -95,25 +95,37 @@ async def finish(
     category: ErrorCategory = ErrorCategory.USER,
 ) -> bool:
     """Write a sample's outcome unless it has one (then only dequeue it). True: written."""
-    failed = error is not None
-    written = await store.redis.eval(
-        _FINISH,
-        4,
-        keys.job(job.request_id),
-        keys.SAMPLE_QUEUE,
-        keys.sample_done(job.model_id, clone_of(job.seq_id)),
-        keys.sample_done_cursor(job.model_id, clone_of(job.seq_id)),
-        job.request_id,
-        JobStatus.FAILED if failed else JobStatus.DONE,
-        store.result_ttl_s,
-        result or b"",
-        error or "",
-        category,
-        LogState.FAILED if failed else LogState.FINISHED,
-        0 if failed else len(result or b""),
-        MAX_LOGGED,
-    )
-    return bool(written)
+    (written,) = await finish_all(store, [(job, result, error)], category)
+    return written
+
+
+async def finish_all(
+    store: Store,
+    done: list[tuple[Job, bytes | None, str | None]],
+    category: ErrorCategory = ErrorCategory.USER,
+) -> list[bool]:
+    """`finish` for each (job, result, error), in one round trip."""
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for job, result, error in done:
+            failed = error is not None
+            pipe.eval(
+                _FINISH,
+                4,
+                keys.job(job.request_id),
+                keys.SAMPLE_QUEUE,
+                keys.sample_done(job.model_id, clone_of(job.seq_id)),
+                keys.sample_done_cursor(job.model_id, clone_of(job.seq_id)),
+                job.request_id,
+                JobStatus.FAILED if failed else JobStatus.DONE,
+                store.result_ttl_s,
+                result or b"",
+                error or "",
+                category,
+                LogState.FAILED if failed else LogState.FINISHED,
+                0 if failed else len(result or b""),
+                MAX_LOGGED,
+            )
+        return [bool(w) for w in await pipe.execute()]
 
 
 async def cancel(store: Store, job: Job) -> Outcome:

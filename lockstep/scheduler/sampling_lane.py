@@ -54,6 +54,7 @@ class SamplingLane:
         self.wake = asyncio.Event()
         self._stopping = False
         self._loaded: set[str] = set()
+        self.adapter_loads = 0  # adapters loaded on demand so far (each one waits)
         self._engine_lock = asyncio.Lock()
         self.accounting: Accounting | None = None  # tenancy: set by the scheduler server
         self._serving: dict[str, InflightTarget] = {}  # model -> newest loaded inflight version
@@ -174,6 +175,7 @@ class SamplingLane:
                 await asyncio.to_thread(self.engine.load_adapter, adapter_id, directory)
         metrics.adapter_published(timer.seconds)
         self._loaded.add(adapter_id)
+        self.adapter_loads += 1
 
     async def unload(self, adapter_ids: list[str]) -> None:
         """Tenancy: a session ended; its adapters leave the sampler (a later sample that needs
@@ -224,21 +226,26 @@ class SamplingLane:
         jobs: list[Job] = []
         requests: list[SampleRequest] = []
         topk: list[int] = []
-        for job in await self.store.jobs(request_ids):
+        read = await self.store.jobs(request_ids)
+        samples = {job.request_id: pb.SubmitRequest.FromString(job.payload).sample for job in read}
+        samplers = await self.store.samplers({s.sampling_session_id for s in samples.values()})
+        loads = self.adapter_loads
+        refused: list[tuple[Job, str]] = []
+        for job in read:
             if job.status != JobStatus.PENDING:  # finished, or cancelled: only dequeue it
                 await sample_futures.finish(self.store, job)
                 continue
-            refused = self.poison.verdict(job.request_id)
-            if refused is not None:  # it killed the sampler on its own: never run again
-                await self._finish(job, error=refused)
-                metrics.sample_failed([job.owner])
+            verdict = self.poison.verdict(job.request_id)
+            if verdict is not None:  # it killed the sampler on its own: never run again
+                refused.append((job, verdict))
                 continue
+            sample = samples[job.request_id]
             try:
-                sample = pb.SubmitRequest.FromString(job.payload).sample
-                adapter_id = await self._adapter_for(sample.sampling_session_id)
+                adapter_id = await self._adapter_for(
+                    sample.sampling_session_id, samplers.get(sample.sampling_session_id)
+                )
             except (LookupError, RuntimeError) as exc:
-                await self._finish(job, error=str(exc))
-                metrics.sample_failed([job.owner])
+                refused.append((job, str(exc)))
                 continue
             jobs.append(job)
             request = translate.sample_request(job.request_id, sample, adapter_id)
@@ -246,15 +253,23 @@ class SamplingLane:
             request.cache_namespace = sample.sampling_session_id
             requests.append(request)
             topk.append(sample.topk_prompt_logprobs)
+        if refused:
+            await self._finish_all([(job, None, error) for job, error in refused])
+            metrics.sample_failed([job.owner for job, _ in refused])
         batch = list(zip(jobs, requests, topk, strict=True))
+        # A cancel can only land between the batch's read and an engine call that waited (an
+        # adapter load, an earlier call of the batch): only then are statuses read again.
+        recheck = self.adapter_loads != loads
         for call in self.poison.calls([r.request_id for r in requests], batch):
-            await self._sample(call)
+            await self._sample(call, recheck)
+            recheck = True
         return len(request_ids)
 
-    async def _sample(self, call: list[tuple[Job, SampleRequest, int]]) -> None:
+    async def _sample(self, call: list[tuple[Job, SampleRequest, int]], recheck: bool) -> None:
         """One engine call; its samples are answered before the next call runs, so a later call
         that kills the engine leaves only its own samples (and those after it) queued."""
-        call = await self._live(call)
+        if recheck:
+            call = await self._live(call)
         if not call:
             return
         jobs = [job for job, _, _ in call]
@@ -272,26 +287,26 @@ class SamplingLane:
         metrics.sampled([job.owner for job in jobs], results, timer.seconds)
         if self.accounting is not None:  # tenancy: usage per key
             await self.accounting.on_sampled(jobs, requests, results)
-        for (job, _, k), result in zip(call, results, strict=True):
-            if result.error is not None:
-                await self._finish(job, error=result.error)
-            else:
-                response = translate.sample_response(result, k)
-                await self._finish(job, result=pb.JobResult(sample=response))
+        await self._finish_all(
+            [
+                (job, None, result.error)
+                if result.error is not None
+                else (job, pb.JobResult(sample=translate.sample_response(result, k)), None)
+                for (job, _, k), result in zip(call, results, strict=True)
+            ]
+        )
         jobs_done = [(j.request_id, j.model_id, j.seq_id) for j in jobs]  # [trace hook]
         await tracing.sampled(jobs_done, started)  # [trace hook]
 
     async def _live(
         self, call: list[tuple[Job, SampleRequest, int]]
     ) -> list[tuple[Job, SampleRequest, int]]:
-        """The call without the samples cancelled since the batch was read (an adapter load or
-        an earlier call of the batch can take a while): a cancelled sample never reaches the
-        engine."""
+        """The call without the samples cancelled since the batch was read: a cancelled sample
+        never reaches the engine."""
         live = await sample_futures.pending(self.store, [job.request_id for job, _, _ in call])
         return [item for item in call if item[0].request_id in live]
 
-    async def _adapter_for(self, sampler_id: str) -> str | None:
-        sampler = await self.store.sampler(sampler_id)
+    async def _adapter_for(self, sampler_id: str, sampler: SamplerRecord | None) -> str | None:
         if sampler is None:
             raise LookupError(f"sampling_session_id: {sampler_id} does not exist")
         if sampler.inflight_model is not None:
@@ -301,10 +316,14 @@ class SamplingLane:
         await self._ensure_adapter(sampler.adapter_id, Path(sampler.adapter_dir))
         return sampler.adapter_id
 
-    async def _finish(
-        self, job: Job, result: pb.JobResult | None = None, error: str | None = None
-    ) -> None:
-        await sample_futures.finish(
-            self.store, job, result=result.SerializeToString() if result else None, error=error
+    async def _finish_all(self, done: list[tuple[Job, pb.JobResult | None, str | None]]) -> None:
+        """Answer these samples (one round trip) and wake their futures."""
+        await sample_futures.finish_all(
+            self.store,
+            [
+                (job, result.SerializeToString() if result else None, error)
+                for job, result, error in done
+            ],
         )
-        self.board.notify(job.request_id, sample_futures.job_topic(job))
+        for job, _, _ in done:
+            self.board.notify(job.request_id, sample_futures.job_topic(job))

@@ -33,6 +33,7 @@ from lockstep.scheduler import tracing
 from lockstep.scheduler.accounting import Accounting
 from lockstep.scheduler.catalog import Catalog
 from lockstep.scheduler.clock import Clock
+from lockstep.scheduler.decoded import DecodedPasses
 from lockstep.scheduler.dispatch import Dispatcher
 from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.sampling_lane import SamplingLane
@@ -160,12 +161,14 @@ def assemble(
     card = trainer.card()
     board = FutureBoard(store)
     lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
+    decoded = DecodedPasses()  # validated at submission, run by dispatch as they are
     dispatcher = Dispatcher(
         store,
         trainer,
         cfg.data_dir,
         cfg.tenancy.max_resident_models,
         cfg.engine.snapshot_interval_s,
+        decoded,
     )
     clock = Clock(
         store,
@@ -190,6 +193,7 @@ def assemble(
         on_sample=lane.wake.set,
         limits=cfg.limits,
         memory_budget=trainer.memory_budget(),
+        decoded=decoded,
     )
     return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
 

@@ -7,17 +7,15 @@ retried request finds the first request id instead of enqueueing twice.
 
 from __future__ import annotations
 
-import hashlib
 import time
-import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
-from lockstep.scheduler import keys, redis_conn
-from lockstep.scheduler.commit import ADVANCE_INFLIGHT, commit_op, mark_snapshot, progress_of
+from lockstep.scheduler import claims, commit, keys, redis_conn
+from lockstep.scheduler.claims import TrainingClaim, new_request_id
 from lockstep.scheduler.outcome import Outcome
 from lockstep.scheduler.records import (
     CheckpointRecord,
@@ -36,23 +34,39 @@ R = TypeVar("R")
 
 # Completed futures stay retrievable this long (the SDK may re-poll after a transport error).
 RESULT_TTL_SECONDS = 7 * 24 * 3600
-# Drop a model from the active set only if its pending queue is (still) empty, atomically.
-_SREM_IF_IDLE = """
-if redis.call('ZCARD', KEYS[2]) == 0 then
-  return redis.call('SREM', KEYS[1], ARGV[1])
-end
-return 0
+# A model's record and its session's (the session id is in the model record).
+_MODEL_AND_SESSION = """
+local model = redis.call('GET', KEYS[1])
+if not model then return {false, false} end
+return {model, redis.call('GET', ARGV[1] .. cjson.decode(model)['session_id'])}
 """
-
-# Replace the inflight target only with a newer version (cjson reads the stored record).
-
-
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex[:16]}"
-
-
-def digest(payload: bytes) -> str:
-    return hashlib.sha256(payload).hexdigest()
+# Every active model's queue in one read: {model id, next_seq, request id, seq, kind, tokens,
+# ...} per model with queued requests. A model with an empty queue (or no record: it can never
+# run) leaves the active set in the same atomic step, so a request claimed meanwhile (it re-adds
+# the model) is never lost. ARGV: the model, pending, progress and job key prefixes.
+_QUEUES = """
+local out = {}
+for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local entries = {}
+  if redis.call('EXISTS', ARGV[1] .. m) == 1 then
+    entries = redis.call('ZRANGE', ARGV[2] .. m, 0, -1, 'WITHSCORES')
+  end
+  if #entries == 0 then
+    redis.call('SREM', KEYS[1], m)
+  else
+    local row = {m, redis.call('HGET', ARGV[3] .. m, 'next_seq') or '0'}
+    for i = 1, #entries, 2 do
+      local f = redis.call('HMGET', ARGV[4] .. entries[i], 'kind', 'tokens')
+      row[#row + 1] = entries[i]
+      row[#row + 1] = entries[i + 1]
+      row[#row + 1] = f[1] or ''
+      row[#row + 1] = f[2] or '0'
+    end
+    out[#out + 1] = row
+  end
+end
+return out
+"""
 
 
 @dataclass
@@ -84,18 +98,6 @@ JOB_OUTCOME_FIELDS = (
     "category",
     "tokens",
 )
-
-
-class ClaimConflict(Exception):
-    """A different payload was submitted under an already used (model, seq_id)."""
-
-
-class TenantLimitReached(Exception):
-    """A new training run would pass a tenant quota (Limits.max_tenants[_per_key])."""
-
-    def __init__(self, limit: str, count: int, most: int) -> None:
-        super().__init__(f"{limit}: {count} runs, at most {most}")
-        self.limit, self.count, self.most = limit, count, most
 
 
 class Store:
@@ -148,6 +150,18 @@ class Store:
     async def model(self, model_id: str) -> ModelRecord | None:
         return await self._get(keys.model(model_id), ModelRecord)
 
+    async def model_and_session(
+        self, model_id: str
+    ) -> tuple[ModelRecord | None, SessionRecord | None]:
+        """A model's record and its session's, in one round trip."""
+        model, session = await self.redis.eval(
+            _MODEL_AND_SESSION, 1, keys.model(model_id), keys.session("")
+        )
+        return (
+            None if model is None else decode(model, ModelRecord),
+            None if session is None else decode(session, SessionRecord),
+        )
+
     async def owner_runs(self, owner: str, offset: int, limit: int) -> tuple[list[str], int]:
         key = keys.owner_runs(owner)
         ids = await self.redis.zrevrange(key, offset, offset + max(limit, 1) - 1)
@@ -165,12 +179,22 @@ class Store:
     async def sampler(self, sampler_id: str) -> SamplerRecord | None:
         return await self._get(keys.sampler(sampler_id), SamplerRecord)
 
+    async def samplers(self, sampler_ids: Iterable[str]) -> dict[str, SamplerRecord]:
+        """The sampler records that exist, in one round trip."""
+        ids = sorted(sampler_ids)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for sampler_id in ids:
+                pipe.get(keys.sampler(sampler_id))
+            raws = await pipe.execute()
+        found = zip(ids, raws, strict=True)
+        return {i: decode(raw, SamplerRecord) for i, raw in found if raw is not None}
+
     # ------------------------------------------------------------------ checkpoints
     async def advance_inflight_target(self, target: InflightTarget) -> bool:
         """Point the model's inflight target at `target` unless it already holds that version or
         a newer one (versions only move forward). Returns whether it moved."""
         moved = await self.redis.eval(
-            ADVANCE_INFLIGHT,
+            commit.ADVANCE_INFLIGHT,
             1,
             keys.inflight_target(target.model_id),
             target.version,
@@ -197,142 +221,31 @@ class Store:
         return bool(await self.redis.hdel(keys.checkpoints(model_id), checkpoint_id))
 
     # ------------------------------------------------------------------ submissions
-    async def claim_training(
-        self,
-        *,
-        owner: str,
-        model_id: str,
-        seq_id: int,
-        kind: OpKind,
-        payload: bytes,
-        tokens: int,
-        new_model: ModelRecord | None = None,
-        rejection: str | None = None,
-        identity: bytes | None = None,
-        max_runs_per_key: int = 0,
-        max_runs: int = 0,
-    ) -> tuple[str, bool]:
-        """Enqueue a training request exactly once.
+    async def claim_training(self, claim: TrainingClaim) -> tuple[str, bool]:
+        """Enqueue a training request exactly once (one script, `claims`).
 
-        With `rejection`, the request is recorded as failed (kind REJECTED) but still takes its
-        place in the model's queue, so the seq_ids after it are not held back.
-
-        Returns (request_id, created). A retry with the same payload returns the first request id
-        with created=False; a different payload under the same key raises ClaimConflict.
-        `new_model` is written in the same transaction (create_model / create-via-load).
-        `identity` (default: the payload) is what a retry must repeat to count as the same request.
-        A `new_model` is refused with TenantLimitReached when its key already has
-        `max_runs_per_key` runs or the server `max_runs` (0 = no limit). The counts are read
-        under the same WATCH as the claim, so concurrent creations cannot overshoot: if another
-        run is created between the read and the write, the transaction retries and re-counts.
+        With `claim.rejection`, the request is recorded as failed (kind REJECTED) but still
+        takes its place in the model's queue, so the seq_ids after it are not held back.
+        Returns (request_id, created). A retry with the same payload (or `identity`) returns the
+        first request id with created=False; a different one under the same key raises
+        ClaimConflict. A full queue raises QueueFull; a `new_model` past a run quota,
+        TenantLimitReached.
         """
-        claim = keys.seq_claim(model_id, seq_id)
-        want = digest(payload if identity is None else identity)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    if new_model is None:
-                        await pipe.watch(claim)
-                    else:
-                        await pipe.watch(claim, keys.owner_runs(owner), keys.ALL_MODELS)
-                    existing = await pipe.get(claim)
-                    if existing is not None:
-                        rid = existing.decode()
-                        old = await self.redis.hget(keys.job(rid), "digest")
-                        if old is not None and old.decode() != want:
-                            raise ClaimConflict(rid)
-                        return rid, False
-                    if new_model is not None:
-                        await self._check_run_quota(pipe, owner, max_runs_per_key, max_runs)
-                    rid = new_request_id()
-                    pipe.multi()
-                    pipe.set(claim, rid)
-                    fields = self._job_fields(
-                        rid, kind, owner, model_id, seq_id, want, payload, tokens
-                    )
-                    if rejection is not None:
-                        fields.update(
-                            kind=OpKind.REJECTED,
-                            status=JobStatus.FAILED,
-                            error=rejection,
-                            category=ErrorCategory.USER,
-                            payload=b"",
-                        )
-                    pipe.hset(keys.job(rid), mapping=fields)
-                    pipe.zadd(keys.pending(model_id), {rid: seq_id})
-                    pipe.sadd(keys.ACTIVE_MODELS, model_id)
-                    if new_model is not None:
-                        pipe.set(keys.model(model_id), encoder.encode(new_model))
-                        pipe.sadd(keys.session_models(new_model.session_id), model_id)
-                        pipe.zadd(keys.owner_runs(owner), {model_id: new_model.created})
-                        pipe.sadd(keys.ALL_MODELS, model_id)
-                    await pipe.execute()
-                    return rid, True
-                except WatchError:
-                    continue
-
-    @staticmethod
-    async def _check_run_quota(pipe: Any, owner: str, per_key: int, total: int) -> None:
-        """Inside claim_training's WATCH (the pipeline still runs commands immediately)."""
-        if per_key and (mine := int(await pipe.zcard(keys.owner_runs(owner)))) >= per_key:
-            raise TenantLimitReached("max_tenants_per_key", mine, per_key)
-        if total and (everyone := int(await pipe.scard(keys.ALL_MODELS))) >= total:
-            raise TenantLimitReached("max_tenants", everyone, total)
+        return await claims.claim_training(self.redis, claim)
 
     async def claim_sample(
-        self, *, owner: str, sampler_id: str, seq_id: int, payload: bytes
+        self, *, owner: str, sampler_id: str, seq_id: int, payload: bytes, backlog: int = 0
     ) -> tuple[str, bool]:
-        claim = keys.sample_claim(sampler_id, seq_id)
-        want = digest(payload)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(claim)
-                    existing = await pipe.get(claim)
-                    if existing is not None:
-                        rid = existing.decode()
-                        old = await self.redis.hget(keys.job(rid), "digest")
-                        if old is not None and old.decode() != want:
-                            raise ClaimConflict(rid)
-                        return rid, False
-                    rid = new_request_id()
-                    pipe.multi()
-                    pipe.set(claim, rid, ex=self.result_ttl_s)
-                    pipe.hset(
-                        keys.job(rid),
-                        mapping=self._job_fields(
-                            rid, "sample", owner, sampler_id, seq_id, want, payload, 0
-                        ),
-                    )
-                    pipe.rpush(keys.SAMPLE_QUEUE, rid)
-                    await pipe.execute()
-                    return rid, True
-                except WatchError:
-                    continue
-
-    @staticmethod
-    def _job_fields(
-        rid: str,
-        kind: str,
-        owner: str,
-        model_id: str,
-        seq_id: int,
-        want: str,
-        payload: bytes,
-        tokens: int,
-    ) -> dict[str, bytes | str | int | float]:
-        return {
-            "request_id": rid,
-            "kind": kind,
-            "owner": owner,
-            "model_id": model_id,
-            "seq_id": seq_id,
-            "digest": want,
-            "payload": payload,
-            "status": "pending",
-            "tokens": tokens,
-            "created": time.time(),
-        }
+        """Queue a sample request exactly once; QueueFull past `backlog` queued samples."""
+        return await claims.claim_sample(
+            self.redis,
+            owner=owner,
+            sampler_id=sampler_id,
+            seq_id=seq_id,
+            payload=payload,
+            backlog=backlog,
+            ttl_s=self.result_ttl_s,
+        )
 
     async def job(self, request_id: str, payload: bool = True) -> Job | None:
         """The job; without its payload (`payload=False`: futures only need the outcome, and a
@@ -343,63 +256,50 @@ class Store:
         else:
             values = await self.redis.hmget(keys.job(request_id), JOB_OUTCOME_FIELDS)
             f = {k: v for k, v in zip(JOB_OUTCOME_FIELDS, values, strict=True) if v is not None}
-        if not f:
-            return None
-        text = lambda name: f[name].decode() if name in f else None  # noqa: E731
-        return Job(
-            request_id=request_id,
-            kind=OpKind(text("kind") or OpKind.SAMPLE),
-            owner=text("owner") or "",
-            model_id=text("model_id") or "",
-            seq_id=int(f.get("seq_id", b"0")),
-            digest=text("digest") or "",
-            payload=f.get("payload", b""),
-            status=JobStatus(text("status") or JobStatus.PENDING),
-            result=f.get("result"),
-            error=text("error"),
-            category=ErrorCategory(f["category"].decode()) if "category" in f else None,
-            tokens=int(f.get("tokens", b"0")),
-        )
+        return _job(request_id, f) if f else None
 
     async def jobs(self, request_ids: list[str]) -> list[Job]:
-        out = []
-        for rid in request_ids:
-            job = await self.job(rid)
-            if job is not None:
-                out.append(job)
-        return out
+        """The jobs that exist, payloads included, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in request_ids:
+                pipe.hgetall(keys.job(rid))
+            raws = await pipe.execute()
+        return [
+            _job(rid, {k.decode(): v for k, v in raw.items()})
+            for rid, raw in zip(request_ids, raws, strict=True)
+            if raw
+        ]
 
     # ------------------------------------------------------------------ the clock's view
     async def queued_ops(self) -> tuple[dict[str, list[QueuedOp]], dict[str, int]]:
-        """Every active model's queued requests in seq order, and each model's next seq_id."""
-        model_ids = sorted(m.decode() for m in await self.redis.smembers(keys.ACTIVE_MODELS))
+        """Every active model's queued requests in seq order, and each model's next seq_id:
+        one script, one round trip."""
+        rows = await self.redis.eval(
+            _QUEUES,
+            1,
+            keys.ACTIVE_MODELS,
+            keys.model(""),
+            keys.pending(""),
+            keys.progress(""),
+            keys.job(""),
+        )
         queues: dict[str, list[QueuedOp]] = {}
         next_seq: dict[str, int] = {}
-        for model_id in model_ids:
-            entries = await self.redis.zrange(keys.pending(model_id), 0, -1, withscores=True)
-            rec = await self.model(model_id)
-            if rec is None:
-                await self.redis.srem(keys.ACTIVE_MODELS, model_id)
-                continue
-            if not entries:
-                # Only while still idle: a request claimed since the ZRANGE above (it re-adds the
-                # model) must keep it active, or it would wait for the model's next submission.
-                await self.redis.eval(
-                    _SREM_IF_IDLE, 2, keys.ACTIVE_MODELS, keys.pending(model_id), model_id
+        for row in sorted(rows, key=lambda r: r[0]):
+            model_id = row[0].decode()
+            next_seq[model_id] = int(row[1])
+            # A queue entry whose job record is gone can never run: it holds its seq_id like a
+            # rejected request instead of stalling the model behind it forever.
+            queues[model_id] = [
+                QueuedOp(
+                    rid.decode(),
+                    model_id,
+                    int(float(seq)),
+                    OpKind(kind.decode()) if kind else OpKind.REJECTED,
+                    int(tokens),
                 )
-                continue
-            ops: list[QueuedOp] = []
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for rid, _ in entries:
-                    pipe.hmget(keys.job(rid.decode()), ["kind", "tokens"])
-                fields = await pipe.execute()
-            for (rid, seq), (kind, tokens) in zip(entries, fields, strict=True):
-                # A queue entry whose job record is gone can never run: it holds its seq_id
-                # like a rejected request instead of stalling the model behind it forever.
-                known = OpKind(kind.decode()) if kind else OpKind.REJECTED
-                ops.append(QueuedOp(rid.decode(), model_id, int(seq), known, int(tokens or 0)))
-            queues[model_id] = ops
-            next_seq[model_id] = (await self.progress(model_id))[0]
+                for rid, seq, kind, tokens in zip(*[iter(row[2:])] * 4, strict=True)
+            ]
         return queues, next_seq
 
     async def owners(self, model_ids: list[str]) -> dict[str, str]:
@@ -417,20 +317,34 @@ class Store:
     async def next_cycle(self) -> int:
         return int(await self.redis.incr(keys.CLOCK))
 
+    async def begin_cycle(self, request_ids: Sequence[str]) -> tuple[int, dict[str, bytes]]:
+        """The new cycle's number and the payloads of its requests, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.incr(keys.CLOCK)
+            for rid in request_ids:
+                pipe.hget(keys.job(rid), "payload")
+            cycle, *payloads = await pipe.execute()
+        found = zip(request_ids, payloads, strict=True)
+        return int(cycle), {rid: p for rid, p in found if p is not None}
+
     async def progress(self, model_id: str) -> tuple[int, int | None]:
         """(next_seq, snapshot_seq) of a model."""
-        return progress_of(
+        return commit.progress_of(
             await self.redis.hmget(keys.progress(model_id), ["next_seq", "snapshot_seq"])
         )
 
+    async def commit_cycle(self, pairs: Sequence[tuple[QueuedOp, Outcome]]) -> list[bool]:
+        """Record each op's outcome, each atomically (`commit.commit_ops`), all in one round
+        trip; a model's ops come in seq_id order. False: that op was committed already."""
+        return await commit.commit_ops(self.redis, self.result_ttl_s, pairs)
+
     async def commit(self, op: QueuedOp, outcome: Outcome) -> bool:
-        """Record one op's outcome in ONE transaction (`commit.commit_op`); progress only moves
-        forward. False: the op was committed already."""
-        return await commit_op(self.redis, self.result_ttl_s, op, outcome)
+        """Record one op's outcome (see `commit_cycle`)."""
+        return (await self.commit_cycle([(op, outcome)]))[0]
 
     async def mark_snapshot(self, model_id: str, seq: int) -> int:
         """Record a snapshot finished in the background (`commit.mark_snapshot`)."""
-        return await mark_snapshot(self.redis, self.result_ttl_s, model_id, seq)
+        return await commit.mark_snapshot(self.redis, self.result_ttl_s, model_id, seq)
 
     async def finished_job(
         self, kind: OpKind, owner: str, result: pb.JobResult, model_id: str = ""
@@ -471,3 +385,22 @@ class Store:
 
     async def queued_samples(self, limit: int) -> list[str]:
         return [r.decode() for r in await self.redis.lrange(keys.SAMPLE_QUEUE, 0, limit - 1)]
+
+
+def _job(request_id: str, f: dict[str, bytes]) -> Job:
+    """A job from its hash fields (all or some of them)."""
+    text = lambda name: f[name].decode() if name in f else None  # noqa: E731
+    return Job(
+        request_id=request_id,
+        kind=OpKind(text("kind") or OpKind.SAMPLE),
+        owner=text("owner") or "",
+        model_id=text("model_id") or "",
+        seq_id=int(f.get("seq_id", b"0")),
+        digest=text("digest") or "",
+        payload=f.get("payload", b""),
+        status=JobStatus(text("status") or JobStatus.PENDING),
+        result=f.get("result"),
+        error=text("error"),
+        category=ErrorCategory(f["category"].decode()) if "category" in f else None,
+        tokens=int(f.get("tokens", b"0")),
+    )

@@ -10,24 +10,36 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from lockstep.config import Limits
 from lockstep.engine import losses, memory
 from lockstep.engine.interface import UserInputError
-from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
+from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard, PassRequest
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler import encryption, tracing, translate
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
+from lockstep.scheduler.claims import ClaimConflict, QueueFull, TenantLimitReached, TrainingClaim
 from lockstep.scheduler.custom_losses import CustomLosses
+from lockstep.scheduler.decoded import DecodedPasses
 from lockstep.scheduler.records import LoraRecord, ModelRecord
-from lockstep.scheduler.store import ClaimConflict, Store, TenantLimitReached
+from lockstep.scheduler.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 from lockstep.wire.v1 import tinker_pb2 as wire
 
-# What a training submission queues: (model_id, seq_id, kind, pass tokens, new model record).
-Claim = tuple[str, int, str, int, ModelRecord | None]
+
+class Claim(NamedTuple):
+    """What a training submission queues."""
+
+    model_id: str
+    seq_id: int
+    kind: str
+    tokens: int  # pass tokens (the cycle's token budget)
+    new_model: ModelRecord | None = None
+    decoded: PassRequest | None = None  # the validated pass, kept for dispatch
+
 
 # Every limit is in lockstep.config.Limits. Admission: past the backlog limits a submission is
 # told to come back later (HTTP 429, retried by the SDK with backoff) instead of growing the
@@ -69,6 +81,7 @@ class Submissions:
         on_sample: Callable[[], None],
         limits: Limits | None = None,
         memory_budget: MemoryBudget = NO_MEMORY_LIMIT,
+        decoded: DecodedPasses | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.store = store
@@ -79,6 +92,7 @@ class Submissions:
         self.on_training = on_training
         self.on_sample = on_sample
         self.custom_losses = CustomLosses(store, catalog)
+        self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
         payload = req.SerializeToString(deterministic=True)
@@ -90,33 +104,38 @@ class Submissions:
                 await self._hold_seq(req, payload, req.refused.reason)
                 return pb.SubmitReply()
             try:
-                model_id, seq_id, kind, tokens, new_model = await self._training(req, op)
-                backlog = self.limits.max_pending_per_model
-                if await self.store.pending_count(model_id) >= backlog:
-                    raise OverCapacity(
-                        f"model {model_id} has {backlog} requests queued; retry later"
-                    )
+                queued = await self._training(req, op)
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
                 await self._hold_seq(req, payload, str(exc))
                 raise
-            rid, created = await self.store.claim_training(
+            model_id, kind = queued.model_id, queued.kind
+            claim = TrainingClaim(
                 owner=req.owner,
                 model_id=model_id,
-                seq_id=seq_id,
+                seq_id=queued.seq_id,
                 kind=OpKind(kind),
                 payload=payload,
-                tokens=tokens,
-                new_model=new_model,
+                tokens=queued.tokens,
+                new_model=queued.new_model,
                 identity=retry_identity(req),
+                backlog=self.limits.max_pending_per_model,
                 max_runs_per_key=min(
                     (q for q in (self.limits.max_tenants_per_key, req.key_max_training_runs) if q),
                     default=0,
                 ),
                 max_runs=self.limits.max_tenants,
             )
+            try:
+                rid, created = await self.store.claim_training(claim)
+            except QueueFull as exc:
+                raise OverCapacity(
+                    f"model {model_id} has {exc.queued} requests queued; retry later"
+                ) from exc
             metrics.submitted(req.owner, model_id, kind, created)
             if created:
                 tracing.submitted(rid)  # [trace hook] queue wait starts
+                if queued.decoded is not None:
+                    self.decoded.keep(rid, queued.decoded)
         except TenantLimitReached as exc:
             raise self._tenant_error(exc) from exc
         except ClaimConflict as exc:
@@ -150,13 +169,15 @@ class Submissions:
             return
         try:
             await self.store.claim_training(
-                owner=req.owner,
-                model_id=model_id,
-                seq_id=seq_id,
-                kind=OpKind.REJECTED,
-                payload=payload,
-                tokens=0,
-                rejection=reason,
+                TrainingClaim(
+                    owner=req.owner,
+                    model_id=model_id,
+                    seq_id=seq_id,
+                    kind=OpKind.REJECTED,
+                    payload=payload,
+                    tokens=0,
+                    rejection=reason,
+                )
             )
         except ClaimConflict:
             return  # the seq_id already belongs to another request
@@ -207,7 +228,7 @@ class Submissions:
             last_request_time=now,
             user_metadata=dict(c.user_metadata),
         )
-        return model_id, 0, "create_model", 0, record
+        return Claim(model_id, 0, "create_model", 0, record)
 
     async def _forward_backward(self, owner: str, fb: wire.ForwardBackwardRequest) -> Claim:
         model = await self._owned_model(owner, fb.model_id)
@@ -215,12 +236,12 @@ class Submissions:
         if not fb.data:
             raise UserInputError("data", "no datums given")
         self._check_sizes(fb)
-        pass_req = translate.pass_request("validation", fb)
+        pass_req = translate.pass_request("", fb)  # its request id once claimed
         pass_req.custom_loss = await self.custom_losses.named(model, pass_req)
         losses.validate_pass_request(pass_req, self.card.vocab_size, self.card.max_context_length)
         await self.custom_losses.check_sizes(pass_req)
         kind = "forward" if fb.forward_only else "forward_backward"
-        return fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), None
+        return Claim(fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), decoded=pass_req)
 
     async def _optim_step(self, owner: str, o: pb.OptimStep) -> Claim:
         await self._owned_model(owner, o.model_id)
@@ -234,7 +255,7 @@ class Submissions:
             _finite(beta, f"adam_params.{name}", 0.0)
             if beta >= 1.0:
                 raise UserInputError(f"adam_params.{name}", f"must be < 1, got {beta}")
-        return o.model_id, o.seq_id, "optim_step", 0, None
+        return Claim(o.model_id, o.seq_id, "optim_step", 0)
 
     async def _save_weights(self, owner: str, s: pb.SaveWeights) -> Claim:
         await self._owned_model(owner, s.model_id)
@@ -247,7 +268,7 @@ class Submissions:
             if s.kind != pb.CHECKPOINT_KIND_EXTERNAL:
                 raise UserInputError(encryption.FIELD, "only save_weights_external encrypts")
             encryption.parse_recipients(list(s.age_recipients))
-        return s.model_id, s.seq_id, "save", 0, None
+        return Claim(s.model_id, s.seq_id, "save", 0)
 
     async def _load(self, owner: str, load: pb.LoadWeights) -> Claim:
         path = TinkerPath.parse(load.path)
@@ -261,7 +282,7 @@ class Submissions:
         if load.HasField("model_id"):  # load_state on an existing model, in its seq order
             await self._owned_model(owner, load.model_id)
             self._check_seq(load.seq_id)
-            return load.model_id, load.seq_id, "load", 0, None
+            return Claim(load.model_id, load.seq_id, "load", 0)
         # create-via-load: a new model whose id the SDK computes itself
         session = await self.catalog.live_session(owner, load.session_id)
         source = await self.store.model(path.model_id)
@@ -279,7 +300,7 @@ class Submissions:
             last_request_time=now,
             user_metadata=dict(load.user_metadata),
         )
-        return model_id, 0, "load", 0, record
+        return Claim(model_id, 0, "load", 0, record)
 
     async def _sample(self, req: pb.SubmitRequest, payload: bytes) -> pb.SubmitReply:
         s = req.sample
@@ -315,15 +336,19 @@ class Submissions:
             )
         for name, value in (("temperature", s.params.temperature), ("top_p", s.params.top_p)):
             _finite(value, f"sampling_params.{name}", 0.0)
-        if await self.store.sample_backlog() >= self.limits.max_pending_samples:
-            raise OverCapacity("the sampling queue is full; retry later")
         try:
             rid, created = await self.store.claim_sample(
-                owner=req.owner, sampler_id=s.sampling_session_id, seq_id=s.seq_id, payload=payload
+                owner=req.owner,
+                sampler_id=s.sampling_session_id,
+                seq_id=s.seq_id,
+                payload=payload,
+                backlog=self.limits.max_pending_samples,
             )
             metrics.submitted(req.owner, s.sampling_session_id, "sample", created)
             if created:
                 tracing.submitted(rid)  # [trace hook] queue wait starts
+        except QueueFull as exc:
+            raise OverCapacity("the sampling queue is full; retry later") from exc
         except ClaimConflict as exc:
             raise UserInputError(
                 "seq_id", f"already used by request {exc} with a different payload"
@@ -384,9 +409,7 @@ class Submissions:
         )
 
     async def _owned_model(self, owner: str, model_id: str) -> ModelRecord:
-        model = await self.catalog.owned_model(owner, model_id)
-        await self.catalog.live_session(owner, model.session_id, "model_id")  # tenancy: ended?
-        return model
+        return await self.catalog.live_model(owner, model_id)  # tenancy: session ended?
 
     @staticmethod
     def _check_seq(seq_id: int) -> None:

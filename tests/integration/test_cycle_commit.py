@@ -95,15 +95,14 @@ def test_a_crash_between_two_commits_of_a_cycle_loses_and_repeats_nothing(
         sched.stub.Submit(req).request_id
         for req in (fb(model, 1, TOKENS), _step(model, 2), _save(model, 3, "after"))
     ]
-    commit, calls = sched.store.commit, []
+    commit_cycle = sched.store.commit_cycle
 
-    async def crash_after_the_first(op, outcome):  # type: ignore[no-untyped-def]
-        calls.append(op.seq_id)
-        if len(calls) > 1:
-            raise ConnectionError("scheduler killed between two commits")
-        return await commit(op, outcome)
+    async def crash_after_the_first(pairs):  # type: ignore[no-untyped-def]
+        assert [op.seq_id for op, _ in pairs] == [1, 2, 3]  # one cycle, one batch
+        await commit_cycle(pairs[:1])  # Redis ran the first op's script, then the process died
+        raise ConnectionError("scheduler killed between two commits")
 
-    sched.store.commit = crash_after_the_first  # type: ignore[method-assign]
+    sched.store.commit_cycle = crash_after_the_first  # type: ignore[method-assign]
     with pytest.raises(ConnectionError):
         sched.tick()  # the pass is recorded; the step and the save (files written) are not
     assert sched.run(sched.store.progress(model)) == (2, 0)

@@ -9,9 +9,10 @@ import time
 import pytest
 
 from lockstep.scheduler import keys
+from lockstep.scheduler.claims import ClaimConflict, TenantLimitReached, TrainingClaim
 from lockstep.scheduler.outcome import Outcome
 from lockstep.scheduler.records import LoraRecord, ModelRecord
-from lockstep.scheduler.store import ClaimConflict, Store, TenantLimitReached
+from lockstep.scheduler.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 
 RESULT = pb.JobResult(optim_step=pb.OptimStepResult(metrics={"grad_norm:mean": 1.0}))
@@ -43,11 +44,11 @@ def test_a_retried_request_is_claimed_once(clean_redis: str) -> None:
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
         kw = dict(owner="o", model_id="sess-1:train:0", seq_id=1, kind="forward_backward", tokens=5)
-        rid, created = await store.claim_training(payload=b"a", **kw)  # type: ignore[arg-type]
-        again, created_again = await store.claim_training(payload=b"a", **kw)  # type: ignore[arg-type]
+        rid, created = await store.claim_training(TrainingClaim(payload=b"a", **kw))  # type: ignore[arg-type]
+        again, created_again = await store.claim_training(TrainingClaim(payload=b"a", **kw))  # type: ignore[arg-type]
         assert created and not created_again and again == rid
         with pytest.raises(ClaimConflict):
-            await store.claim_training(payload=b"b", **kw)  # type: ignore[arg-type]
+            await store.claim_training(TrainingClaim(payload=b"b", **kw))  # type: ignore[arg-type]
         queues, next_seq = await store.queued_ops()
         assert [op.request_id for op in queues["sess-1:train:0"]] == [rid]
         assert next_seq == {"sess-1:train:0": 0}
@@ -63,12 +64,14 @@ def test_concurrent_claims_of_one_seq_enqueue_once(clean_redis: str) -> None:
         results = await asyncio.gather(
             *[
                 store.claim_training(
-                    owner="o",
-                    model_id="sess-1:train:0",
-                    seq_id=7,
-                    kind="optim_step",
-                    payload=b"same",
-                    tokens=0,
+                    TrainingClaim(
+                        owner="o",
+                        model_id="sess-1:train:0",
+                        seq_id=7,
+                        kind="optim_step",
+                        payload=b"same",
+                        tokens=0,
+                    )
                 )
                 for _ in range(20)
             ]
@@ -87,12 +90,14 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
         rid, _ = await store.claim_training(
-            owner="o",
-            model_id="sess-1:train:0",
-            seq_id=1,
-            kind="forward_backward",
-            payload=b"x",
-            tokens=3,
+            TrainingClaim(
+                owner="o",
+                model_id="sess-1:train:0",
+                seq_id=1,
+                kind="forward_backward",
+                payload=b"x",
+                tokens=3,
+            )
         )
         (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
         assert await store.commit(op, done())
@@ -118,13 +123,15 @@ def test_a_rejected_request_is_failed_but_queued(clean_redis: str) -> None:
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
         rid, _ = await store.claim_training(
-            owner="o",
-            model_id="sess-1:train:0",
-            seq_id=1,
-            kind="rejected",
-            payload=b"bad",
-            tokens=0,
-            rejection="weights: wrong length",
+            TrainingClaim(
+                owner="o",
+                model_id="sess-1:train:0",
+                seq_id=1,
+                kind="rejected",
+                payload=b"bad",
+                tokens=0,
+                rejection="weights: wrong length",
+            )
         )
         job = await store.job(rid)
         assert job is not None and job.status == "failed" and job.category == "user"
@@ -148,12 +155,14 @@ def test_a_snapshot_empties_the_replay_log(clean_redis: str) -> None:
             (4, "forward_backward"),
         ):
             await store.claim_training(
-                owner="o",
-                model_id=model,
-                seq_id=seq,
-                kind=kind,
-                payload=f"p{seq}".encode(),
-                tokens=1,
+                TrainingClaim(
+                    owner="o",
+                    model_id=model,
+                    seq_id=seq,
+                    kind=kind,
+                    payload=f"p{seq}".encode(),
+                    tokens=1,
+                )
             )
         ops = (await store.queued_ops())[0][model]
         for op in ops[:2]:
@@ -179,20 +188,23 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
         rid, _ = await store.claim_training(
-            owner="o",
-            model_id="sess-1:train:0",
-            seq_id=1,
-            kind="forward_backward",
-            payload=b"x",
-            tokens=3,
+            TrainingClaim(
+                owner="o",
+                model_id="sess-1:train:0",
+                seq_id=1,
+                kind="forward_backward",
+                payload=b"x",
+                tokens=3,
+            )
         )
         (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
         await store.commit(op, done())  # the queue is empty, the model still active
-        read_model = store.model
-
-        async def model_then_claim(model_id: str) -> ModelRecord | None:
-            record = await read_model(model_id)
-            await store.claim_training(
+        # The idle model leaves the active set in the same script that found its queue empty,
+        # so a claim can only come before (it is read) or after (it re-adds the model).
+        assert (await store.queued_ops())[0] == {}
+        assert not await store.redis.sismember(keys.ACTIVE_MODELS, "sess-1:train:0")
+        await store.claim_training(
+            TrainingClaim(
                 owner="o",
                 model_id="sess-1:train:0",
                 seq_id=2,
@@ -200,11 +212,7 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
                 payload=b"y",
                 tokens=3,
             )
-            return record
-
-        store.model = model_then_claim  # type: ignore[method-assign]
-        assert (await store.queued_ops())[0] == {}  # it read the queue before the claim
-        store.model = read_model  # type: ignore[method-assign]
+        )
         (late,) = (await store.queued_ops())[0]["sess-1:train:0"]
         assert late.seq_id == 2 and late.request_id != rid
         await store.close()
@@ -235,16 +243,22 @@ def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> N
         store = Store.from_url(clean_redis)
         await store.put_model(model_record())
         kw = dict(owner="o", model_id="sess-1:train:0", seq_id=3, kind="save_weights", tokens=0)
-        rid, created = await store.claim_training(  # type: ignore[arg-type]
-            payload=first.SerializeToString(), identity=retry_identity(first), **kw
+        rid, created = await store.claim_training(
+            TrainingClaim(  # type: ignore[arg-type]
+                payload=first.SerializeToString(), identity=retry_identity(first), **kw
+            )
         )
-        again, created_again = await store.claim_training(  # type: ignore[arg-type]
-            payload=retry.SerializeToString(), identity=retry_identity(retry), **kw
+        again, created_again = await store.claim_training(
+            TrainingClaim(  # type: ignore[arg-type]
+                payload=retry.SerializeToString(), identity=retry_identity(retry), **kw
+            )
         )
         assert created and not created_again and again == rid
         with pytest.raises(ClaimConflict):  # another name under the same seq_id is not a retry
-            await store.claim_training(  # type: ignore[arg-type]
-                payload=save(None, "b").SerializeToString(), **kw
+            await store.claim_training(
+                TrainingClaim(  # type: ignore[arg-type]
+                    payload=save(None, "b").SerializeToString(), **kw
+                )
             )
         await store.close()
 
@@ -268,15 +282,17 @@ async def _create(store: Store, n: int, owner: str, per_key: int, total: int) ->
     run = _new_run(n, owner)
     try:
         await store.claim_training(
-            owner=owner,
-            model_id=run.model_id,
-            seq_id=0,
-            kind="create_model",
-            payload=f"{owner}{n}".encode(),
-            tokens=0,
-            new_model=run,
-            max_runs_per_key=per_key,
-            max_runs=total,
+            TrainingClaim(
+                owner=owner,
+                model_id=run.model_id,
+                seq_id=0,
+                kind="create_model",
+                payload=f"{owner}{n}".encode(),
+                tokens=0,
+                new_model=run,
+                max_runs_per_key=per_key,
+                max_runs=total,
+            )
         )
     except TenantLimitReached as exc:
         assert exc.limit == ("max_tenants_per_key" if per_key else "max_tenants")
@@ -308,14 +324,16 @@ def test_concurrent_creations_never_pass_the_tenant_quotas(clean_redis: str) -> 
 
 async def _queue(store: Store, model: str, kinds: list[str]) -> list:  # type: ignore[type-arg]
     for seq, kind in enumerate(kinds, start=1):
-        await store.claim_training(  # type: ignore[arg-type]
-            owner="o",
-            model_id=model,
-            seq_id=seq,
-            kind=kind,
-            payload=f"p{seq}".encode(),
-            tokens=1,
-            rejection="tokens: out of range" if kind == "rejected" else None,
+        await store.claim_training(
+            TrainingClaim(  # type: ignore[arg-type]
+                owner="o",
+                model_id=model,
+                seq_id=seq,
+                kind=kind,
+                payload=f"p{seq}".encode(),
+                tokens=1,
+                rejection="tokens: out of range" if kind == "rejected" else None,
+            )
         )
     return (await store.queued_ops())[0][model]
 

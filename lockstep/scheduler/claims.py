@@ -1,0 +1,251 @@
+"""Exactly-once submission: each claim is ONE Lua script, one round trip (`Store` delegates here).
+
+A (model, seq_id) or (sampling session, seq_id) claim maps to the request id that first used
+it. The script reads the claim and, if it is free, checks the backlog and the run quotas and
+writes the claim, the job, the queue entry (and a new model's records) together: a retried
+request finds the first request id instead of enqueueing twice, and concurrent creations cannot
+overshoot a quota (the count and the write are one atomic step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.scheduler import keys
+from lockstep.scheduler.records import ModelRecord, encoder
+from lockstep.vocab import ErrorCategory, JobStatus, OpKind
+
+# Shared by both claims. KEYS[1] claim, KEYS[2] job, KEYS[3] the queue.
+# ARGV[1] request id, ARGV[2] digest, ARGV[3] backlog limit (0: none), ARGV[4] job key prefix,
+# ARGV[5] claim TTL seconds (0: none); then the job's fields as name, value pairs.
+# Returns {state, request id, detail}: state "existing" (detail: the first request's digest),
+# "full" (detail: the queue length) or "created"; the new-model quota states come from TAIL.
+_HEAD = """
+local existing = redis.call('GET', KEYS[1])
+if existing then
+  return {'existing', existing, redis.call('HGET', ARGV[4] .. existing, 'digest') or ''}
+end
+"""
+_WRITE_JOB = """
+if tonumber(ARGV[5]) > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[5])
+else
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, FIELDS))
+"""
+
+# Training. KEYS[4] active models, KEYS[5] model, KEYS[6] session's models, KEYS[7] owner's
+# runs, KEYS[8] all models. ARGV[6] seq_id, ARGV[7] model id, ARGV[8] new model record ('' if
+# none), ARGV[9] its creation time, ARGV[10] runs per key limit, ARGV[11] server runs limit.
+CLAIM_TRAINING = (
+    _HEAD
+    + """
+local limit = tonumber(ARGV[3])
+if limit > 0 then
+  local queued = redis.call('ZCARD', KEYS[3])
+  if queued >= limit then return {'full', '', tostring(queued)} end
+end
+if ARGV[8] ~= '' then
+  local per_key, total = tonumber(ARGV[10]), tonumber(ARGV[11])
+  local mine = redis.call('ZCARD', KEYS[7])
+  if per_key > 0 and mine >= per_key then return {'max_tenants_per_key', '', tostring(mine)} end
+  local everyone = redis.call('SCARD', KEYS[8])
+  if total > 0 and everyone >= total then return {'max_tenants', '', tostring(everyone)} end
+end
+local FIELDS = 12
+"""
+    + _WRITE_JOB
+    + """
+redis.call('ZADD', KEYS[3], ARGV[6], ARGV[1])
+redis.call('SADD', KEYS[4], ARGV[7])
+if ARGV[8] ~= '' then
+  redis.call('SET', KEYS[5], ARGV[8])
+  redis.call('SADD', KEYS[6], ARGV[7])
+  redis.call('ZADD', KEYS[7], ARGV[9], ARGV[7])
+  redis.call('SADD', KEYS[8], ARGV[7])
+end
+return {'created', ARGV[1], ''}
+"""
+)
+
+# Sampling: the queue is the sampling lane's FIFO list.
+CLAIM_SAMPLE = (
+    _HEAD
+    + """
+local limit = tonumber(ARGV[3])
+if limit > 0 then
+  local queued = redis.call('LLEN', KEYS[3])
+  if queued >= limit then return {'full', '', tostring(queued)} end
+end
+local FIELDS = 6
+"""
+    + _WRITE_JOB
+    + """
+redis.call('RPUSH', KEYS[3], ARGV[1])
+return {'created', ARGV[1], ''}
+"""
+)
+
+
+class ClaimConflict(Exception):
+    """A different payload was submitted under an already used (model, seq_id)."""
+
+
+class TenantLimitReached(Exception):
+    """A new training run would pass a tenant quota (Limits.max_tenants[_per_key])."""
+
+    def __init__(self, limit: str, count: int, most: int) -> None:
+        super().__init__(f"{limit}: {count} runs, at most {most}")
+        self.limit, self.count, self.most = limit, count, most
+
+
+class QueueFull(Exception):
+    """The queue a claim would join already holds its backlog limit (come back later)."""
+
+    def __init__(self, queued: int) -> None:
+        super().__init__(f"{queued} requests queued")
+        self.queued = queued
+
+
+@dataclass(frozen=True)
+class TrainingClaim:
+    owner: str
+    model_id: str
+    seq_id: int
+    kind: OpKind
+    payload: bytes
+    tokens: int
+    new_model: ModelRecord | None = None  # written with the claim (create_model, create-via-load)
+    rejection: str | None = None  # recorded failed at once; still takes its place in the queue
+    identity: bytes | None = None  # what a retry must repeat (default: the payload)
+    backlog: int = 0  # refuse (QueueFull) when the model already has this many queued
+    max_runs_per_key: int = 0
+    max_runs: int = 0
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+def digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+def job_fields(
+    rid: str,
+    kind: str,
+    owner: str,
+    model_id: str,
+    seq_id: int,
+    want: str,
+    payload: bytes,
+    tokens: int,
+) -> dict[str, bytes | str | int | float]:
+    return {
+        "request_id": rid,
+        "kind": kind,
+        "owner": owner,
+        "model_id": model_id,
+        "seq_id": seq_id,
+        "digest": want,
+        "payload": payload,
+        "status": "pending",
+        "tokens": tokens,
+        "created": time.time(),
+    }
+
+
+async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
+    """Enqueue a training request exactly once; (request id, created). See `Store`."""
+    rid, want = new_request_id(), digest(c.payload if c.identity is None else c.identity)
+    fields = job_fields(rid, c.kind, c.owner, c.model_id, c.seq_id, want, c.payload, c.tokens)
+    if c.rejection is not None:
+        fields.update(
+            kind=OpKind.REJECTED,
+            status=JobStatus.FAILED,
+            error=c.rejection,
+            category=ErrorCategory.USER,
+            payload=b"",
+        )
+    model = c.new_model
+    session = model.session_id if model is not None else ""
+    reply = await redis.eval(
+        CLAIM_TRAINING,
+        8,
+        keys.seq_claim(c.model_id, c.seq_id),
+        keys.job(rid),
+        keys.pending(c.model_id),
+        keys.ACTIVE_MODELS,
+        keys.model(c.model_id),
+        keys.session_models(session),
+        keys.owner_runs(c.owner),
+        keys.ALL_MODELS,
+        rid,
+        want,
+        c.backlog,
+        keys.job(""),
+        0,
+        c.seq_id,
+        c.model_id,
+        b"" if model is None else encoder.encode(model),
+        0.0 if model is None else model.created,
+        c.max_runs_per_key,
+        c.max_runs,
+        *_flat(fields),
+    )
+    state, found, detail = (part.decode() for part in reply)
+    if state == "max_tenants_per_key":
+        raise TenantLimitReached(state, int(detail), c.max_runs_per_key)
+    if state == "max_tenants":
+        raise TenantLimitReached(state, int(detail), c.max_runs)
+    return _answer(state, found, detail, want)
+
+
+async def claim_sample(
+    redis: Any,
+    *,
+    owner: str,
+    sampler_id: str,
+    seq_id: int,
+    payload: bytes,
+    backlog: int,
+    ttl_s: int,
+) -> tuple[str, bool]:
+    """Queue a sample request exactly once; (request id, created). The claim expires with
+    the results (`ttl_s`)."""
+    rid, want = new_request_id(), digest(payload)
+    fields = job_fields(rid, OpKind.SAMPLE, owner, sampler_id, seq_id, want, payload, 0)
+    reply = await redis.eval(
+        CLAIM_SAMPLE,
+        3,
+        keys.sample_claim(sampler_id, seq_id),
+        keys.job(rid),
+        keys.SAMPLE_QUEUE,
+        rid,
+        want,
+        backlog,
+        keys.job(""),
+        ttl_s,
+        *_flat(fields),
+    )
+    state, found, detail = (part.decode() for part in reply)
+    return _answer(state, found, detail, want)
+
+
+def _answer(state: str, found: str, detail: str, want: str) -> tuple[str, bool]:
+    if state == "full":
+        raise QueueFull(int(detail))
+    if state == "existing":
+        if detail and detail != want:
+            raise ClaimConflict(found)
+        return found, False
+    return found, True
+
+
+def _flat(fields: dict[str, bytes | str | int | float]) -> list[bytes | str | int | float]:
+    return [part for pair in fields.items() for part in pair]
