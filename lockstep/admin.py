@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser, default_data_dir: Path) -> None:
 def _redis_url(a: argparse.Namespace) -> str:
     if a.redis_url:
         return str(a.redis_url)
-    path = a.data_dir.expanduser() / "redis" / "url"
+    path: Path = a.data_dir.expanduser() / "redis" / "url"
     if not path.is_file():
         raise SystemExit(f"lockstep admin: no {path}; start the server or pass --redis-url")
     return path.read_text().strip()

@@ -16,11 +16,15 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger("lockstep.config")
+Config = TypeVar("Config", bound="DataclassInstance")
 
 Cli = Literal["serve", "scheduler", "gateway"]
 SERVE: frozenset[Cli] = frozenset({"serve"})
@@ -85,7 +89,7 @@ def get_path(obj: Any, path: tuple[str, ...]) -> Any:
     return obj
 
 
-def replace_paths(obj: Any, values: Mapping[tuple[str, ...], Any]) -> Any:
+def replace_paths(obj: Config, values: Mapping[tuple[str, ...], Any]) -> Config:
     """A copy of the frozen dataclass `obj` with the values at these paths replaced."""
     here = {p[0]: v for p, v in values.items() if len(p) == 1}
     nested: dict[str, dict[tuple[str, ...], Any]] = {}
@@ -180,7 +184,7 @@ def add_flags(parser: argparse.ArgumentParser, root: Any, cli: Cli) -> None:
             )
 
 
-def from_namespace(root: Any, ns: argparse.Namespace, cli: Cli) -> Any:
+def from_namespace(root: Config, ns: argparse.Namespace, cli: Cli) -> Config:
     """`root` with every flag of `cli` set from the parsed namespace.
 
     Raises ValueError (a dataclass's own check, or a required flag missing)."""

@@ -356,9 +356,10 @@ def literal_numel(node: CustomLossNode) -> int | None:
         inner = node.kwargs["size"]
         inner = inner.get("tuple") if isinstance(inner, dict) else inner
         flat.extend(inner if isinstance(inner, list) else [inner])
-    if not flat or not all(type(v) is int for v in flat):
+    dims = [v for v in flat if type(v) is int]
+    if not flat or len(dims) != len(flat):
         return None
-    return math.prod(max(v, 1) for v in flat)
+    return math.prod(max(v, 1) for v in dims)
 
 
 def decode_float(value: Any) -> float:

@@ -106,6 +106,7 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
 
 
 def _layer_prefix(model: PreTrainedModel, layers: nn.ModuleList) -> str:
+    path: str  # torch leaves named_modules' return unannotated
     for path, module in model.named_modules():
         if module is layers:
             return path

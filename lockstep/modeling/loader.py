@@ -41,7 +41,7 @@ def load_base_model(
         # fp32 means fp32: TF32 would make numbers depend on the kernel the batch shape picks.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    model = AutoModelForCausalLM.from_pretrained(
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=dtype, attn_implementation=attn_implementation
     )
     model.to(dev)  # type: ignore[arg-type]  # transformers wraps `to`; mypy misreads it

@@ -32,7 +32,7 @@ def run_per_row(module: nn.Module, narrow: Narrow) -> None:
     narrow(start, stop): a context routing positions start..stop-1 of the packed sequence as the
     whole input (the LoRA layers inside the module see only that block).
     """
-    inner = module.forward
+    inner: Callable[..., torch.Tensor] = module.forward
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         layout = packing.current()

@@ -16,8 +16,12 @@ import tempfile
 import zlib
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 DEFAULT_MODEL_NAME = "Lockstep/tiny-qwen3"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -156,7 +160,7 @@ def init_weights(model: torch.nn.Module, std: float) -> None:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def _train_tokenizer(corpus: str):  # tokenizers has no stubs
+def _train_tokenizer(corpus: str) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())

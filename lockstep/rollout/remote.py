@@ -18,9 +18,9 @@ import hashlib
 import logging
 import threading
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -31,6 +31,7 @@ from lockstep.rollout.pager import AdapterPager
 from lockstep.rollout.validation import validate_sample_request
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def cache_salt(req: SampleRequest) -> str | None:
@@ -125,7 +126,7 @@ class RemoteSamplingEngine(SamplingEngine):
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         # Engine calls come from a worker thread (asyncio.to_thread): no loop is running here.
         try:
             return asyncio.run(coro)
@@ -134,7 +135,7 @@ class RemoteSamplingEngine(SamplingEngine):
                 raise EngineDied(f"the sampling server at {self.base_url} exited") from exc
             raise ServerError(f"sampling server {self.base_url}: {exc!r}") from exc
 
-    async def _with_client(self, fn: Any) -> Any:
+    async def _with_client(self, fn: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
             return await fn(client)
 

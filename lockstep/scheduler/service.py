@@ -17,7 +17,7 @@ from lockstep.paths import TinkerPath
 from lockstep.scheduler import redis_conn, sample_futures, tracing
 from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.records import CheckpointRecord, ModelRecord
+from lockstep.scheduler.records import CheckpointRecord, ModelRecord, SamplerRecord
 from lockstep.scheduler.store import Store
 from lockstep.scheduler.submissions import Submissions
 from lockstep.v1 import scheduler_pb2 as pb
@@ -100,7 +100,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     # ---------------------------------------------------------------- sessions
     @grpc_errors
-    async def CreateSession(self, request, context):
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateSessionReply:
         rec = await self.catalog.create_session(
             request.owner,
             list(request.tags),
@@ -112,18 +114,24 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return pb.CreateSessionReply(session_id=rec.session_id)
 
     @grpc_errors
-    async def Heartbeat(self, request, context):
+    async def Heartbeat(
+        self, request: pb.SessionRef, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatReply:
         return pb.HeartbeatReply(
             finished=await self.catalog.heartbeat(request.owner, request.session_id)
         )
 
     @grpc_errors
-    async def FinishSession(self, request, context):
+    async def FinishSession(
+        self, request: pb.SessionRef, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
         await self.catalog.finish_session(request.owner, request.session_id)
         return pb.Empty()
 
     @grpc_errors
-    async def GetSession(self, request, context):
+    async def GetSession(
+        self, request: pb.SessionRef, context: grpc.aio.ServicerContext
+    ) -> pb.SessionInfo:
         rec = await self.catalog.owned_session(request.owner, request.session_id)
         models, samplers = await self.store.session_members(rec.session_id)
         info = pb.SessionInfo(
@@ -134,29 +142,39 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return info
 
     @grpc_errors
-    async def GetSessionTrace(self, request, context):
+    async def GetSessionTrace(
+        self, request: pb.SessionRef, context: grpc.aio.ServicerContext
+    ) -> pb.SessionTrace:
         rec = await self.catalog.owned_session(request.owner, request.session_id)  # else 404
         trace = await tracing.export(rec.session_id)
         return pb.SessionTrace(trace_json=json.dumps(trace).encode())
 
     @grpc_errors
-    async def ListSessions(self, request, context):
+    async def ListSessions(
+        self, request: pb.ListRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SessionList:
         ids, total = await self.store.owner_sessions(
             request.owner, request.offset, request.limit or 20
         )
         return pb.SessionList(session_ids=ids, total_count=total)
 
     @grpc_errors
-    async def CreateCustomLoss(self, request, context):
+    async def CreateCustomLoss(
+        self, request: pb.CreateCustomLossRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SubmitReply:
         return await self.submissions.custom_losses.create(request)
 
     # ---------------------------------------------------------------- futures
     @grpc_errors
-    async def Submit(self, request, context):
+    async def Submit(
+        self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SubmitReply:
         return await self.submissions.submit(request)
 
     @grpc_errors
-    async def RetrieveFuture(self, request, context):
+    async def RetrieveFuture(
+        self, request: pb.RetrieveFutureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FutureReply:
         timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
         with metrics.FUTURE_WAITERS.track_inprogress():
             try:
@@ -178,7 +196,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return pb.FutureReply(result=pb.JobResult.FromString(job.result or b""))
 
     @grpc_errors
-    async def RetrieveFutures(self, request, context):
+    async def RetrieveFutures(
+        self, request: pb.RetrieveFuturesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RetrieveFuturesReply:
         sampler = await self.catalog.owned_sampler(request.owner, request.sampler_id)
         timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
 
@@ -200,7 +220,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return pb.RetrieveFuturesReply(completions=found.entries, cursor=found.cursor)
 
     @grpc_errors
-    async def CancelFuture(self, request, context):
+    async def CancelFuture(
+        self, request: pb.CancelFutureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelFutureReply:
         job = await self.store.job(request.request_id, payload=False)
         if job is None or job.owner != request.owner:
             raise NotFound(f"request {request.request_id} does not exist")
@@ -218,7 +240,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
 
     # ---------------------------------------------------------------- models and samplers
     @grpc_errors
-    async def GetModelInfo(self, request, context):
+    async def GetModelInfo(
+        self, request: pb.ModelRef, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
         model = await self.catalog.owned_model(request.owner, request.model_id)
         card = self.catalog.card
         return pb.ModelInfo(
@@ -232,7 +256,9 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
 
     @grpc_errors
-    async def CreateSamplingSession(self, request, context):
+    async def CreateSamplingSession(
+        self, request: pb.CreateSamplingSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SamplerInfo:
         rec = await self.catalog.create_sampler(
             request.owner,
             request.session_id,
@@ -243,26 +269,32 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return self._sampler_info(rec)
 
     @grpc_errors
-    async def GetSampler(self, request, context):
+    async def GetSampler(
+        self, request: pb.SamplerRef, context: grpc.aio.ServicerContext
+    ) -> pb.SamplerInfo:
         return self._sampler_info(
             await self.catalog.owned_sampler(request.owner, request.sampler_id)
         )
 
     @grpc_errors
-    async def JoinSamplingSession(self, request, context):
+    async def JoinSamplingSession(
+        self, request: pb.SamplerRef, context: grpc.aio.ServicerContext
+    ) -> pb.JoinSamplingSessionReply:
         sampler = await self.catalog.owned_sampler(request.owner, request.sampler_id)
         clone = await sample_futures.join(self.store, sampler.sampler_id)
         return pb.JoinSamplingSessionReply(client_counter=clone)
 
     @staticmethod
-    def _sampler_info(rec: Any) -> pb.SamplerInfo:
+    def _sampler_info(rec: SamplerRecord) -> pb.SamplerInfo:
         info = pb.SamplerInfo(sampler_id=rec.sampler_id, base_model=rec.base_model)
         if rec.model_path:
             info.model_path = rec.model_path
         return info
 
     @grpc_errors
-    async def GetServerCapabilities(self, request, context):
+    async def GetServerCapabilities(
+        self, request: pb.CapabilitiesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerCapabilities:
         ctx = self.catalog.card.max_context_length
         per_datum = self.submissions.max_tokens_per_datum()
         budget = self.submissions.memory.budget_bytes
@@ -300,17 +332,23 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         return run
 
     @grpc_errors
-    async def ListTrainingRuns(self, request, context):
+    async def ListTrainingRuns(
+        self, request: pb.ListRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TrainingRunList:
         ids, total = await self.store.owner_runs(request.owner, request.offset, request.limit or 20)
         runs = [await self._run(await self.catalog.owned_model(request.owner, i)) for i in ids]
         return pb.TrainingRunList(runs=runs, total_count=total)
 
     @grpc_errors
-    async def GetTrainingRun(self, request, context):
+    async def GetTrainingRun(
+        self, request: pb.RunRef, context: grpc.aio.ServicerContext
+    ) -> pb.TrainingRun:
         return await self._run(await self.catalog.owned_model(request.owner, request.run_id))
 
     @grpc_errors
-    async def ListCheckpoints(self, request, context):
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckpointList:
         run_id = request.run_id if request.HasField("run_id") else None
         recs = await self.catalog.list_checkpoints(request.owner, run_id)
         limit = request.limit or len(recs)
@@ -320,30 +358,40 @@ class SchedulerService(pb_grpc.SchedulerServicer):
         )
 
     @grpc_errors
-    async def DeleteCheckpoint(self, request, context):
+    async def DeleteCheckpoint(
+        self, request: pb.CheckpointRef, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
         await self.catalog.delete_checkpoint(request.owner, request.tinker_path)
         return pb.Empty()
 
     @grpc_errors
-    async def SetCheckpointPublic(self, request, context):
+    async def SetCheckpointPublic(
+        self, request: pb.SetCheckpointPublicRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
         await self.catalog.set_public(request.ref.owner, request.ref.tinker_path, request.public)
         return pb.Empty()
 
     @grpc_errors
-    async def SetCheckpointTtl(self, request, context):
+    async def SetCheckpointTtl(
+        self, request: pb.SetCheckpointTtlRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Empty:
         ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
         await self.catalog.set_ttl(request.ref.owner, request.ref.tinker_path, ttl)
         return pb.Empty()
 
     @grpc_errors
-    async def GetCheckpointFiles(self, request, context):
+    async def GetCheckpointFiles(
+        self, request: pb.CheckpointRef, context: grpc.aio.ServicerContext
+    ) -> pb.CheckpointFiles:
         directory, files = await self.catalog.checkpoint_files(request.owner, request.tinker_path)
         return pb.CheckpointFiles(
             directory=str(directory), relative_paths=files, expires=time.time() + 3600
         )
 
     @grpc_errors
-    async def GetWeightsInfo(self, request, context):
+    async def GetWeightsInfo(
+        self, request: pb.CheckpointRef, context: grpc.aio.ServicerContext
+    ) -> pb.WeightsInfo:
         path = TinkerPath.parse(request.tinker_path, "tinker_path")
         await self.catalog.readable_checkpoint(request.owner, path, field="tinker_path")
         model = await self.store.model(path.model_id)
@@ -351,6 +399,6 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             raise NotFound(f"training run {path.model_id} does not exist")
         return pb.WeightsInfo(base_model=model.base_model, is_lora=True, lora_config=lora_pb(model))
 
-    async def Health(self, request, context):
+    async def Health(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> pb.HealthReply:
         parts = await self.health()
         return pb.HealthReply(ready=all(v == "ready" for v in parts.values()), parts=parts)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -98,11 +99,11 @@ def read_adam(directory: Path, names: list[str], params: list[torch.Tensor]) -> 
     return state
 
 
-def _read_meta(directory: Path) -> dict | None:
+def _read_meta(directory: Path) -> dict[str, Any] | None:
     path = directory / STATE_JSON
     if not path.is_file():
         return None
-    meta = json.loads(path.read_text())
+    meta: dict[str, Any] = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise UserInputError("path", f"unknown checkpoint format {meta.get('format')!r}")
     return meta

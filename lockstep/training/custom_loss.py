@@ -59,13 +59,14 @@ class _Refused(Exception):
 def _attribute(x: Any, name: str) -> Any:
     if not isinstance(x, torch.Tensor) or name not in spec.ALLOWED_ATTRIBUTES:
         raise _Refused(f"attribute {name!r} of a {type(x).__name__}")
-    return {
+    getters: dict[str, Callable[[], Any]] = {
         "shape": lambda: x.shape,
         "ndim": lambda: x.ndim,
         "dtype": lambda: x.dtype,
         "T": lambda: x.T,
         "mT": lambda: x.mT,
-    }[name]()
+    }
+    return getters[name]()
 
 
 def _to(x: torch.Tensor, target: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -10,7 +10,7 @@ and `RetrieveFuturesReply` / `CancelFutureReply` -> retrieve_futures / cancel_fu
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Literal
 
 from fastapi import Response
 from fastapi.responses import JSONResponse
@@ -40,7 +40,7 @@ def json_response(model: BaseModel, status_code: int = 200) -> JSONResponse:
 
 
 def try_again(request_id: str, queue_state: str = "active", reason: str = "") -> JSONResponse:
-    state = cast(QueueState, queue_state if queue_state in _QUEUE_STATES else "active")
+    state = queue_state if queue_state in _QUEUE_STATES else "active"
     return json_response(
         rs.TryAgainResponse(
             request_id=request_id, queue_state=state, queue_state_reason=reason or None
@@ -49,7 +49,7 @@ def try_again(request_id: str, queue_state: str = "active", reason: str = "") ->
 
 
 def failed(message: str, category: str) -> JSONResponse:
-    cat = cast(Category, category if category in _CATEGORIES else "unknown")
+    cat = category if category in _CATEGORIES else "unknown"
     return json_response(rs.RequestFailedResponse(error=message or "request failed", category=cat))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Literal
 
 from lockstep.gateway.translate.common import utc
 from lockstep.gateway.wire import responses as rs
@@ -16,7 +16,7 @@ def checkpoint(c: pb.Checkpoint) -> rs.Checkpoint:
     kind = c.checkpoint_type if c.checkpoint_type in _TYPES else "training"
     return rs.Checkpoint(
         checkpoint_id=c.checkpoint_id,
-        checkpoint_type=cast(CheckpointType, kind),
+        checkpoint_type=kind,
         time=utc(c.time),
         tinker_path=c.tinker_path,
         size_bytes=c.size_bytes or None,

@@ -177,7 +177,8 @@ class Generator:
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
             )
-        return out.logits.float()
+        logits: torch.Tensor = out.logits
+        return logits.float()
 
     def _prefill(
         self, requests: Sequence[SampleRequest], batch: list[int], results: list[SampleResult]

@@ -127,7 +127,7 @@ class LoraMoE(nn.Module):
         tokens, per_expert, probs = dispatcher.dispatch_postprocess(tokens, probs)
         y = self._experts(tokens, per_expert.tolist(), probs)
         y = torch.cat([y, y.new_zeros(y.shape[0], 1)], dim=1)  # the dispatcher's width
-        out = moe.combine(dispatcher.combine_preprocess(y))
+        out: Tensor = moe.combine(dispatcher.combine_preprocess(y))
         out = moe.postprocess(out, None)
         return out[:, : self.hidden].contiguous()  # a stage output goes out over p2p as is
 

@@ -31,4 +31,5 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torc
     local = targets - start
     inside = (local >= 0) & (local < shard)
     picked = shifted.gather(-1, local.clamp(0, shard - 1)) * inside
-    return reduce_from_tensor_model_parallel_region(picked) - sum_exp.log()
+    out: torch.Tensor = reduce_from_tensor_model_parallel_region(picked) - sum_exp.log()
+    return out

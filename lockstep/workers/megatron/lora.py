@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from lockstep.engine.types import LoraSpec
+from lockstep.modeling.experts import DOWN, GATE, UP
 from lockstep.modeling.lora import PEFT_PREFIX, LoraShape, spec_targets
 from lockstep.workers.megatron.convert import local_experts
-from lockstep.workers.megatron.experts import DOWN, GATE, UP, ExpertLora, LoraMoE
+from lockstep.workers.megatron.experts import ExpertLora, LoraMoE
 from lockstep.workers.megatron.model import HFArch
 
 Tensor = torch.Tensor
