@@ -1,11 +1,11 @@
-"""The scheduler process: Redis state, the engines (child processes), the clock, the gRPC server."""
+"""The scheduler process: Redis state, the clock, the gRPC server, around the engines its caller
+builds (`python -m lockstep.scheduler` passes `lockstep.backends.start_engines`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -27,7 +27,6 @@ from lockstep.engine import memory
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
-from lockstep.rollout import config as rollout_config
 from lockstep.scheduler import tenancy as tenancy_mod
 from lockstep.scheduler import tracing
 from lockstep.scheduler.accounting import Accounting
@@ -94,41 +93,6 @@ class SchedulerConfig:
             tenancy=cfg.tenancy,
             trace_retention_s=cfg.metrics.trace_retention_s,
         )
-
-
-def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]:
-    """The local trainer in its own child process; the configured sampler (rollout.config)."""
-    from lockstep.workers.local.engine import LocalTrainingEngine
-    from lockstep.workers.process import Deadline, ProcessTrainingEngine
-
-    name = cfg.served_names[0]
-    factory: Callable[[], TrainingEngine] = functools.partial(
-        LocalTrainingEngine,
-        cfg.model_dir,
-        name,
-        micro_batch_tokens=cfg.engine.micro_batch_tokens,
-        dtype=cfg.engine.dtype,
-        activation_checkpointing=cfg.engine.activation_checkpointing,
-        memory_budget_bytes=cfg.engine.memory_budget_bytes,
-    )
-    if cfg.engine.kind == "megatron":  # the child process drives the Ray worker group
-        from lockstep.workers.megatron.engine import MegatronTrainingEngine
-
-        factory = functools.partial(
-            MegatronTrainingEngine,
-            cfg.model_dir,
-            name,
-            cfg.engine.parallel,
-            "ray",
-            cfg.engine.ray_address,
-            cfg.engine.micro_batch,
-            cfg.engine.ray_placement,
-            cfg.engine.memory_budget_bytes,
-        )
-    deadline = Deadline(cfg.engine.deadline_s, cfg.engine.deadline_per_token_s)
-    trainer = ProcessTrainingEngine(factory, "trainer", deadline)
-    sampler = rollout_config.start_sampler(cfg.sampler, cfg.model_dir, name, cfg.data_dir, deadline)
-    return trainer, sampler
 
 
 @dataclass
@@ -198,13 +162,17 @@ def assemble(
     return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
 
 
-async def serve(cfg: SchedulerConfig) -> None:
+# Builds the trainer and the sampler (blocking: it may start processes and wait for them).
+EngineFactory = Callable[[], tuple[TrainingEngine, SamplingEngine]]
+
+
+async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     metrics.configure(cfg.metrics_max_tenants)
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
     tracing.configure(store.redis, cfg.trace_retention_s)
-    trainer, sampler = await asyncio.to_thread(start_engines, cfg)
+    trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()
     log.info(
         "engines ready: %s (vocab %d, context %d) from %s; trainer memory budget %s",
@@ -279,14 +247,3 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     return SchedulerConfig.from_config(
         config.resolve(parser, base, parser.parse_args(argv), "scheduler")
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s"
-    )
-    asyncio.run(serve(parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()
