@@ -35,6 +35,7 @@ from lockstep.scheduler.clock import Clock
 from lockstep.scheduler.decoded import DecodedPasses
 from lockstep.scheduler.dispatch import Dispatcher
 from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.observers import AccountingObserver
 from lockstep.scheduler.sampling_lane import SamplingLane
 from lockstep.scheduler.store import Store
 from lockstep.scheduler.submissions import Submissions
@@ -134,6 +135,8 @@ def assemble(
         cfg.engine.snapshot_interval_s,
         decoded,
     )
+    accounting = Accounting(store, cfg.tenancy.audit_retention_s)
+    lane.accounting = accounting
     clock = Clock(
         store,
         dispatcher,
@@ -141,10 +144,9 @@ def assemble(
         lane,
         cfg.clock,
         key_token_cap=cfg.limits.max_tokens_per_cycle_per_key,
+        observers=[AccountingObserver(accounting)],  # usage per key (metrics, traces: built in)
     )
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
-    accounting = Accounting(store, cfg.tenancy.audit_retention_s)
-    clock.accounting = lane.accounting = accounting
     tenancy = tenancy_mod.Tenancy(
         cfg.tenancy, store, catalog, dispatcher.resident, accounting, clock.wake.set, lane.unload
     )
