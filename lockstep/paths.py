@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.engine.interface import UserInputError
+from lockstep.errors import UserInputError
 from lockstep.vocab import CheckpointType
 
 # URL segment -> checkpoint type (what the REST API and the SDK call `checkpoint_type`).

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import CustomLoss, CustomLossInput, CustomLossNode, Datum
+from lockstep.errors import UserInputError
 
 MAX_NODES = 512  # a deep graph is refused by size: nodes run in order, none refers ahead
 MAX_INPUTS = 16  # the SDK's own limit, logprobs included

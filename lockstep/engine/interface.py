@@ -11,6 +11,9 @@ Lifecycle verbs (`alive`, `restart`, `close`) are part of the contract too: an e
 another process (a child process, a Ray worker group, an inference server) can die on its own;
 it then raises `EngineDied` from any verb, and the scheduler calls `restart` and restores what it
 needs from its durable state. An in-process engine never dies alone, so the defaults suffice.
+
+A malformed request is not an engine failure: verbs raise `lockstep.errors.UserInputError`,
+which the gateway, the scheduler and every engine share.
 """
 
 from __future__ import annotations
@@ -30,22 +33,6 @@ from lockstep.engine.types import (
     SampleRequest,
     SampleResult,
 )
-
-
-class UserInputError(ValueError):
-    """Bad input from a user: reported as a 400 / a future error with category "user".
-
-    `field` names the offending request field so the message can point at it.
-    """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.detail = message
-
-    def __reduce__(self) -> tuple[type[UserInputError], tuple[str, str]]:
-        # Engines run in child processes: the error must survive the trip back.
-        return (UserInputError, (self.field, self.detail))
 
 
 class EngineDied(RuntimeError):

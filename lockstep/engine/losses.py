@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lockstep.engine import custom_loss
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import Datum, LossConfig, PassRequest
+from lockstep.errors import UserInputError
 
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")

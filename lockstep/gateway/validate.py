@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lockstep.engine.interface import UserInputError
+from lockstep.errors import UserInputError
 from lockstep.gateway.errors import ApiError, bad_request
 from lockstep.paths import SEGMENT_TYPES, TinkerPath, validate_name, validate_run_id
 from lockstep.wire.v1 import tinker_pb2

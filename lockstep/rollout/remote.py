@@ -24,8 +24,9 @@ from typing import Any, TypeVar
 
 import httpx
 
-from lockstep.engine.interface import EngineDied, SamplingEngine, UserInputError
+from lockstep.engine.interface import EngineDied, SamplingEngine
 from lockstep.engine.types import ModelCard, SampleRequest, SampleResult
+from lockstep.errors import UserInputError
 from lockstep.rollout.launcher import ServerProcess
 from lockstep.rollout.pager import AdapterPager
 from lockstep.rollout.validation import validate_sample_request

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard, SampleRequest
+from lockstep.errors import UserInputError
 
 
 def validate_sample_request(req: SampleRequest, card: ModelCard) -> None:

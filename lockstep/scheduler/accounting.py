@@ -84,9 +84,9 @@ class Accounting:
     async def on_cycle(
         self, plan: CyclePlan, outcomes: Mapping[str, Outcome], seconds: float
     ) -> None:
-        """The clock's hook after collect: each model's pass tokens and steps, its share of the
-        cycle's wall time (by pass tokens; equal shares in a cycle without passes), the
-        checkpoints it saved, and an audit entry per new checkpoint."""
+        """After collect (the clock's `observers.AccountingObserver`): each model's pass tokens
+        and steps, its share of the cycle's wall time (by pass tokens; equal shares in a cycle
+        without passes), the checkpoints it saved, and an audit entry per new checkpoint."""
         total = plan.tokens
         for work in plan.models:
             who = await self._model(work.model_id)

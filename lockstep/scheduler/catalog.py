@@ -11,8 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard
+from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler.records import (
     CheckpointRecord,

@@ -12,12 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from lockstep.config import ClockConfig
-from lockstep.scheduler import tracing
-from lockstep.scheduler.accounting import Accounting
 from lockstep.scheduler.dispatch import CycleAborted, Dispatcher
 from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.observers import (
+    CycleFailure,
+    CycleObserver,
+    MeterObserver,
+    Observers,
+    TraceObserver,
+)
 from lockstep.scheduler.outcome import NO_OUTCOME, Outcome
 from lockstep.scheduler.pace import CyclePace
 from lockstep.scheduler.planner import CyclePlan, plan_cycle
@@ -42,6 +48,7 @@ class Clock:
         lane: SamplingLane,
         config: ClockConfig,
         key_token_cap: int = 0,
+        observers: Sequence[CycleObserver] = (),
     ) -> None:
         self.store = store
         self.dispatcher = dispatcher
@@ -54,12 +61,14 @@ class Clock:
         self.wake = asyncio.Event()
         self.cycles_run = 0
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
-        self.meter = ClockMeter(config.token_budget, store.model)
+        # Who watches each cycle (observers.py): traces, the caller's (accounting), then the
+        # metrics last, so the cycle time they report covers the other observers' writes.
+        meter = MeterObserver(ClockMeter(config.token_budget, store.model))
+        self.observers = Observers([TraceObserver(), *observers, meter])
         # Pass tokens per cycle: what the engine does in --cycle-target seconds (pace.py).
         self.pace = CyclePace(config.token_budget, config.cycle_target_s)
         self._stopping = False
         self._backlog = False  # passes had to wait for room: the next cycle starts at once
-        self.accounting: Accounting | None = None  # tenancy: set by the scheduler server
 
     def queue_state(self, model_id: str) -> tuple[QueueState, str]:
         """What a waiting request of `model_id` is told (TryAgain.queue_state and reason)."""
@@ -85,22 +94,20 @@ class Clock:
                 await self.cycle()
             except Exception:  # a broken cycle must not stop the clock
                 log.exception("clock cycle failed")
-                self.meter.failed()
+                await self.observers.failed(CycleFailure.CYCLE)
                 await asyncio.sleep(0.5)
         log.info("clock stopped after %d cycles", self.cycles_run)
 
     async def cycle(self) -> CyclePlan:
         """One clock cycle: plan -> dispatch -> publish -> commit -> notify."""
-        span = self.meter.begin()
-        started = time.monotonic()
+        await self.observers.begun()
         plan, queues = await self.plan()
         runs = not plan.empty or self.config.policy != ClockPolicy.TRIGGERED
-        await self.meter.planned(span, queues, plan, runs)
+        await self.observers.planned(queues, plan, runs)
         if not runs:
             return plan
         cycle = await self.dispatcher.begin(plan)  # its number and payloads: one round trip
-        ops = [op for work in plan.models for op in work.ops()]  # [trace hook]
-        trace = tracing.begin_cycle(cycle, ops, len(plan.models), plan.tokens)  # [trace hook]
+        await self.observers.dispatching(cycle, plan)
         try:
             # The one place training runs: in colocated mode the sampler gives its memory
             # back for the duration (lane.training_phase; a no-op otherwise).
@@ -109,20 +116,17 @@ class Clock:
                 outcomes = await self.dispatcher.run(plan, cycle)
                 self.pace.observe(plan.tokens, time.monotonic() - dispatch_started)
         except CycleAborted:
-            self.meter.failed("engine")
+            await self.observers.failed(CycleFailure.ENGINE)
             self.wake.set()  # nothing was recorded: the same work runs on the fresh engine
             return plan
-        self.meter.dispatched(span)
+        await self.observers.dispatched(plan, outcomes)
         # Publish first: the sampler loads new adapters while commit answers the futures and
         # the client asks for its sampling session, instead of after (a task; never blocks).
         self.publish(outcomes)
         await self.commit(plan, outcomes)
         self.notify(plan)
-        await tracing.cycle_done(trace)  # [trace hook] after the futures are answered
-        if self.accounting is not None:  # usage per key
-            await self.accounting.on_cycle(plan, outcomes, time.monotonic() - started)
         self.cycles_run += 1
-        self.meter.finished(span, plan, outcomes)
+        await self.observers.finished(plan, outcomes)  # traces, usage, metrics
         await self.dispatcher.prune(plan, outcomes)  # old snapshot files, once the new ones count
         await self.dispatcher.record_durable()  # snapshots the engine finished in the background
         if not plan.empty:

@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from lockstep.engine import custom_loss as spec
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.losses import CUSTOM, custom_loss_id
 from lockstep.engine.types import CustomLoss, CustomLossNode, PassRequest
+from lockstep.errors import UserInputError
 from lockstep.scheduler import keys
 from lockstep.scheduler.catalog import Catalog, NotFound
 from lockstep.scheduler.records import CustomLossRecord, ModelRecord, decode, encoder

@@ -23,8 +23,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
-from lockstep.engine.interface import EngineDied, TrainingEngine, UserInputError
+from lockstep.engine.interface import EngineDied, TrainingEngine
 from lockstep.engine.types import LoraSpec, OptimRequest, PassRequest, PassResult
+from lockstep.errors import UserInputError
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, ephemeral_dir
 from lockstep.scheduler import custom_losses, encryption, storage, tracing, translate

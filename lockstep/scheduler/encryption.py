@@ -12,7 +12,7 @@ from typing import TypeAlias
 
 import pyrage
 
-from lockstep.engine.interface import UserInputError
+from lockstep.errors import UserInputError
 
 FIELD = "age_encryption_recipients"
 MAX_RECIPIENTS = 10  # the SDK's documented limit

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lockstep.engine.interface import EngineDied, UserInputError
+from lockstep.engine.interface import EngineDied
+from lockstep.errors import UserInputError
 from lockstep.scheduler import storage
 from lockstep.scheduler.records import CheckpointRecord, InflightTarget, SamplerRecord
 from lockstep.v1 import scheduler_pb2 as pb

@@ -1,11 +1,11 @@
-"""The scheduler process: Redis state, the engines (child processes), the clock, the gRPC server."""
+"""The scheduler process: Redis state, the clock, the gRPC server, around the engines its caller
+builds (`python -m lockstep.scheduler` passes `lockstep.backends.start_engines`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -27,7 +27,6 @@ from lockstep.engine import memory
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
-from lockstep.rollout import config as rollout_config
 from lockstep.scheduler import tenancy as tenancy_mod
 from lockstep.scheduler import tracing
 from lockstep.scheduler.accounting import Accounting
@@ -36,6 +35,7 @@ from lockstep.scheduler.clock import Clock
 from lockstep.scheduler.decoded import DecodedPasses
 from lockstep.scheduler.dispatch import Dispatcher
 from lockstep.scheduler.futures import FutureBoard
+from lockstep.scheduler.observers import AccountingObserver
 from lockstep.scheduler.sampling_lane import SamplingLane
 from lockstep.scheduler.store import Store
 from lockstep.scheduler.submissions import Submissions
@@ -96,41 +96,6 @@ class SchedulerConfig:
         )
 
 
-def start_engines(cfg: SchedulerConfig) -> tuple[TrainingEngine, SamplingEngine]:
-    """The local trainer in its own child process; the configured sampler (rollout.config)."""
-    from lockstep.workers.local.engine import LocalTrainingEngine
-    from lockstep.workers.process import Deadline, ProcessTrainingEngine
-
-    name = cfg.served_names[0]
-    factory: Callable[[], TrainingEngine] = functools.partial(
-        LocalTrainingEngine,
-        cfg.model_dir,
-        name,
-        micro_batch_tokens=cfg.engine.micro_batch_tokens,
-        dtype=cfg.engine.dtype,
-        activation_checkpointing=cfg.engine.activation_checkpointing,
-        memory_budget_bytes=cfg.engine.memory_budget_bytes,
-    )
-    if cfg.engine.kind == "megatron":  # the child process drives the Ray worker group
-        from lockstep.workers.megatron.engine import MegatronTrainingEngine
-
-        factory = functools.partial(
-            MegatronTrainingEngine,
-            cfg.model_dir,
-            name,
-            cfg.engine.parallel,
-            "ray",
-            cfg.engine.ray_address,
-            cfg.engine.micro_batch,
-            cfg.engine.ray_placement,
-            cfg.engine.memory_budget_bytes,
-        )
-    deadline = Deadline(cfg.engine.deadline_s, cfg.engine.deadline_per_token_s)
-    trainer = ProcessTrainingEngine(factory, "trainer", deadline)
-    sampler = rollout_config.start_sampler(cfg.sampler, cfg.model_dir, name, cfg.data_dir, deadline)
-    return trainer, sampler
-
-
 @dataclass
 class Assembly:
     """The scheduler's parts, wired: what `serve` runs (and what tests drive in-process)."""
@@ -170,6 +135,8 @@ def assemble(
         cfg.engine.snapshot_interval_s,
         decoded,
     )
+    accounting = Accounting(store, cfg.tenancy.audit_retention_s)
+    lane.accounting = accounting
     clock = Clock(
         store,
         dispatcher,
@@ -177,10 +144,9 @@ def assemble(
         lane,
         cfg.clock,
         key_token_cap=cfg.limits.max_tokens_per_cycle_per_key,
+        observers=[AccountingObserver(accounting)],  # usage per key (metrics, traces: built in)
     )
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
-    accounting = Accounting(store, cfg.tenancy.audit_retention_s)
-    clock.accounting = lane.accounting = accounting
     tenancy = tenancy_mod.Tenancy(
         cfg.tenancy, store, catalog, dispatcher.resident, accounting, clock.wake.set, lane.unload
     )
@@ -198,13 +164,17 @@ def assemble(
     return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
 
 
-async def serve(cfg: SchedulerConfig) -> None:
+# Builds the trainer and the sampler (blocking: it may start processes and wait for them).
+EngineFactory = Callable[[], tuple[TrainingEngine, SamplingEngine]]
+
+
+async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     metrics.configure(cfg.metrics_max_tenants)
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
     tracing.configure(store.redis, cfg.trace_retention_s)
-    trainer, sampler = await asyncio.to_thread(start_engines, cfg)
+    trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()
     log.info(
         "engines ready: %s (vocab %d, context %d) from %s; trainer memory budget %s",
@@ -279,14 +249,3 @@ def parse_args(argv: list[str] | None = None) -> SchedulerConfig:
     return SchedulerConfig.from_config(
         config.resolve(parser, base, parser.parse_args(argv), "scheduler")
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s"
-    )
-    asyncio.run(serve(parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from lockstep.engine.interface import UserInputError
+from lockstep.errors import UserInputError
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath
 from lockstep.scheduler import redis_conn, sample_futures, tracing

@@ -1,9 +1,10 @@
 """The clock's span object: what one cycle reports to the metrics as it goes.
 
-`Clock` opens a `CycleSpan` per cycle (`ClockMeter.begin`) and marks each step; the meter turns
-the plan, the queues and the outcomes into the series defined in `observability.metrics`. It
-lives here, not beside the metric definitions, because it reads scheduler types (plans,
-queued ops, outcomes): the metrics module stays a leaf that every process may import.
+The clock's `observers.MeterObserver` opens a `CycleSpan` per cycle (`ClockMeter.begin`) and
+marks each step; the meter turns the plan, the queues and the outcomes into the series defined
+in `observability.metrics`. It lives here, not beside the metric definitions, because it
+reads scheduler types (plans, queued ops, outcomes): the metrics module stays a leaf that every
+process may import.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class CycleSpan:
 
 
 class ClockMeter:
-    """What the clock reports about each cycle; `Clock` calls it at each step of a cycle."""
+    """What the clock reports about each cycle, called at each step of a cycle (through
+    `observers.MeterObserver`)."""
 
     def __init__(
         self,

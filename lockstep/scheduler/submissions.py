@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 from lockstep.config import Limits
 from lockstep.engine import losses, memory
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard, PassRequest
+from lockstep.errors import UserInputError
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath, checkpoint_dir, validate_name
 from lockstep.scheduler import encryption, tracing, translate

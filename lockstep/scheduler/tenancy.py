@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.config import TenancyConfig
-from lockstep.engine.interface import UserInputError
+from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler import keys
 from lockstep.scheduler.accounting import Accounting, AuditEvent

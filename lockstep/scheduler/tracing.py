@@ -2,8 +2,9 @@
 
 Why a step was slow: it waited for a cycle (queue wait), shared the cycle with others, or spent
 its time in the pass, the optimizer step, the snapshot or a save; a sample waited for, or ran
-in, a sampling batch. The clock, the dispatcher, the sampling lane and submissions call the
-small hooks below; everything else (timing, event layout, Redis) lives here.
+in, a sampling batch. The clock (its `observers.TraceObserver`), the dispatcher, the sampling
+lane and submissions call the small hooks below; everything else (timing, event layout, Redis)
+lives here.
 
 Layout (Chrome trace "X" events, wall-clock microseconds):
 - one process per training run or sampling session, one thread per request:

@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import (
     AdamConfig,
     Datum,
@@ -17,6 +16,7 @@ from lockstep.engine.types import (
     SampleRequest,
     SampleResult,
 )
+from lockstep.errors import UserInputError
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.wire.v1 import tinker_pb2 as wire
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import LoraSpec
+from lockstep.errors import UserInputError
 from lockstep.modeling.peft_io import PeftAdapter, load_peft_adapter, save_peft_adapter
 from lockstep.training.optim import AdamState
 

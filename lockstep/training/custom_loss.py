@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.engine import custom_loss as spec
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import CustomLoss, Datum
+from lockstep.errors import UserInputError
 
 Fn = Callable[..., Any]
 PROBE_T, PROBE_K = 64, 4  # shapes a graph is checked on at creation

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import AdamConfig
+from lockstep.errors import UserInputError
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine, UserInputError
+from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine
 from lockstep.engine.types import (
     NO_MEMORY_LIMIT,
     Datum,
@@ -30,6 +30,7 @@ from lockstep.engine.types import (
     SampleRequest,
     SampleResult,
 )
+from lockstep.errors import UserInputError
 
 VOCAB = 64
 DIM = 4

@@ -24,8 +24,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import SampleParams, SampleRequest
+from lockstep.errors import UserInputError
 from lockstep.rollout.local import LocalSamplingEngine
 
 

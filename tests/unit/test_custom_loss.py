@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from lockstep.engine import custom_loss as spec
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import CustomLossNode
+from lockstep.errors import UserInputError
 from lockstep.training import custom_loss as tcl
 
 

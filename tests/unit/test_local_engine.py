@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
+from lockstep.errors import UserInputError
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.tiny import ensure_default_model
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import LoraSpec, SampleParams, SampleRequest, SampleResult
+from lockstep.errors import UserInputError
 from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter, save_peft_adapter

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.losses import (
     LOSSES,
     UNSUPPORTED_LOSSES,
@@ -16,6 +15,7 @@ from lockstep.engine.losses import (
     validate_pass_request,
 )
 from lockstep.engine.types import Datum, PassRequest
+from lockstep.errors import UserInputError
 from lockstep.training.losses import TORCH_LOSSES, elementwise_loss
 
 VOCAB, CTX = 100, 64

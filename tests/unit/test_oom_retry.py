@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
+from lockstep.errors import UserInputError
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.workers.local.engine import LocalTrainingEngine, _Row, padded
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import ModelCard
+from lockstep.errors import UserInputError
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.validate import check_name, parse_tinker_path
 from lockstep.paths import SEGMENT_TYPES, TYPE_SEGMENTS, TinkerPath

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from starlette.requests import Request
 
-from lockstep.engine.interface import UserInputError
+from lockstep.errors import UserInputError
 from lockstep.gateway.app import create_app
 from lockstep.gateway.deps import Caller, authenticate
 from lockstep.gateway.errors import ApiError

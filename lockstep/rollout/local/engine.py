@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from lockstep.engine.interface import SamplingEngine, UserInputError
+from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
+from lockstep.errors import UserInputError
 from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter

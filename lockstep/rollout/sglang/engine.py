@@ -35,7 +35,6 @@ from typing import Any
 
 import httpx
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import (
     ModelCard,
     SampledSequence,
@@ -43,6 +42,7 @@ from lockstep.engine.types import (
     SampleResult,
     StopReason,
 )
+from lockstep.errors import UserInputError
 from lockstep.rollout.launcher import ServerProcess
 from lockstep.rollout.remote import RemoteSamplingEngine, ServerError, cache_salt
 from lockstep.rollout.validation import prompt_logprob_start

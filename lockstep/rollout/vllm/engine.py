@@ -29,7 +29,6 @@ from typing import Any
 
 import httpx
 
-from lockstep.engine.interface import UserInputError
 from lockstep.engine.types import (
     ModelCard,
     SampledSequence,
@@ -37,6 +36,7 @@ from lockstep.engine.types import (
     SampleResult,
     StopReason,
 )
+from lockstep.errors import UserInputError
 from lockstep.rollout.launcher import ServerProcess
 from lockstep.rollout.remote import RemoteSamplingEngine, cache_salt
 from lockstep.rollout.seeds import sample_seed

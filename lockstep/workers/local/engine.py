@@ -39,7 +39,7 @@ import torch
 
 from lockstep.config.sections import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine import memory
-from lockstep.engine.interface import TrainingEngine, UserInputError
+from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.losses import resolve_loss_config, validate_pass_request
 from lockstep.engine.types import (
     Datum,
@@ -50,6 +50,7 @@ from lockstep.engine.types import (
     PassRequest,
     PassResult,
 )
+from lockstep.errors import UserInputError
 from lockstep.modeling.architecture import TrainerPath, UnsupportedModel, check_head, describe
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from lockstep.engine import memory
-from lockstep.engine.interface import TrainingEngine, UserInputError
+from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.losses import CUSTOM, resolve_loss_config, validate_pass_request
 from lockstep.engine.types import (
     LoraSpec,
@@ -25,6 +25,7 @@ from lockstep.engine.types import (
     PassRequest,
     PassResult,
 )
+from lockstep.errors import UserInputError
 from lockstep.modeling.lora import (
     PEFT_PREFIX,
     check_adapter_state,
