@@ -20,7 +20,7 @@ from lockstep.scheduler.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
 
 if TYPE_CHECKING:
-    from lockstep.scheduler.dispatch import Outcome
+    from lockstep.scheduler.outcome import Outcome
     from lockstep.scheduler.planner import CyclePlan
 
 HOUR_S = 3600

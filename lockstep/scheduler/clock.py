@@ -102,7 +102,7 @@ class Clock:
         """One clock cycle: plan -> dispatch -> publish -> commit -> notify."""
         await self.observers.begun()
         plan, queues = await self.plan()
-        runs = not plan.empty or self.config.policy != ClockPolicy.TRIGGERED
+        runs = not plan.empty or ClockPolicy(self.config.policy) != ClockPolicy.TRIGGERED
         await self.observers.planned(queues, plan, runs)
         if not runs:
             return plan
@@ -173,7 +173,7 @@ class Clock:
                 self.board.notify(op.request_id)
 
     async def _tick(self) -> None:
-        if self.config.policy == ClockPolicy.PERIODIC:
+        if ClockPolicy(self.config.policy) == ClockPolicy.PERIODIC:
             now = time.monotonic()
             await asyncio.sleep(self.config.period_s - now % self.config.period_s)
             return

@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
 from lockstep.engine.interface import EngineDied, TrainingEngine
@@ -46,6 +47,7 @@ from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, OpKind
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
@@ -94,7 +96,7 @@ class Dispatcher:
             OpKind.SAVE: lambda op, req: self._save(op, req.owner, req.save_weights),
         }
 
-    async def _call(self, fn, *args):
+    async def _call(self, fn: Callable[..., R], *args: object) -> R:
         with metrics.engine_call("trainer", fn.__name__):
             return await asyncio.to_thread(fn, *args)
 
@@ -117,7 +119,10 @@ class Dispatcher:
                 broken = await self._restore(work.model_id)
                 if broken is not None:
                     outcomes.update((op.request_id, broken) for op in work.ops())
-            runnable = lambda ops: [op for op in ops if op.request_id not in outcomes]  # noqa: E731
+
+            def runnable(ops: list[QueuedOp]) -> list[QueuedOp]:
+                return [op for op in ops if op.request_id not in outcomes]
+
             for op in runnable(plan.pre):
                 with tracing.phase(op.kind, [op]):  # [trace hook]
                     outcomes[op.request_id] = await self._single(op)
@@ -264,7 +269,9 @@ class Dispatcher:
             if job is None:
                 raise RuntimeError(f"job {op.request_id} vanished from the store")
             payload = job.payload
-        return pb.SubmitRequest.FromString(payload)
+        req = pb.SubmitRequest()
+        req.ParseFromString(payload)
+        return req
 
     async def _pass(self, op: QueuedOp) -> PassRequest:
         """The pass as validated at submission, or decoded from its payload."""

@@ -159,7 +159,10 @@ def pass_units(passes: list[QueuedOp]) -> list[list[QueuedOp]]:
 def _cut(work: ModelWork, before_seq: int) -> ModelWork:
     """Keep only the ops before `before_seq`: the first pass that did not fit and all after it
     wait for a later cycle (in seq order, so nothing after them may run either)."""
-    keep = lambda ops: [o for o in ops if o.seq_id < before_seq]  # noqa: E731
+
+    def keep(ops: list[QueuedOp]) -> list[QueuedOp]:
+        return [o for o in ops if o.seq_id < before_seq]
+
     optim = work.optim if work.optim is not None and work.optim.seq_id < before_seq else None
     return ModelWork(
         work.model_id,

@@ -18,7 +18,7 @@ from lockstep.observability import metrics
 from lockstep.observability.tracking import BusyWindow, HasOwner
 
 if TYPE_CHECKING:
-    from lockstep.scheduler.dispatch import Outcome
+    from lockstep.scheduler.outcome import Outcome
     from lockstep.scheduler.planner import CyclePlan
     from lockstep.scheduler.records import QueuedOp
 

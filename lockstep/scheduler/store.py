@@ -389,7 +389,10 @@ class Store:
 
 def _job(request_id: str, f: dict[str, bytes]) -> Job:
     """A job from its hash fields (all or some of them)."""
-    text = lambda name: f[name].decode() if name in f else None  # noqa: E731
+
+    def text(name: str) -> str | None:
+        return f[name].decode() if name in f else None
+
     return Job(
         request_id=request_id,
         kind=OpKind(text("kind") or OpKind.SAMPLE),

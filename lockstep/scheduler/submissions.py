@@ -66,7 +66,7 @@ def retry_identity(req: pb.SubmitRequest) -> bytes | None:
         same = pb.SubmitRequest()
         same.CopyFrom(req)
         same.save_weights.ClearField("sampling_session_seq_id")
-        return same.SerializeToString(deterministic=True)
+        return bytes(same.SerializeToString(deterministic=True))
     return None
 
 
