@@ -3,15 +3,26 @@
 A real `lockstep serve` on the tiny model with the triggered clock and `--clock-gather 0` (no
 gather window is counted), against the same engine calls made in-process:
 
-  forward    a 1-token `forward` (rank-32 adapter) through the SDK vs `run_passes` in-process
-  sample     a 1-token `sample` of the base model through the SDK vs `sample` in-process
-  retrieve   `retrieve_future` of a future that has already finished (one HTTP call; the
-             in-process equivalent is nothing)
+  forward           a 1-token `forward` (rank-32 adapter) through the SDK vs `run_passes`
+  forward_backward  the same datum's `forward_backward` (no optimizer step) vs `run_passes`
+  sample            a 1-token `sample` of the base model through the SDK vs `sample`
+  retrieve          `retrieve_future` of a future that has already finished (one HTTP call; the
+                    in-process equivalent is nothing)
 
-Per request: added latency p50/p99 (SDK p50/p99 minus the in-process p50) and Redis commands
-per request (INFO's total_commands_processed over the run, less the idle rate measured just
-before). Then 8 tenants run pipelined forward_backward + optim_step loops: the scheduler
-process's own CPU time (its engines run in child processes) over the wall time.
+Per request: added latency p50/p99 (SDK p50/p99 minus the in-process p50), Redis commands per
+request (INFO's total_commands_processed over the run, less the idle rate measured just before;
+commands inside Lua scripts count) and Redis round trips per request (the scheduler's
+lockstep_redis_round_trips_total over the run: one per command, pipeline or transaction sent).
+
+Then the span profile (benchmarks/spans.py): n more forwards and samples, one at a time, with
+both processes' /metrics scraped around each and the session trace read at the end; each
+request's wall time is cut into SDK client / HTTP + gateway / gRPC hop / scheduler handler /
+Redis / clock wait / engine compute (its in-process median) / engine pipe / cycle other /
+future retrieval, and the per-part medians are reported (`spans` in the JSON, stacked bars in
+the PNG).
+
+Last, 8 tenants run pipelined forward_backward + optim_step loops: the scheduler process's own
+CPU time (its engines run in child processes) over the wall time.
 
     python benchmarks/control_plane.py [--n 60] [--steps 12]
 """
@@ -31,9 +42,11 @@ from typing import Any
 import httpx
 import numpy as np
 import redis
+import spans
 import tinker
 from common import (
     API_KEY,
+    REPO_ROOT,
     Server,
     check,
     cpu_seconds_by_role,
@@ -55,12 +68,20 @@ from lockstep.engine.types import (
     SampleRequest,
 )
 from lockstep.modeling.tiny import ensure_default_model
+from lockstep.ports import free_port
 from lockstep.rollout.local.engine import LocalSamplingEngine
 from lockstep.workers.local.engine import LocalTrainingEngine
 
 NAME = "control_plane"
 MODEL = "Lockstep/tiny-qwen3"
-TARGETS = {"added_p50_ms": 2.0, "added_p99_ms": 10.0, "scheduler_cpu_share": 0.05}
+# Issue #21: added latency per request kind, Redis per forward_backward, scheduler CPU share.
+TARGETS = {
+    "forward": {"added_p50_ms": 5.0, "added_p99_ms": 15.0},
+    "sample": {"added_p50_ms": 4.0, "added_p99_ms": 12.0},
+    "forward_backward": {"redis_round_trips": 6, "redis_commands": 12},
+    "scheduler_cpu_share": 0.08,
+}
+PROFILED = {"forward": "trainer", "sample": "sampler"}  # request kind -> its engine
 
 
 def timed(fn: Callable[[], object], n: int, desc: str) -> list[float]:
@@ -80,10 +101,14 @@ def direct(n: int) -> dict[str, list[float]]:
     trainer.create_model("m", LoraSpec(rank=32, seed=1))
     one = Datum(np.array([5]), {"target_tokens": np.array([6]), "weights": np.ones(1, np.float32)})
     forward = PassRequest("r", "m", "cross_entropy", {}, True, [one])
+    backward = PassRequest("r", "m", "cross_entropy", {}, False, [one])
     sampler = LocalSamplingEngine(model_dir, MODEL)
     sample = SampleRequest("s", None, [5], 1, SampleParams(max_tokens=1, seed=0))
     out = {
         "forward": timed(lambda: trainer.run_passes([forward]), n, "in-process forward"),
+        "forward_backward": timed(
+            lambda: trainer.run_passes([backward]), n, "in-process forward_backward"
+        ),
         "sample": timed(lambda: sampler.sample([sample]), n, "in-process sample"),
     }
     trainer.close()
@@ -91,26 +116,38 @@ def direct(n: int) -> dict[str, list[float]]:
 
 
 class RedisCounter:
-    """Commands the server's Redis processed, less its idle rate (ticks, heartbeats)."""
+    """Commands the server's Redis processed and the scheduler's round trips to it, each less
+    its idle rate (ticks, heartbeats, probes)."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, scheduler_metrics: str) -> None:
         url = (server.data_dir / "redis" / "url").read_text().strip()
         self.redis = redis.Redis.from_url(url)
-        start, began = self.total(), time.monotonic()
+        self.metrics_url = scheduler_metrics
+        start, began = self.totals(), time.monotonic()
         time.sleep(5)
-        self.idle_per_s = (self.total() - start - 1) / (time.monotonic() - began)
+        self.idle_per_s = self.rates(start, began)
 
-    def total(self) -> int:
-        return int(self.redis.info("stats")["total_commands_processed"])
+    def totals(self) -> np.ndarray:
+        commands = int(self.redis.info("stats")["total_commands_processed"]) - 1  # INFO itself
+        found = spans.scrape(self.metrics_url, ("lockstep_redis_round_trips_total",))
+        return np.array([commands, sum(found.values())], dtype=float)
 
-    def per_request(self, run: Callable[[], list[float]], n: int) -> tuple[list[float], float]:
-        start, began = self.total(), time.monotonic()
+    def rates(self, start: np.ndarray, began: float) -> np.ndarray:
+        return (self.totals() - start) / (time.monotonic() - began)
+
+    def per_request(
+        self, run: Callable[[], list[float]], n: int
+    ) -> tuple[list[float], float, float]:
+        start, began = self.totals(), time.monotonic()
         times = run()
-        spent = self.total() - start - 1 - self.idle_per_s * (time.monotonic() - began)
-        return times, spent / (n + 3)  # timed() also ran three warm-up requests
+        spent = self.totals() - start - self.idle_per_s * (time.monotonic() - began)
+        commands, trips = spent / (n + 3)  # timed() also ran three warm-up requests
+        return times, float(commands), float(trips)
 
 
-def through_sdk(server: Server, n: int, counter: RedisCounter) -> dict[str, Any]:
+def through_sdk(
+    server: Server, n: int, counter: RedisCounter, http_log: spans.HttpLog, urls: dict[str, str]
+) -> dict[str, Any]:
     client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     trainer = client.create_lora_training_client(base_model=MODEL, rank=32, seed=1).result()
     sampler = client.create_sampling_client(base_model=MODEL)
@@ -135,15 +172,24 @@ def through_sdk(server: Server, n: int, counter: RedisCounter) -> dict[str, Any]
 
     calls: dict[str, Callable[[], object]] = {
         "forward": lambda: trainer.forward([one], "cross_entropy").result(),
+        "forward_backward": lambda: trainer.forward_backward([one], "cross_entropy").result(),
         "sample": lambda: sampler.sample(prompt, num_samples=1, sampling_params=params).result(),
         "retrieve": retrieve_once,
     }
     out: dict[str, Any] = {}
     for name, call in calls.items():
-        times, commands = counter.per_request(partial(timed, call, n, f"SDK {name}"), n)
-        out[name] = {"times": times, "redis_commands": commands}
+        times, commands, trips = counter.per_request(partial(timed, call, n, f"SDK {name}"), n)
+        out[name] = {"times": times, "redis_commands": commands, "redis_round_trips": trips}
     http.close()
-    return out
+    # The span profile: the same requests again, one at a time, metrics scraped around each.
+    recorded = {
+        kind: spans.record(calls[kind], n, http_log, urls["gateway"], urls["scheduler"])
+        for kind in tqdm(PROFILED, desc="span profile")
+    }
+    trace = spans.export_trace(server.base_url, API_KEY, trainer.model_id.split(":train:")[0])
+    for kind, samples in recorded.items():
+        spans.attach_trace(samples, trace, kind)
+    return {"requests": out, "profiled": recorded}
 
 
 def scheduler_cpu(server: Server, tenants: int, steps: int) -> dict[str, float]:
@@ -201,28 +247,57 @@ def summarize(sdk: dict[str, Any], local: dict[str, list[float]]) -> list[dict[s
                 "added_p50_ms": ms(res["times"], 0.5) - base,
                 "added_p99_ms": ms(res["times"], 0.99) - base,
                 "redis_commands": res["redis_commands"],
+                "redis_round_trips": res["redis_round_trips"],
             }
         )
     return rows
 
 
-def plot(rows: list[dict[str, Any]]) -> Path:
+def target_checks(rows: list[dict[str, Any]], cpu_share: float) -> list[dict[str, Any]]:
+    """Each of TARGETS: the measured value, the goal, met or missed."""
+    by_kind = {r["request"]: r for r in rows}
+    out = []
+    for kind, goals in TARGETS.items():
+        if isinstance(goals, dict):
+            for key, goal in goals.items():
+                out.append({"target": f"{kind} {key}", "value": by_kind[kind][key], "goal": goal})
+        else:
+            out.append({"target": kind, "value": cpu_share, "goal": goals})
+    return [t | {"met": t["value"] <= t["goal"]} for t in out]
+
+
+def plot(rows: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     names = [r["request"] for r in rows]
     x = np.arange(len(names))
     ax.bar(x - 0.2, [r["added_p50_ms"] for r in rows], 0.4, label="added p50")
     ax.bar(x + 0.2, [r["added_p99_ms"] for r in rows], 0.4, label="added p99")
-    ax.axhline(TARGETS["added_p50_ms"], color="tab:blue", ls="--", label="target p50")
-    ax.axhline(TARGETS["added_p99_ms"], color="tab:orange", ls="--", label="target p99")
+    for i, name in enumerate(names):
+        goals = TARGETS.get(name)
+        if isinstance(goals, dict) and "added_p50_ms" in goals:
+            ax.hlines(goals["added_p50_ms"], i - 0.4, i, colors="tab:blue", linestyles="--")
+            ax.hlines(goals["added_p99_ms"], i, i + 0.4, colors="tab:orange", linestyles="--")
     ax.set_xticks(x, names)
-    ax.set_ylabel("ms over the in-process call")
-    ax.set_title("control-plane latency per minimal request (gather window 0)")
+    ax.set_ylabel("ms over the in-process call (dashes: targets)")
+    ax.set_title("added latency per minimal request (gather window 0)")
     ax.legend()
+    kinds = [k for k, p in profiles.items() if p.get("requests")]
+    bottom = np.zeros(len(kinds))
+    colors = plt.get_cmap("tab10").colors
+    for part, color in zip(spans.PARTS, colors, strict=True):
+        values = np.array([max(profiles[k]["parts_ms"][part], 0.0) for k in kinds])
+        bx.bar(kinds, values, 0.5, bottom=bottom, label=part, color=color)
+        bottom += values
+    for i, k in enumerate(kinds):
+        bx.text(i, bottom[i], f"wall {profiles[k]['wall_ms']:.1f}", ha="center", va="bottom")
+    bx.set_ylabel("ms (median of each part)")
+    bx.set_title("where one request's time goes")
+    bx.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     path = figure_path(NAME)
     fig.savefig(path, dpi=110)
@@ -237,30 +312,69 @@ def main() -> None:
     args = p.parse_args()
     results: dict[str, Any] = {"environment": environment(), "targets": TARGETS}
     local = direct(args.n)
+    http_log = spans.HttpLog()
     with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
         server = start_server(
-            Path(tmp) / "data", "--clock-policy", "triggered", "--clock-gather", "0"
+            Path(tmp) / "data",
+            *("--clock-policy", "triggered", "--clock-gather", "0", "--metrics-port", str(port)),
         )
+        urls = {
+            "gateway": server.base_url + "/metrics",
+            "scheduler": f"http://127.0.0.1:{port}/metrics",
+        }
         try:
-            counter = RedisCounter(server)
-            sdk = through_sdk(server, args.n, counter)
+            counter = RedisCounter(server, urls["scheduler"])
+            sdk = through_sdk(server, args.n, counter, http_log, urls)
             cpu = scheduler_cpu(server, args.tenants, args.steps)
         finally:
             stop_server(server)
-    rows = summarize(sdk, local)
-    results.update({"n": args.n, "idle_redis_commands_per_s": counter.idle_per_s})
-    results.update({"requests": rows, "scheduler_cpu": cpu})
+    rows = summarize(sdk["requests"], local)
+    profiles = {
+        kind: spans.profile(sdk["profiled"][kind], engine, statistics.median(local[kind]))
+        for kind, engine in PROFILED.items()
+    }
+    checks = target_checks(rows, cpu["share"])
+    idle_commands, idle_trips = counter.idle_per_s
+    results.update({"n": args.n, "idle_redis_commands_per_s": idle_commands})
+    results.update({"idle_redis_round_trips_per_s": idle_trips, "requests": rows})
+    results.update({"spans": profiles, "scheduler_cpu": cpu, "target_checks": checks})
     print_table(
         "added latency per minimal request (ms; SDK minus in-process)",
-        ["request", "in-proc p50", "SDK p50", "SDK p99", "added p50", "added p99", "Redis cmds"],
+        [
+            "request",
+            "in-proc p50",
+            "SDK p50",
+            "SDK p99",
+            "added p50",
+            "added p99",
+            "Redis cmds",
+            "Redis round trips",
+        ],
         [[r[k] for k in rows[0]] for r in rows],
+    )
+    kinds = [k for k in PROFILED if profiles[k].get("requests")]
+    print_table(
+        "where one request's time goes (ms, median of each part over the profiled requests)",
+        ["part", *kinds],
+        [
+            *([part, *(profiles[k]["parts_ms"][part] for k in kinds)] for part in spans.PARTS),
+            ["sum of parts", *(sum(profiles[k]["parts_ms"].values()) for k in kinds)],
+            ["wall (median)", *(profiles[k]["wall_ms"] for k in kinds)],
+            ["requests matched", *(profiles[k]["requests"] for k in kinds)],
+        ],
     )
     print_table(
         "scheduler CPU with pipelined tenants",
-        ["tenants", "wall s", "scheduler CPU s", "share", "target 5%"],
-        [[cpu["tenants"], cpu["wall_s"], cpu["cpu_s"], cpu["share"], check(cpu["share"] <= 0.05)]],
+        ["tenants", "wall s", "scheduler CPU s", "share"],
+        [[cpu["tenants"], cpu["wall_s"], cpu["cpu_s"], cpu["share"]]],
     )
-    results["figure"] = str(plot(rows).relative_to(Path(__file__).resolve().parent.parent))
+    print_table(
+        "targets (issue #21)",
+        ["target", "measured", "goal", "met"],
+        [[t["target"], t["value"], t["goal"], check(t["met"])] for t in checks],
+    )
+    results["figure"] = str(plot(rows, profiles).relative_to(REPO_ROOT))
     write_json(NAME, results)
 
 

@@ -21,6 +21,7 @@ from lockstep.gateway.openapi import install_openapi
 from lockstep.gateway.refusals import RefusalMiddleware
 from lockstep.gateway.routes import api_router
 from lockstep.gateway.settings import GatewaySettings
+from lockstep.gateway.stub import TimedStub
 from lockstep.gateway.wire.requests import ForwardBackwardJsonRequest
 from lockstep.keyring import KeyRing
 from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
@@ -38,7 +39,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             settings.scheduler_address,
             options=grpc_options.channel_options(settings.grpc_max_message_bytes),
         )
-        app.state.scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        app.state.scheduler = TimedStub(scheduler_pb2_grpc.SchedulerStub(channel))
         log.info("gateway: scheduler channel open to %s", settings.scheduler_address)
         if settings.keys_file is not None:  # SIGHUP: re-read the keys file (add, revoke)
             try:

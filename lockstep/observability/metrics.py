@@ -19,7 +19,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from enum import StrEnum
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -281,6 +283,44 @@ REDIS_RTT_SECONDS = Histogram(
     buckets=REDIS_BUCKETS,
     registry=SCHEDULER,
 )
+REDIS_ROUND_TRIPS = Counter(
+    "lockstep_redis_round_trips_total",
+    "Exchanges with Redis (one command, or one pipeline or transaction sent at once) by what "
+    "made them: rpc:<gRPC method>, clock_plan / clock_dispatch / clock_collect (a cycle's "
+    "steps; clock_after: its bookkeeping after the futures are answered), sampling, other.",
+    ["caller"],
+    registry=SCHEDULER,
+)
+REDIS_ROUND_TRIP_SECONDS = Counter(
+    "lockstep_redis_round_trip_seconds_total",
+    "Time from sending each of those exchanges to reading its last reply, by caller.",
+    ["caller"],
+    registry=SCHEDULER,
+)
+RPC_SECONDS = Histogram(
+    "lockstep_rpc_duration_seconds",
+    "Time the scheduler spent in each gRPC method's handler (RetrieveFuture: a long poll).",
+    ["method"],
+    buckets=HTTP_BUCKETS,
+    registry=SCHEDULER,
+)
+
+
+class RedisCaller(StrEnum):
+    """What made a Redis round trip (the `caller` label), besides "rpc:<gRPC method>"."""
+
+    CLOCK_PLAN = "clock_plan"  # read the queues and plan
+    CLOCK_DISPATCH = "clock_dispatch"  # restore, page, the engine's phases
+    CLOCK_COLLECT = "clock_collect"  # record outcomes, wake the futures
+    CLOCK_AFTER = "clock_after"  # after the futures are answered: trace, usage, durability
+    SAMPLING = "sampling"  # the sampling lane
+    OTHER = "other"  # probes, expiry scans, start-up
+
+
+# What is talking to Redis in the running task: set where a task's role is known (the gRPC
+# handlers, the clock's steps, the sampling lane); tasks it starts inherit it.
+REDIS_CALLER: ContextVar[str] = ContextVar("lockstep_redis_caller", default=RedisCaller.OTHER)
+
 
 # ---------------------------------------------------------------- errors (both processes)
 ERROR_CATEGORIES = frozenset(
@@ -316,6 +356,14 @@ HTTP_SECONDS = Histogram(
     "HTTP request latency by method, route template and status (retrieve_future is a long "
     "poll: it is held up to --long-poll-seconds).",
     ["method", "route", "status"],
+    buckets=HTTP_BUCKETS,
+    registry=GATEWAY,
+)
+GRPC_CLIENT_SECONDS = Histogram(
+    "lockstep_grpc_client_duration_seconds",
+    "Gateway -> scheduler gRPC calls as the gateway sees them, by method (RetrieveFuture: a "
+    "long poll).",
+    ["method"],
     buckets=HTTP_BUCKETS,
     registry=GATEWAY,
 )

@@ -6,15 +6,25 @@ an error: every command retries connection errors with jittered exponential back
 25 seconds before giving up. A transaction under WATCH is not retried blindly (redis-py
 raises instead, and the store's WATCH loops start over). Many concurrent long-polls and submits
 wait for a free connection rather than failing with "Too many connections".
+
+Every exchange with Redis (one command, or one pipeline or transaction sent at once) is counted
+in `lockstep_redis_round_trips_total`, with the time from sending it to reading its last reply,
+labelled by what made it (`metrics.REDIS_CALLER`): the connection class counts its own sends.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from lockstep.observability import metrics
 
 MAX_CONNECTIONS = 256
 POOL_WAIT_S = 30.0  # wait this long for a free connection before failing
@@ -27,6 +37,34 @@ BACKOFF_CAP_S = 2.0
 UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError)
 
 
+class _CountsRoundTrips(AbstractConnection):
+    """One send = one round trip (a pipeline's commands go in one write); its seconds run from
+    the send to each reply read, so a pipeline's last reply closes it."""
+
+    _trip_caller = "other"
+    _trip_mark = 0.0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._trip_caller = metrics.REDIS_CALLER.get()
+        self._trip_mark = time.perf_counter()
+        metrics.REDIS_ROUND_TRIPS.labels(self._trip_caller).inc()
+        await super().send_packed_command(command, check_health)
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        finally:
+            now = time.perf_counter()
+            seconds = now - self._trip_mark
+            metrics.REDIS_ROUND_TRIP_SECONDS.labels(self._trip_caller).inc(seconds)
+            self._trip_mark = now
+
+
+def counting(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """`connection_class` (TCP, TLS or unix socket, as the URL chose) counting round trips."""
+    return type(f"Counted{connection_class.__name__}", (_CountsRoundTrips, connection_class), {})
+
+
 def connect(url: str) -> aioredis.Redis:
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
@@ -37,4 +75,5 @@ def connect(url: str) -> aioredis.Redis:
         retry_on_error=list(UNAVAILABLE_ERRORS),
         health_check_interval=10,  # notice a connection the restart dropped before using it
     )
+    pool.connection_class = counting(pool.connection_class)
     return aioredis.Redis(connection_pool=pool)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -207,7 +209,10 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(clock.run()), asyncio.create_task(lane.run())]
+    tasks = [
+        _labelled_task(clock.run(), metrics.RedisCaller.CLOCK_AFTER),
+        _labelled_task(lane.run(), metrics.RedisCaller.SAMPLING),
+    ]
     # Background scans with nothing to drain: cancelled at shutdown, not waited for.
     scans = [
         asyncio.create_task(parts.tenancy.run_expiry()),
@@ -233,6 +238,13 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     if ops is not None:
         ops.close()
     log.info("scheduler stopped")
+
+
+def _labelled_task(coro: Coroutine[Any, Any, None], caller: str) -> asyncio.Task[None]:
+    """A task whose Redis round trips count under `caller` (lockstep_redis_round_trips_total)."""
+    context = contextvars.copy_context()
+    context.run(metrics.REDIS_CALLER.set, caller)
+    return asyncio.create_task(coro, context=context)
 
 
 def build_parser(base: LockstepConfig | None = None) -> argparse.ArgumentParser:

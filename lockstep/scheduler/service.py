@@ -32,10 +32,14 @@ MAX_POLL_SECONDS = 30.0
 
 
 def grpc_errors(fn: F) -> F:
-    """Map domain errors to gRPC status codes (the gateway maps those to HTTP)."""
+    """Map domain errors to gRPC status codes (the gateway maps those to HTTP); time the
+    handler and label its Redis round trips with the method."""
+    method, caller = fn.__name__, f"rpc:{fn.__name__}"
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = metrics.REDIS_CALLER.set(caller)
+        start = time.perf_counter()
         try:
             return await fn(self, request, context)
         except UserInputError as exc:
@@ -50,6 +54,9 @@ def grpc_errors(fn: F) -> F:
         except redis_conn.UNAVAILABLE_ERRORS as exc:  # still down after the client's retries
             log.warning("%s: redis unavailable: %s", fn.__name__, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "state store unavailable, retry")
+        finally:
+            metrics.RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+            metrics.REDIS_CALLER.reset(token)
 
     return wrapper  # type: ignore[return-value]
 

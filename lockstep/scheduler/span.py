@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lockstep.observability import metrics
+from lockstep.observability.metrics import RedisCaller
 from lockstep.observability.tracking import BusyWindow, HasOwner
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ class ClockMeter:
         self._queued_owners: set[str] = set()
 
     def begin(self) -> CycleSpan:
-        return CycleSpan()
+        metrics.REDIS_CALLER.set(RedisCaller.CLOCK_PLAN)  # the clock's task: its steps label
+        return CycleSpan()  # its Redis round trips until the next step sets another
 
     async def planned(
         self,
@@ -82,9 +84,11 @@ class ClockMeter:
             span.mark("plan")
             if not plan.empty:
                 self.busy.begin(span.start)
+        metrics.REDIS_CALLER.set(RedisCaller.CLOCK_DISPATCH if runs else RedisCaller.CLOCK_AFTER)
 
     def dispatched(self, span: CycleSpan) -> None:
         span.mark("dispatch")
+        metrics.REDIS_CALLER.set(RedisCaller.CLOCK_COLLECT)  # until tracing.cycle_done
 
     def finished(self, span: CycleSpan, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
         span.mark("collect")

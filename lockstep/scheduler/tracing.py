@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep.config.sections import TRACE_RETENTION_S
+from lockstep.observability import metrics
+from lockstep.observability.metrics import RedisCaller
 from lockstep.scheduler import keys
 from lockstep.scheduler.records import QueuedOp
 
@@ -239,6 +241,7 @@ def submitted(request_id: str) -> None:
 
 async def cycle_done(trace: CycleTrace) -> None:
     _current.set(None)
+    metrics.REDIS_CALLER.set(RedisCaller.CLOCK_AFTER)  # the futures are answered
     if _tracer is not None:
         await _tracer.cycle_done(trace)
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import OpsServer
 from lockstep.observability.tracking import OTHER, BusyWindow, OwnerCache, TenantLabels
+from lockstep.scheduler import redis_conn
 from lockstep.scheduler.dispatch import Outcome
 from lockstep.scheduler.planner import CyclePlan, ModelWork
 from lockstep.scheduler.records import QueuedOp
@@ -146,12 +147,15 @@ def test_clock_meter_reports_a_cycle() -> None:
 
         meter = ClockMeter(1000, lookup)
         span = meter.begin()
+        assert metrics.REDIS_CALLER.get() == "clock_plan"  # the cycle's Redis round trips
         await meter.planned(span, queues, plan, runs=True)
+        assert metrics.REDIS_CALLER.get() == "clock_dispatch"
         assert value("lockstep_queue_depth", owner="owner-b") == 2
         assert value("lockstep_tenants_waiting") == 1
         assert value("lockstep_futures_pending", kind="training") == 4
         assert value("lockstep_clock_busy_ratio") > 0  # the cycle is running
         meter.dispatched(span)
+        assert metrics.REDIS_CALLER.get() == "clock_collect"
         meter.finished(span, plan, outcomes)
         await meter.planned(meter.begin(), {}, CyclePlan((), 1000), runs=False)
 
@@ -193,6 +197,38 @@ def test_engine_call_sets_the_phase_and_counts_time() -> None:
     assert value(
         "lockstep_engine_busy_seconds_total", engine="trainer", phase="checkpoint"
     ) - before == pytest.approx(timer.seconds)
+
+
+def test_redis_round_trips_are_counted_per_exchange_and_caller(clean_redis: str) -> None:
+    """One command, one pipeline of three and one transaction: three round trips (and five
+    commands), labelled with the caller set in the task; their seconds are counted too."""
+    caller = "rpc:TestMethod"
+
+    def trips() -> float:
+        return value("lockstep_redis_round_trips_total", caller=caller)
+
+    async def run() -> None:
+        client = redis_conn.connect(clean_redis)
+        await client.ping()  # the connection's set-up exchanges are not the test's
+        before, seconds = trips(), value("lockstep_redis_round_trip_seconds_total", caller=caller)
+        token = metrics.REDIS_CALLER.set(caller)
+        try:
+            await client.set("k", b"1")
+            pipe = client.pipeline(transaction=False)
+            pipe.incr("k").incr("k").get("k")
+            assert (await pipe.execute())[-1] == b"3"
+            await client.pipeline(transaction=True).incr("k").execute()
+        finally:
+            metrics.REDIS_CALLER.reset(token)
+        assert trips() - before == 3
+        assert value("lockstep_redis_round_trip_seconds_total", caller=caller) > seconds
+        other = value("lockstep_redis_round_trips_total", caller="other")
+        await client.get("k")  # outside the caller's scope: counted as "other"
+        assert trips() - before == 3
+        assert value("lockstep_redis_round_trips_total", caller="other") - other == 1
+        await client.aclose()
+
+    asyncio.run(run())
 
 
 def test_submission_counts_new_requests_and_deduplicated_retries() -> None:
@@ -360,8 +396,10 @@ def test_labels_stay_bounded() -> None:
         "direction",
         "encoding",
         "form",
+        "caller",
     }  # action: release | resume (sampler memory); direction: in | out | freed (model paging);
-    # encoding: zstd | gzip | x-gzip | deflate (request bodies); form: wire | plain
+    # encoding: zstd | gzip | x-gzip | deflate (request bodies); form: wire | plain;
+    # caller: rpc:<gRPC method> | RedisCaller (Redis round trips)
     for registry in (metrics.SCHEDULER, metrics.GATEWAY):
         for family in registry.collect():
             if not family.name.startswith("lockstep_"):
