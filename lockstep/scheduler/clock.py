@@ -31,7 +31,7 @@ from lockstep.scheduler.records import QueuedOp
 from lockstep.scheduler.sampling_lane import SamplingLane
 from lockstep.scheduler.span import ClockMeter
 from lockstep.scheduler.store import Store
-from lockstep.vocab import PASS_KINDS, ClockPolicy, QueueState
+from lockstep.vocab import PASS_KINDS, ClockPolicy, OpKind, QueueState
 
 log = logging.getLogger(__name__)
 # An idle clock records the background snapshots that finished meanwhile this often, so a
@@ -123,8 +123,7 @@ class Clock:
         # Publish first: the sampler loads new adapters while commit answers the futures and
         # the client asks for its sampling session, instead of after (a task; never blocks).
         self.publish(outcomes)
-        await self.commit(plan, outcomes)
-        self.notify(plan)
+        self.notify(await self.commit(plan, outcomes))
         self.cycles_run += 1
         await self.observers.finished(plan, outcomes)  # traces, usage, metrics
         await self.dispatcher.prune(plan, outcomes)  # old snapshot files, once the new ones count
@@ -155,22 +154,26 @@ class Clock:
         await self.dispatcher.resident.free_ended(w.model_id for w in plan.models)
         return plan, queues
 
-    async def commit(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
+    async def commit(
+        self, plan: CyclePlan, outcomes: dict[str, Outcome]
+    ) -> list[tuple[QueuedOp, Outcome | None]]:
         """Record every op's outcome, each atomically, all in one round trip; a model's ops in
-        seq_id order."""
-        await self.store.commit_cycle(
-            [
-                (op, outcomes.get(op.request_id, NO_OUTCOME))
-                for work in plan.models
-                for op in work.ops()
-            ]
-        )
+        seq_id order. Returns each op with the outcome recorded now (None: recorded before, or
+        at submission)."""
+        pairs = [
+            (op, outcomes.get(op.request_id, NO_OUTCOME)) for w in plan.models for op in w.ops()
+        ]
+        recorded = await self.store.commit_cycle(pairs)
+        return [
+            (op, o if now and op.kind != OpKind.REJECTED else None)
+            for (op, o), now in zip(pairs, recorded, strict=True)
+        ]
 
-    def notify(self, plan: CyclePlan) -> None:
-        """Wake the futures waiting on this cycle's requests."""
-        for work in plan.models:
-            for op in work.ops():
-                self.board.notify(op.request_id)
+    def notify(self, committed: list[tuple[QueuedOp, Outcome | None]]) -> None:
+        """Wake the futures waiting on this cycle's requests, with the outcome just recorded
+        (they need not read it back)."""
+        for op, outcome in committed:
+            self.board.notify(op.request_id, value=None if outcome is None else outcome.recorded())
 
     async def _tick(self) -> None:
         if ClockPolicy(self.config.policy) == ClockPolicy.PERIODIC:

@@ -176,8 +176,8 @@ def _args(
     ]
     if op.kind != OpKind.REJECTED:  # a rejected op's error was written at submission
         args += ["status", JobStatus.DONE if outcome.error is None else JobStatus.FAILED]
-        if outcome.result is not None:
-            args += ["result", outcome.result.SerializeToString()]
+        if outcome.result_bytes is not None:
+            args += ["result", outcome.result_bytes]
         if outcome.error is not None:
             args += ["error", outcome.error, "category", outcome.category]
     return args

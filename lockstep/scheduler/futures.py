@@ -6,45 +6,66 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TypeVar
 
+from lockstep.scheduler.outcome import Recorded
 from lockstep.scheduler.store import Job, Store
 from lockstep.vocab import JobStatus
 
 T = TypeVar("T")
 
 
+class _Wake(asyncio.Event):
+    """A wake-up, with what completed when the waker knows it (else the waiter reads it)."""
+
+    value: Recorded | None = None
+
+
 class FutureBoard:
-    """In-process wake-ups; the result itself always comes from Redis (it survives restarts)."""
+    """In-process wake-ups. A result is read from Redis (it survives restarts), except that the
+    clock hands the outcome it just committed to the futures waiting on it."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._events: dict[str, asyncio.Event] = {}
+        self._events: dict[str, _Wake] = {}
         self._waiters: defaultdict[str, int] = defaultdict(int)
 
-    def notify(self, *keys: str) -> None:
+    def notify(self, *keys: str, value: Recorded | None = None) -> None:
         # The event goes with the wake-up: a later wait on the key (a poller's next poll) waits
         # for the next completion instead of waking at once.
         for key in keys:
             event = self._events.pop(key, None)
             if event is not None:
+                event.value = value
                 event.set()
 
     async def wait(self, request_id: str, timeout: float) -> Job | None:
         """The job once finished, or as it stands when `timeout` runs out; None if unknown."""
+
+        def finished(job: Job | None, outcome: Recorded) -> Job | None:
+            return None if job is None else replace(job, **vars(outcome))
+
         return await self.wait_until(
             request_id,
             lambda: self.store.job(request_id, payload=False),
             lambda job: job is None or job.status != JobStatus.PENDING,
             timeout,
+            finished,
         )
 
     async def wait_until(
-        self, key: str, read: Callable[[], Awaitable[T]], done: Callable[[T], bool], timeout: float
+        self,
+        key: str,
+        read: Callable[[], Awaitable[T]],
+        done: Callable[[T], bool],
+        timeout: float,
+        finished: Callable[[T, Recorded], T] | None = None,
     ) -> T:
-        """`read()` once `done` holds for it, or as it stands when `timeout` runs out."""
+        """`read()` once `done` holds for it, or as it stands when `timeout` runs out. With
+        `finished`, a wake-up that carries the outcome completes the first read instead."""
         # Register before reading so a completion between the read and the wait is not missed.
-        event = self._events.setdefault(key, asyncio.Event())
+        event = self._events.setdefault(key, _Wake())
         self._waiters[key] += 1
         try:
             value = await read()
@@ -54,6 +75,8 @@ class FutureBoard:
                 await asyncio.wait_for(event.wait(), timeout)
             except TimeoutError:
                 pass
+            if event.is_set() and event.value is not None and finished is not None:
+                return finished(value, event.value)
             return await read()
         finally:
             self._waiters[key] -= 1

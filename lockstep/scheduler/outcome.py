@@ -6,6 +6,7 @@ Dispatch builds these (no Redis writes there); the clock commits them in seq_id 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from lockstep.engine.interface import EngineDied
@@ -13,7 +14,7 @@ from lockstep.errors import UserInputError
 from lockstep.scheduler import storage
 from lockstep.scheduler.records import CheckpointRecord, InflightTarget, SamplerRecord
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import ErrorCategory
+from lockstep.vocab import ErrorCategory, JobStatus
 
 
 @dataclass
@@ -26,6 +27,31 @@ class Outcome:
     adapter_dir: Path | None = None  # new sampler weights to publish
     snapshot_seq: int | None = None  # the model's state after this op is its new snapshot
     inflight: InflightTarget | None = None  # the model's new inflight weights target
+
+    @cached_property
+    def result_bytes(self) -> bytes | None:
+        """The result as stored and answered (serialized once)."""
+        return None if self.result is None else bytes(self.result.SerializeToString())
+
+    def recorded(self) -> Recorded:
+        """What committing this outcome leaves in its job."""
+        failed = self.error is not None
+        return Recorded(
+            JobStatus.FAILED if failed else JobStatus.DONE,
+            self.result_bytes,
+            self.error,
+            self.category if failed else None,
+        )
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A job's outcome fields once committed: what a waiting future answers."""
+
+    status: JobStatus
+    result: bytes | None
+    error: str | None
+    category: ErrorCategory | None
 
 
 NO_OUTCOME = Outcome(

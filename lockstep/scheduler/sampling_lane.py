@@ -54,7 +54,6 @@ class SamplingLane:
         self.wake = asyncio.Event()
         self._stopping = False
         self._loaded: set[str] = set()
-        self.adapter_loads = 0  # adapters loaded on demand so far (each one waits)
         self._engine_lock = asyncio.Lock()
         self.accounting: Accounting | None = None  # tenancy: set by the scheduler server
         self._serving: dict[str, InflightTarget] = {}  # model -> newest loaded inflight version
@@ -175,7 +174,6 @@ class SamplingLane:
                 await asyncio.to_thread(self.engine.load_adapter, adapter_id, directory)
         metrics.adapter_published(timer.seconds)
         self._loaded.add(adapter_id)
-        self.adapter_loads += 1
 
     async def unload(self, adapter_ids: list[str]) -> None:
         """Tenancy: a session ended; its adapters leave the sampler (a later sample that needs
@@ -215,21 +213,14 @@ class SamplingLane:
 
     async def serve_once(self) -> int:
         await self._unload_retired()
-        request_ids = await self.store.queued_samples(self.max_batch)
-        metrics.sample_backlog(
-            len(request_ids)
-            if len(request_ids) < self.max_batch
-            else await self.store.sample_backlog()
-        )
-        if not request_ids:
+        backlog, read, samplers = await self.store.sample_batch(self.max_batch)
+        metrics.sample_backlog(backlog)
+        if not read:
             return 0
         jobs: list[Job] = []
         requests: list[SampleRequest] = []
         topk: list[int] = []
-        read = await self.store.jobs(request_ids)
         samples = {job.request_id: pb.SubmitRequest.FromString(job.payload).sample for job in read}
-        samplers = await self.store.samplers({s.sampling_session_id for s in samples.values()})
-        loads = self.adapter_loads
         refused: list[tuple[Job, str]] = []
         for job in read:
             if job.status != JobStatus.PENDING:  # finished, or cancelled: only dequeue it
@@ -257,19 +248,14 @@ class SamplingLane:
             await self._finish_all([(job, None, error) for job, error in refused])
             metrics.sample_failed([job.owner for job, _ in refused])
         batch = list(zip(jobs, requests, topk, strict=True))
-        # A cancel can only land between the batch's read and an engine call that waited (an
-        # adapter load, an earlier call of the batch): only then are statuses read again.
-        recheck = self.adapter_loads != loads
         for call in self.poison.calls([r.request_id for r in requests], batch):
-            await self._sample(call, recheck)
-            recheck = True
-        return len(request_ids)
+            await self._sample(call)
+        return len(read)
 
-    async def _sample(self, call: list[tuple[Job, SampleRequest, int]], recheck: bool) -> None:
+    async def _sample(self, call: list[tuple[Job, SampleRequest, int]]) -> None:
         """One engine call; its samples are answered before the next call runs, so a later call
         that kills the engine leaves only its own samples (and those after it) queued."""
-        if recheck:
-            call = await self._live(call)
+        call = await self._live(call)
         if not call:
             return
         jobs = [job for job, _, _ in call]
@@ -301,8 +287,9 @@ class SamplingLane:
     async def _live(
         self, call: list[tuple[Job, SampleRequest, int]]
     ) -> list[tuple[Job, SampleRequest, int]]:
-        """The call without the samples cancelled since the batch was read: a cancelled sample
-        never reaches the engine."""
+        """The call without the samples cancelled since the batch was read (an adapter load or
+        an earlier call of the batch can take a while): a cancelled sample never reaches the
+        engine."""
         live = await sample_futures.pending(self.store, [job.request_id for job, _, _ in call])
         return [item for item in call if item[0].request_id in live]
 

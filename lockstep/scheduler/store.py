@@ -8,7 +8,7 @@ retried request finds the first request id instead of enqueueing twice.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,6 +39,20 @@ _MODEL_AND_SESSION = """
 local model = redis.call('GET', KEYS[1])
 if not model then return {false, false} end
 return {model, redis.call('GET', ARGV[1] .. cjson.decode(model)['session_id'])}
+"""
+# The sampling lane's batch: the queue's length, then {request id, job fields, sampler record}
+# per queued sample (a sample job's model_id is its sampler). ARGV: limit, job and sampler key
+# prefixes.
+_SAMPLE_BATCH = """
+local out = {redis.call('LLEN', KEYS[1])}
+for _, rid in ipairs(redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
+  local fields = redis.call('HGETALL', ARGV[2] .. rid)
+  local sampler = false
+  local owner = redis.call('HGET', ARGV[2] .. rid, 'model_id')
+  if owner then sampler = redis.call('GET', ARGV[3] .. owner) end
+  out[#out + 1] = {rid, fields, sampler}
+end
+return out
 """
 # Every active model's queue in one read: {model id, next_seq, request id, seq, kind, tokens,
 # ...} per model with queued requests. A model with an empty queue (or no record: it can never
@@ -178,16 +192,6 @@ class Store:
 
     async def sampler(self, sampler_id: str) -> SamplerRecord | None:
         return await self._get(keys.sampler(sampler_id), SamplerRecord)
-
-    async def samplers(self, sampler_ids: Iterable[str]) -> dict[str, SamplerRecord]:
-        """The sampler records that exist, in one round trip."""
-        ids = sorted(sampler_ids)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for sampler_id in ids:
-                pipe.get(keys.sampler(sampler_id))
-            raws = await pipe.execute()
-        found = zip(ids, raws, strict=True)
-        return {i: decode(raw, SamplerRecord) for i, raw in found if raw is not None}
 
     # ------------------------------------------------------------------ checkpoints
     async def advance_inflight_target(self, target: InflightTarget) -> bool:
@@ -382,6 +386,24 @@ class Store:
 
     async def sample_backlog(self) -> int:
         return int(await self.redis.llen(keys.SAMPLE_QUEUE))
+
+    async def sample_batch(self, limit: int) -> tuple[int, list[Job], dict[str, SamplerRecord]]:
+        """The sample queue's length, its first `limit` jobs (payloads included) and their
+        sampler records: one script, one round trip."""
+        backlog, *rows = await self.redis.eval(
+            _SAMPLE_BATCH, 1, keys.SAMPLE_QUEUE, limit, keys.job(""), keys.sampler("")
+        )
+        jobs: list[Job] = []
+        samplers: dict[str, SamplerRecord] = {}
+        for rid, fields, sampler in rows:
+            if not fields:
+                continue
+            pairs = zip(fields[::2], fields[1::2], strict=True)
+            job = _job(rid.decode(), {k.decode(): v for k, v in pairs})
+            jobs.append(job)
+            if sampler is not None:
+                samplers[job.model_id] = decode(sampler, SamplerRecord)
+        return int(backlog), jobs, samplers
 
     async def queued_samples(self, limit: int) -> list[str]:
         return [r.decode() for r in await self.redis.lrange(keys.SAMPLE_QUEUE, 0, limit - 1)]

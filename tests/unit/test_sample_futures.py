@@ -183,9 +183,9 @@ def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
         kept, cancelled = await _claim(store, 1), await _claim(store, 2)
         adapter_for = lane._adapter_for
 
-        async def cancel_meanwhile(sampler_id: str) -> str | None:
+        async def cancel_meanwhile(sampler_id: str, rec: SamplerRecord | None) -> str | None:
             await sample_futures.cancel(store, cancelled)
-            return await adapter_for(sampler_id)
+            return await adapter_for(sampler_id, rec)
 
         lane._adapter_for = cancel_meanwhile  # type: ignore[method-assign]
         sampler.seen.clear()

@@ -13,6 +13,7 @@ from lockstep.engine.types import Datum, PassRequest
 from lockstep.scheduler import commit
 from lockstep.scheduler.claims import QueueFull, TrainingClaim
 from lockstep.scheduler.decoded import DecodedPasses
+from lockstep.scheduler.futures import FutureBoard
 from lockstep.scheduler.outcome import Outcome
 from lockstep.scheduler.records import CheckpointRecord, SessionRecord
 from lockstep.scheduler.store import Store
@@ -185,6 +186,33 @@ def test_the_job_result_is_the_bytes_the_outcome_carried(clean_redis: str) -> No
         assert await store.commit_cycle([(op, Outcome(result))]) == [True]
         job = await store.job(op.request_id)
         assert job is not None and job.result == result.SerializeToString()
+        await store.close()
+
+    run(go())
+
+
+def test_a_waiting_future_gets_the_committed_outcome_without_reading_it_back(
+    clean_redis: str,
+) -> None:
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        board = FutureBoard(store)
+        await store.put_model(model_record())
+        (op,) = await _queue(store, MODEL, ["forward_backward"])
+        waiting = asyncio.create_task(board.wait(op.request_id, timeout=30))
+        await asyncio.sleep(0.05)  # it read the pending job and waits
+        board.notify(op.request_id, value=Outcome(RESULT).recorded())  # not committed in Redis
+        job = await waiting
+        assert job is not None and job.status == "done" and job.result == RESULT.SerializeToString()
+        assert job.owner == "o" and job.request_id == op.request_id  # from its first read
+        stored = await store.job(op.request_id, payload=False)
+        assert stored is not None and stored.status == "pending"  # so it was not read back
+        # A wake-up without the outcome (a sample, a cancel) reads it.
+        again = asyncio.create_task(board.wait(op.request_id, timeout=30))
+        await asyncio.sleep(0.05)
+        board.notify(op.request_id)
+        reread = await again
+        assert reread is not None and reread.status == "pending"
         await store.close()
 
     run(go())
