@@ -1,9 +1,9 @@
-"""Shape checks the gateway does before calling the scheduler.
+"""Checks the gateway does before calling the scheduler.
 
-Only what can be judged from the request alone: ids are URL-safe, counters are in range,
-floats are finite, a fwd/bwd body is well-formed. Everything that needs state (does the model
-exist, is the token in the vocabulary, are the loss inputs right for the loss) is the
-scheduler's, which answers INVALID_ARGUMENT with a message the gateway passes through.
+Only a request's envelope: ids are URL-safe, counters are in range, floats are finite. What a
+forward_backward carries (its datums, tensors and loss) is the scheduler's to judge, once: it
+decodes the request for the engine and validates as it goes, and answers INVALID_ARGUMENT with
+a message naming the field, which the gateway passes through.
 """
 
 from __future__ import annotations
@@ -88,61 +88,9 @@ def checkpoint_path(run_id: str, segment: str, name: str) -> TinkerPath:
         )
 
 
-_DENSE_ITEMSIZE = {tinker_pb2.DTYPE_FLOAT32: 4, tinker_pb2.DTYPE_INT64: 8}
-
-
-def _check_tensor(field: str, t: tinker_pb2.Tensor) -> None:
-    itemsize = _DENSE_ITEMSIZE.get(t.dtype)
-    if itemsize is None:
-        raise bad_request(field, "dtype must be float32 or int64")
-    if any(d < 0 for d in t.shape):
-        raise bad_request(field, "shape has a negative dimension")
-    encoding = t.WhichOneof("encoding")
-    if encoding == "sparse_csr":
-        csr = t.sparse_csr
-        if len(t.shape) != 2:
-            raise bad_request(field, "a sparse_csr tensor needs a 2-D shape")
-        if len(csr.values) % itemsize or len(csr.crow_indices) % 8 or len(csr.col_indices) % 8:
-            raise bad_request(field, "sparse_csr buffers are not whole elements")
-        if len(csr.crow_indices) // 8 != t.shape[0] + 1:
-            raise bad_request(field, "sparse_csr.crow_indices must have shape[0] + 1 entries")
-        if len(csr.col_indices) // 8 != len(csr.values) // itemsize:
-            raise bad_request(field, "sparse_csr.col_indices and values differ in length")
-        return
-    if len(t.dense) % itemsize:
-        raise bad_request(field, "dense bytes are not a whole number of elements")
-    if t.shape:
-        numel = math.prod(t.shape)
-        if numel * itemsize != len(t.dense):
-            raise bad_request(
-                field,
-                f"shape {list(t.shape)} needs {numel} elements, got {len(t.dense) // itemsize}",
-            )
-
-
-def check_forward_backward(req: tinker_pb2.ForwardBackwardRequest) -> None:
-    """Shape checks of a decoded fwd/bwd request; names the offending field."""
+def check_addressed(req: tinker_pb2.ForwardBackwardRequest) -> None:
+    """What the gateway checks of a fwd/bwd request: its model id and seq_id (the request's
+    address). Its contents are the scheduler's to judge, once (lockstep.scheduler.translate and
+    lockstep.engine.losses), so every rule has one implementation and one message."""
     check_id("model_id", req.model_id)
     check_seq_id(req.seq_id)
-    if not req.loss_fn:
-        raise bad_request("loss_fn", "field required")
-    if not req.data:
-        raise bad_request("data", "must contain at least one datum")
-    for key, value in req.loss_fn_config.items():
-        check_finite(f"loss_fn_config.{key}", value)
-    for key, cfg in req.loss_fn_config_v2.items():
-        if cfg.WhichOneof("value") == "number":
-            check_finite(f"loss_fn_config_v2.{key}", cfg.number)
-    for i, datum in enumerate(req.data):
-        if not datum.model_input:
-            raise bad_request(f"data[{i}].model_input", "must contain at least one chunk")
-        for j, chunk in enumerate(datum.model_input):
-            kind = chunk.WhichOneof("chunk")
-            if kind is None:
-                raise bad_request(f"data[{i}].model_input[{j}]", "empty chunk")
-            if kind == "encoded_text" and len(chunk.encoded_text.tokens) % 4:
-                raise bad_request(
-                    f"data[{i}].model_input[{j}].encoded_text.tokens", "not int32 bytes"
-                )
-        for name, tensor in datum.loss_fn_inputs.items():
-            _check_tensor(f"data[{i}].loss_fn_inputs.{name}", tensor)

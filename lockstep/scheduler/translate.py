@@ -77,6 +77,8 @@ def decode_tokens(datum: wire.Datum, index: int) -> np.ndarray:
     parts = []
     for j, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
+        if kind is None:
+            raise UserInputError(f"data[{index}].model_input.chunks[{j}]", "empty chunk")
         if kind != "encoded_text":
             raise UserInputError(
                 f"data[{index}].model_input.chunks[{j}]",

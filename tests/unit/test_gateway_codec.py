@@ -266,23 +266,9 @@ def test_bad_protobuf_is_a_400_naming_the_body() -> None:
         (lambda r: setattr(r, "seq_id", 0), "seq_id: must be >= 1"),
         (lambda r: setattr(r, "model_id", ""), "model_id: field required"),
         (lambda r: setattr(r, "model_id", "a/b"), "model_id: 'a/b' is not a valid id"),
-        (lambda r: setattr(r, "loss_fn", ""), "loss_fn: field required"),
-        (lambda r: r.ClearField("data"), "data: must contain at least one datum"),
-        (
-            lambda r: r.loss_fn_config.__setitem__("clip", float("inf")),
-            "loss_fn_config.clip: must be a finite number",
-        ),
-        (
-            lambda r: setattr(r.data[0].loss_fn_inputs["weights"], "dense", b"\0" * 5),
-            "data[0].loss_fn_inputs.weights: dense bytes are not a whole number of elements",
-        ),
-        (
-            lambda r: r.data[0].loss_fn_inputs["weights"].shape.append(99),
-            "data[0].loss_fn_inputs.weights: shape [6, 99] needs 594 elements, got 6",
-        ),
     ],
 )
-def test_shape_checks_name_the_field(mutate: object, message: str) -> None:
+def test_the_gateway_checks_a_requests_address(mutate: object, message: str) -> None:
     request = tinker_pb2.ForwardBackwardRequest.FromString(_sdk_request().SerializeToString())
     assert callable(mutate)
     mutate(request)
@@ -290,6 +276,14 @@ def test_shape_checks_name_the_field(mutate: object, message: str) -> None:
         training.forward_backward_from_proto("o", request.SerializeToString())
     assert err.value.status_code == 400
     assert err.value.detail.startswith(message)
+
+
+def test_the_gateway_leaves_a_requests_contents_to_the_scheduler() -> None:
+    """Datums, tensors and the loss are judged once, by the scheduler (test_request_rules)."""
+    request = tinker_pb2.ForwardBackwardRequest.FromString(_sdk_request().SerializeToString())
+    request.data[0].loss_fn_inputs["weights"].dense = b"\0" * 5
+    submit = training.forward_backward_from_proto("o", request.SerializeToString())
+    assert submit.forward_backward == request  # forwarded as sent
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from google.protobuf.message import DecodeError
 from lockstep.gateway.errors import bad_request
 from lockstep.gateway.translate.common import optional_str, str_map
 from lockstep.gateway.validate import (
-    check_forward_backward,
+    check_addressed,
     check_id,
     check_name,
     check_seq_id,
@@ -66,7 +66,7 @@ def forward_backward_from_proto(owner: str, body: bytes) -> pb.SubmitRequest:
         req.forward_backward.ParseFromString(body)
     except DecodeError as e:
         raise bad_request("body", "not a valid ForwardBackwardRequest") from e
-    check_forward_backward(req.forward_backward)
+    check_addressed(req.forward_backward)
     return req
 
 
@@ -137,7 +137,7 @@ def forward_backward_from_json(owner: str, body: rq.ForwardBackwardJsonRequest) 
             d.model_input.append(_chunk(f"data[{i}].model_input.chunks[{j}]", chunk))
         for name, td in datum.loss_fn_inputs.items():
             d.loss_fn_inputs[name].CopyFrom(_tensor(f"data[{i}].loss_fn_inputs.{name}", td))
-    check_forward_backward(fb)
+    check_addressed(fb)
     return pb.SubmitRequest(owner=owner, forward_backward=fb)
 
 
