@@ -53,10 +53,8 @@ class Submissions:
     ) -> None:
         self.limits = limits or Limits()
         self.store = store
-        self.catalog = catalog
         self.card = card
         self.memory = memory_budget  # the training engine's (TrainingEngine.memory_budget)
-        self.data_dir = data_dir
         self.on_training = on_training
         self.on_sample = on_sample
         self.custom_losses = CustomLosses(store, catalog)
