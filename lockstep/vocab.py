@@ -29,9 +29,6 @@ class OpKind(StrEnum):
     REJECTED = "rejected"
 
 
-PASS_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
-
-
 class JobStatus(StrEnum):
     PENDING = "pending"
     DONE = "done"

@@ -388,7 +388,6 @@ HTTP_COMPRESSED_BYTES = Counter(
 
 TENANTS = TenantLabels()
 OWNERS = OwnerCache()
-PASS_KINDS = frozenset({"forward", "forward_backward"})
 
 
 def configure(max_tenants: int) -> None:

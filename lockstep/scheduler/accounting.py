@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.scheduler import keys
+from lockstep.scheduler.ops import registry
 from lockstep.scheduler.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
 
@@ -102,7 +103,7 @@ class Accounting:
                 *who,
                 {
                     Counter.TOKENS_TRAINED: sum(
-                        op.tokens for op in work.passes if op.kind == "forward_backward"
+                        op.tokens for op in work.passes if registry.trains(op.kind)
                     ),
                     Counter.STEPS: int(work.optim is not None),
                     Counter.CYCLE_SECONDS: seconds * share,

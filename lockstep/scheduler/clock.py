@@ -24,6 +24,7 @@ from lockstep.scheduler.observers import (
     Observers,
     TraceObserver,
 )
+from lockstep.scheduler.ops import registry
 from lockstep.scheduler.outcome import NO_OUTCOME, Outcome
 from lockstep.scheduler.pace import CyclePace
 from lockstep.scheduler.planner import CyclePlan, plan_cycle
@@ -31,7 +32,7 @@ from lockstep.scheduler.records import QueuedOp
 from lockstep.scheduler.sampling_lane import SamplingLane
 from lockstep.scheduler.span import ClockMeter
 from lockstep.scheduler.store import Store
-from lockstep.vocab import PASS_KINDS, ClockPolicy, OpKind, QueueState
+from lockstep.vocab import ClockPolicy, OpKind, QueueState
 
 log = logging.getLogger(__name__)
 # An idle clock records the background snapshots that finished meanwhile this often, so a
@@ -145,7 +146,7 @@ class Clock:
             owners=owners,
             key_cap=self.key_token_cap,
             cycle_tokens=self.pace.budget(
-                m for m, ops in queues.items() if any(op.kind in PASS_KINDS for op in ops)
+                m for m, ops in queues.items() if any(registry.is_pass(op.kind) for op in ops)
             ),
         )
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle

@@ -20,9 +20,6 @@ from lockstep.scheduler.outcome import Outcome
 from lockstep.scheduler.records import ModelRecord, QueuedOp, decode, encoder
 from lockstep.vocab import CheckpointType, JobStatus, OpKind
 
-# Ops whose effect a snapshot does not yet hold are re-run from the replay log on a restore.
-REPLAYED = frozenset({OpKind.FORWARD_BACKWARD, OpKind.OPTIM_STEP})
-
 # The one trim rule: replay-log entries a snapshot covers leave the log and their job keeps its
 # outcome only (the payload goes; it expires with the other results).
 _TRIM = """
@@ -164,7 +161,7 @@ def _args(
         time.time(),
         result_ttl_s,
         keys.job(""),
-        "1" if op.kind in REPLAYED and outcome.error is None else "0",
+        "1" if outcome.replayed and outcome.error is None else "0",
         before,
         after,
         ckpt.checkpoint_id if ckpt else "",

@@ -27,6 +27,9 @@ class Outcome:
     adapter_dir: Path | None = None  # new sampler weights to publish
     snapshot_seq: int | None = None  # the model's state after this op is its new snapshot
     inflight: InflightTarget | None = None  # the model's new inflight weights target
+    # Its payload joins the model's replay log if it succeeded: a restore re-runs it until a
+    # snapshot covers it (its op says so: scheduler/ops/).
+    replayed: bool = False
 
     @cached_property
     def result_bytes(self) -> bytes | None:

@@ -13,23 +13,17 @@ barriers): a pass queued after a model's optim_step waits for the next cycle, be
 the updated weights, while other tenants flow on. A request refused at submission (bad input)
 still holds its seq_id, as "rejected", so the model's later requests are not stuck. A gap in a
 model's seq_ids (a request not yet arrived) stops that model until the missing request comes.
+Which phase an op kind takes is its own module's rule (`scheduler/ops/`, `Op.phase`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import IntEnum
 
+from lockstep.scheduler.ops import registry
+from lockstep.scheduler.ops.base import Phase
 from lockstep.scheduler.records import QueuedOp
-from lockstep.vocab import PASS_KINDS, OpKind
-
-
-class Phase(IntEnum):
-    PRE = 0
-    PASS = 1
-    OPTIM = 2
-    POST = 3
 
 
 @dataclass
@@ -101,19 +95,6 @@ class CyclePlan:
         return sum(w.tokens for w in self.models)
 
 
-def _phase_for(kind: OpKind, current: Phase) -> Phase | None:
-    """The phase an op of `kind` runs in, given the model's current phase; None = next cycle."""
-    if kind in (OpKind.CREATE_MODEL, OpKind.LOAD):
-        return Phase.PRE if current == Phase.PRE else None
-    if kind in PASS_KINDS:
-        return Phase.PASS if current <= Phase.PASS else None
-    if kind == OpKind.OPTIM_STEP:
-        return Phase.OPTIM if current <= Phase.PASS else None
-    if kind == OpKind.SAVE:
-        return Phase.PRE if current == Phase.PRE else Phase.POST
-    return None
-
-
 def take_model_work(model_id: str, ops: list[QueuedOp], next_seq: int) -> ModelWork:
     """The longest run of `model_id`'s ops, from `next_seq` on, that fits one cycle's phases."""
     work = ModelWork(model_id)
@@ -124,11 +105,14 @@ def take_model_work(model_id: str, ops: list[QueuedOp], next_seq: int) -> ModelW
             continue  # already executed (a stale queue entry)
         if op.seq_id != expected:
             break  # a gap: wait for the missing request
-        if op.kind == OpKind.REJECTED:  # holds its seq_id so the model's later requests can run
+        rules = registry.queued_as(op.kind)  # its phase is its op's rule (scheduler/ops/)
+        if rules is None:
+            break  # a kind no cycle runs
+        if rules.holds_only:  # refused: holds its seq_id so the model's later requests can run
             work.rejected.append(op)
             expected += 1
             continue
-        target = _phase_for(op.kind, phase)
+        target = rules.phase(phase)
         if target is None:
             break
         if target == Phase.PASS:

@@ -1,7 +1,7 @@
 """Residency: which training runs the training engine holds, in LRU order, and when to let go.
 
 Engine memory is disposable (docs/ARCHITECTURE.md, "Durability and recovery"): a model's latest
-snapshot plus its replay log rebuild it bit for bit, and `Dispatcher._ensure_resident` does so
+snapshot plus its replay log rebuild it bit for bit, and `Dispatcher.ensure_resident` does so
 lazily before the model's next cycle. So freeing a model is just `TrainingEngine.delete_model`:
 
 * freed: its session ended (closed, silent past the expiry, or the run was unloaded). Done at

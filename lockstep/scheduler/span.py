@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from lockstep.observability import metrics
 from lockstep.observability.metrics import RedisCaller
 from lockstep.observability.tracking import BusyWindow, HasOwner
+from lockstep.scheduler.ops import registry
 
 if TYPE_CHECKING:
     from lockstep.scheduler.outcome import Outcome
@@ -114,7 +115,7 @@ class ClockMeter:
                 metrics.tenant_inc(metrics.TENANT_REQUESTS, owner, op.kind, outcome_label)
                 if not ok:
                     metrics.scheduler_error(outcome.category if outcome is not None else "server")
-                elif op.kind in metrics.PASS_KINDS:
+                elif registry.is_pass(op.kind):
                     metrics.tenant_inc(metrics.TENANT_TOKENS, owner, op.kind, amount=op.tokens)
 
     def failed(self, category: str = "cycle") -> None:

@@ -19,7 +19,8 @@ RESULT = pb.JobResult(optim_step=pb.OptimStepResult(metrics={"grad_norm:mean": 1
 
 
 def done(snapshot_seq: int | None = None) -> Outcome:
-    return Outcome(RESULT, snapshot_seq=snapshot_seq)
+    """A successful pass or step, as its op builds it: replayed until a snapshot covers it."""
+    return Outcome(RESULT, snapshot_seq=snapshot_seq, replayed=True)
 
 
 def model_record(model_id: str = "sess-1:train:0") -> ModelRecord:
@@ -138,6 +139,24 @@ def test_a_rejected_request_is_failed_but_queued(clean_redis: str) -> None:
         assert job.error == "weights: wrong length"
         (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
         assert op.kind == "rejected"
+        await store.close()
+
+    run(go())
+
+
+def test_an_outcome_not_replayed_leaves_no_log_entry(clean_redis: str) -> None:
+    """A forward pass changes nothing to rebuild: its op does not mark it replayed, so its
+    payload goes with the commit (the replay log holds only what a restore re-runs)."""
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+        model = "sess-1:train:0"
+        await store.put_model(model_record())
+        (fwd,) = await _queue(store, model, ["forward"])
+        assert await store.commit(fwd, Outcome(RESULT))
+        assert await store.replay_log(model, after_seq=0) == []
+        job = await store.job(fwd.request_id)
+        assert job is not None and job.status == "done" and job.payload == b""
         await store.close()
 
     run(go())

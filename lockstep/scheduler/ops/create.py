@@ -1,0 +1,79 @@
+"""create_model: a new training run with a fresh LoRA adapter (PRE phase, runs alone).
+
+Its model record is claimed with the op (the tenant quotas are checked atomically with it);
+after the engine creates the adapter its state is snapshotted, durably, before the op is
+recorded: nothing earlier exists to replay from.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+from lockstep.engine.types import LoraSpec
+from lockstep.errors import UserInputError
+from lockstep.scheduler.ops.base import Claim, Phase, RunContext, SingleOp, SubmitContext
+from lockstep.scheduler.outcome import Outcome
+from lockstep.scheduler.records import LoraRecord, ModelRecord, QueuedOp
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import OpKind
+
+
+def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
+    return LoraSpec(
+        rank=cfg.rank,
+        alpha=32.0,
+        seed=cfg.seed if cfg.HasField("seed") else None,
+        train_attn=cfg.train_attn,
+        train_mlp=cfg.train_mlp,
+        train_unembed=cfg.train_unembed,
+    )
+
+
+class CreateModel(SingleOp):
+    oneof = "create_model"
+    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.CREATE_MODEL})
+
+    async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
+        owner, c = req.owner, req.create_model
+        session = await ctx.catalog.live_session(owner, c.session_id)
+        ctx.catalog.resolve_base_model(c.base_model)
+        lc = c.lora_config
+        if not 1 <= lc.rank <= ctx.limits.max_lora_rank:
+            raise UserInputError("lora_config.rank", f"must be in [1, {ctx.limits.max_lora_rank}]")
+        if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
+            raise UserInputError("lora_config", "at least one of train_* must be true")
+        if c.optimizer_type not in ("", "adamw"):
+            raise UserInputError(
+                "optimizer_config.type", f"{c.optimizer_type!r} is not supported; use adamw"
+            )
+        model_id = f"{session.session_id}:train:{c.model_seq_id}"
+        now = time.time()
+        record = ModelRecord(
+            model_id=model_id,
+            owner=owner,
+            session_id=session.session_id,
+            base_model=c.base_model,
+            lora=LoraRecord(
+                rank=lc.rank,
+                seed=lc.seed if lc.HasField("seed") else None,
+                train_attn=lc.train_attn,
+                train_mlp=lc.train_mlp,
+                train_unembed=lc.train_unembed,
+            ),
+            created=now,
+            last_request_time=now,
+            user_metadata=dict(c.user_metadata),
+        )
+        return Claim(model_id, 0, OpKind.CREATE_MODEL, 0, record)
+
+    def phase(self, current: Phase) -> Phase | None:
+        return Phase.PRE if current == Phase.PRE else None
+
+    async def run(self, ctx: RunContext, op: QueuedOp, req: pb.SubmitRequest) -> Outcome:
+        spec = lora_spec(req.create_model.lora_config)
+        await ctx.call(ctx.engine.create_model, op.model_id, spec)
+        ctx.resident.add(op.model_id)
+        await ctx.durable_snapshot(op.model_id, op.seq_id)
+        result = pb.CreateModelResult(model_id=op.model_id)
+        return Outcome(pb.JobResult(create_model=result), snapshot_seq=op.seq_id)

@@ -1,0 +1,86 @@
+"""forward and forward_backward: every tenant's passes run as ONE fused pass per cycle.
+
+Validated at submission in their decoded form (token ids, loss inputs, sizes, the memory
+budget, a named custom loss); that decoded request is kept (`scheduler/decoded.py`) and the
+dispatcher hands it to the fused pass as it is. Only a forward_backward changes the model
+(gradients), so only it is replayed after a restore and counts as trained tokens.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from lockstep.engine import losses, memory
+from lockstep.engine.types import PassRequest, PassResult
+from lockstep.errors import UserInputError
+from lockstep.scheduler import custom_losses, translate
+from lockstep.scheduler.ops.base import Claim, PassOp, Phase, SubmitContext, check_seq
+from lockstep.scheduler.outcome import Outcome
+from lockstep.scheduler.records import QueuedOp
+from lockstep.scheduler.store import Store
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import OpKind
+from lockstep.wire.v1 import tinker_pb2 as wire
+
+
+class ForwardBackward(PassOp):
+    oneof = "forward_backward"
+    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+
+    def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
+        return req.forward_backward.model_id, req.forward_backward.seq_id
+
+    async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
+        fb = req.forward_backward
+        model = await ctx.owned_model(req.owner, fb.model_id)
+        check_seq(fb.seq_id)
+        if not fb.data:
+            raise UserInputError("data", "no datums given")
+        check_sizes(ctx, fb)
+        pass_req = translate.pass_request("", fb)  # its request id once claimed
+        pass_req.custom_loss = await ctx.custom_losses.named(model, pass_req)
+        losses.validate_pass_request(pass_req, ctx.card.vocab_size, ctx.card.max_context_length)
+        await ctx.custom_losses.check_sizes(pass_req)
+        kind = OpKind.FORWARD if fb.forward_only else OpKind.FORWARD_BACKWARD
+        return Claim(fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), decoded=pass_req)
+
+    def phase(self, current: Phase) -> Phase | None:
+        return Phase.PASS if current <= Phase.PASS else None
+
+    def backward(self, kind: OpKind) -> bool:
+        return kind == OpKind.FORWARD_BACKWARD
+
+    async def decode(self, store: Store, request_id: str, req: pb.SubmitRequest) -> PassRequest:
+        pass_req = translate.pass_request(request_id, req.forward_backward)
+        await custom_losses.attach(store, pass_req)
+        return pass_req
+
+    def outcome(self, op: QueuedOp, result: PassResult, cycle: int) -> Outcome:
+        output = translate.pass_output(result, cycle)
+        return Outcome(pb.JobResult(forward_backward=output), replayed=self.backward(op.kind))
+
+
+def check_sizes(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
+    """The request-size limits: datums per request, model-input tokens per datum, and the
+    admission rule: a datum whose pass the training engine's memory cannot hold."""
+    most = ctx.limits.max_datums_per_request
+    if len(fb.data) > most:
+        raise UserInputError(
+            "data",
+            f"has {len(fb.data)} datums; this server accepts at "
+            f"most {most} per request (max_datums_per_request)",
+        )
+    per_datum, fits = ctx.limits.max_tokens_per_datum, ctx.memory.max_row_tokens
+    for i, datum in enumerate(fb.data):
+        n = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input)
+        if per_datum and n > per_datum:
+            raise UserInputError(
+                f"data[{i}].model_input",
+                f"has {n} tokens; this server accepts at most {per_datum} (max_tokens_per_datum)",
+            )
+        if fits and fits < n <= ctx.card.max_context_length:  # longer: the context rule
+            raise UserInputError(
+                f"data[{i}].model_input",
+                f"has {n} tokens; a training pass fits rows of at most {fits} tokens in "
+                f"the training engine's memory budget of {memory.describe(ctx.memory)}",
+            )
