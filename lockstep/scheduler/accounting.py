@@ -59,20 +59,32 @@ class Accounting:
         self.redis = store.redis
         self.store = store
         self.retention_s = retention_s
+        # Who a model or sampler belongs to (immutable once created): read once each.
         self._models: dict[str, tuple[str, str, str]] = {}  # model -> owner, session, base
+        self._samplers: dict[str, tuple[str, str]] = {}  # sampler -> session, base
 
     # ---------------------------------------------------------------- usage
     async def add(
         self, owner: str, session_id: str, base_model: str, counts: dict[Counter, float]
     ) -> None:
-        now = time.time()
-        key = keys.usage(owner, int(now // HOUR_S))
         async with self.redis.pipeline(transaction=False) as pipe:
-            for counter, amount in counts.items():
-                if amount:
-                    pipe.hincrbyfloat(key, f"{session_id}|{base_model}|{counter}", amount)
-            pipe.expire(key, int(self.retention_s) + HOUR_S)
+            self._add(pipe, owner, session_id, base_model, counts)
             await pipe.execute()
+
+    def _add(
+        self,
+        pipe: Any,
+        owner: str,
+        session_id: str,
+        base_model: str,
+        counts: dict[Counter, float],
+    ) -> None:
+        """Queue one usage increment on `pipe` (a caller's batch: one round trip for all)."""
+        key = keys.usage(owner, int(time.time() // HOUR_S))
+        for counter, amount in counts.items():
+            if amount:
+                pipe.hincrbyfloat(key, f"{session_id}|{base_model}|{counter}", amount)
+        pipe.expire(key, int(self.retention_s) + HOUR_S)
 
     async def _model(self, model_id: str) -> tuple[str, str, str] | None:
         if model_id not in self._models:
@@ -89,35 +101,39 @@ class Accounting:
         and steps, its share of the cycle's wall time (by pass tokens; equal shares in a cycle
         without passes), the checkpoints it saved, and an audit entry per new checkpoint."""
         total = plan.tokens
-        for work in plan.models:
-            who = await self._model(work.model_id)
-            if who is None:
-                continue
-            saved = [
-                o.checkpoint
-                for op in work.ops()
-                if (o := outcomes.get(op.request_id)) is not None and o.checkpoint is not None
-            ]
-            share = work.tokens / total if total else 1 / len(plan.models)
-            await self.add(
-                *who,
-                {
-                    Counter.TOKENS_TRAINED: sum(
-                        op.tokens for op in work.passes if registry.trains(op.kind)
-                    ),
-                    Counter.STEPS: int(work.optim is not None),
-                    Counter.CYCLE_SECONDS: seconds * share,
-                    Counter.CHECKPOINTS: len(saved),
-                },
-            )
-            for ckpt in saved:
-                await self.audit(
-                    who[0],
-                    AuditEvent.CHECKPOINT_CREATED,
-                    tinker_path=ckpt.tinker_path,
-                    size_bytes=ckpt.size_bytes,
-                    session_id=who[1],
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for work in plan.models:
+                who = await self._model(work.model_id)
+                if who is None:
+                    continue
+                saved = [
+                    o.checkpoint
+                    for op in work.ops()
+                    if (o := outcomes.get(op.request_id)) is not None and o.checkpoint is not None
+                ]
+                share = work.tokens / total if total else 1 / len(plan.models)
+                self._add(
+                    pipe,
+                    *who,
+                    {
+                        Counter.TOKENS_TRAINED: sum(
+                            op.tokens for op in work.passes if registry.trains(op.kind)
+                        ),
+                        Counter.STEPS: int(work.optim is not None),
+                        Counter.CYCLE_SECONDS: seconds * share,
+                        Counter.CHECKPOINTS: len(saved),
+                    },
                 )
+                for ckpt in saved:
+                    self._audit(
+                        pipe,
+                        who[0],
+                        AuditEvent.CHECKPOINT_CREATED,
+                        tinker_path=ckpt.tinker_path,
+                        size_bytes=ckpt.size_bytes,
+                        session_id=who[1],
+                    )
+            await pipe.execute()
 
     async def on_sampled(
         self,
@@ -126,22 +142,29 @@ class Accounting:
         results: Sequence[SampleResult],
     ) -> None:
         """The sampling lane's hook after a batch: prompt and generated tokens, samples."""
-        for job, req, res in zip(jobs, requests, results, strict=True):
-            if res.error is not None:
-                continue
-            sampler = await self.store.sampler(job.model_id)
-            session = sampler.session_id if sampler else ""
-            base = sampler.base_model if sampler else ""
-            await self.add(
-                job.owner,
-                session,
-                base,
-                {
-                    Counter.TOKENS_PREFILL: len(req.prompt),
-                    Counter.TOKENS_SAMPLED: sum(len(s.tokens) for s in res.sequences),
-                    Counter.SAMPLES: len(res.sequences),
-                },
-            )
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job, req, res in zip(jobs, requests, results, strict=True):
+                if res.error is not None:
+                    continue
+                self._add(
+                    pipe,
+                    job.owner,
+                    *await self._sampler(job.model_id),
+                    {
+                        Counter.TOKENS_PREFILL: len(req.prompt),
+                        Counter.TOKENS_SAMPLED: sum(len(s.tokens) for s in res.sequences),
+                        Counter.SAMPLES: len(res.sequences),
+                    },
+                )
+            await pipe.execute()
+
+    async def _sampler(self, sampler_id: str) -> tuple[str, str]:
+        if sampler_id not in self._samplers:
+            sampler = await self.store.sampler(sampler_id)
+            if sampler is None:
+                return "", ""
+            self._samplers[sampler_id] = (sampler.session_id, sampler.base_model)
+        return self._samplers[sampler_id]
 
     async def usage(self, owner: str, start: float, end: float) -> list[pb.UsageBucket]:
         buckets: dict[tuple[int, str, str], pb.UsageBucket] = {}
@@ -162,12 +185,17 @@ class Accounting:
 
     # ---------------------------------------------------------------- audit log
     async def audit(self, owner: str, event: AuditEvent, **details: Any) -> None:
-        now = time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self._audit(pipe, owner, event, **details)
+            await pipe.execute()
+
+    def _audit(self, pipe: Any, owner: str, event: AuditEvent, **details: Any) -> None:
+        """Queue one audit entry on `pipe`; entries older than the retention go as it grows."""
         entry = json.dumps({"api_key_owner": owner, **details}, sort_keys=True, default=str)
-        await self.redis.xadd(
+        pipe.xadd(
             keys.audit(owner),
             {"event": str(event), "details": entry},
-            minid=str(int((now - self.retention_s) * 1000)),
+            minid=str(int((time.time() - self.retention_s) * 1000)),
             approximate=True,
         )
 

@@ -91,6 +91,15 @@ class Catalog:
         _live(_owned_session(session, owner, model.session_id), "model_id")
         return model
 
+    async def live_sampler(self, owner: str, sampler_id: str) -> SamplerRecord:
+        """A sampler of `owner` whose session has not ended (what a sample needs), read with its
+        session in one round trip."""
+        sampler, session = await self.store.sampler_and_session(sampler_id)
+        if sampler is None or sampler.owner != owner:
+            raise NotFound(f"sampler {sampler_id} does not exist")
+        _live(_owned_session(session, owner, sampler.session_id), "sampling_session_id")
+        return sampler
+
     async def heartbeat(self, owner: str, session_id: str) -> bool:
         rec = await self.owned_session(owner, session_id)
         rec.last_heartbeat = time.time()

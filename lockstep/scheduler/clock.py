@@ -129,8 +129,8 @@ class Clock:
         await self.observers.finished(plan, outcomes)  # traces, usage, metrics
         await self.dispatcher.prune(plan, outcomes)  # old snapshot files, once the new ones count
         await self.dispatcher.record_durable()  # snapshots the engine finished in the background
-        if not plan.empty:
-            self.wake.set()  # more may be ready now that this cycle advanced the queues
+        if not plan.empty and _left_queued(queues, plan):
+            self.wake.set()  # ready now that this cycle advanced the queues (else: a submission)
         return plan
 
     async def plan(self) -> tuple[CyclePlan, dict[str, list[QueuedOp]]]:
@@ -206,3 +206,9 @@ class Clock:
             ],
             [o.inflight for o in outcomes.values() if o.inflight is not None],
         )
+
+
+def _left_queued(queues: dict[str, list[QueuedOp]], plan: CyclePlan) -> bool:
+    """Whether the plan left queued requests behind (the next cycle may run them now). When it
+    took them all, only a new submission brings work, and it wakes the clock itself."""
+    return sum(map(len, queues.values())) > sum(len(w.ops()) for w in plan.models)

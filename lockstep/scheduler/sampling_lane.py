@@ -198,13 +198,13 @@ class SamplingLane:
                 self._serving.clear()  # a fresh engine has no adapters: reload on demand
                 self._retired.clear()
                 await asyncio.to_thread(self.engine.restart)
-                served = 1  # work is still queued: no waiting for a wake-up
+                served = self.max_batch  # work is still queued: no waiting for a wake-up
             except Exception:
                 log.exception("sampling batch failed")
                 metrics.scheduler_error("sampling")
                 served = 0
                 await asyncio.sleep(0.5)
-            if not served:
+            if served < self.max_batch:  # the queue was drained: a new sample wakes the lane
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=1.0)
                 except TimeoutError:

@@ -34,8 +34,8 @@ R = TypeVar("R")
 
 # Completed futures stay retrievable this long (the SDK may re-poll after a transport error).
 RESULT_TTL_SECONDS = 7 * 24 * 3600
-# A model's record and its session's (the session id is in the model record).
-_MODEL_AND_SESSION = """
+# A model's or sampler's record and its session's (the session id is in the record).
+_WITH_SESSION = """
 local model = redis.call('GET', KEYS[1])
 if not model then return {false, false} end
 return {model, redis.call('GET', ARGV[1] .. cjson.decode(model)['session_id'])}
@@ -168,11 +168,18 @@ class Store:
         self, model_id: str
     ) -> tuple[ModelRecord | None, SessionRecord | None]:
         """A model's record and its session's, in one round trip."""
-        model, session = await self.redis.eval(
-            _MODEL_AND_SESSION, 1, keys.model(model_id), keys.session("")
-        )
+        return await self._with_session(keys.model(model_id), ModelRecord)
+
+    async def sampler_and_session(
+        self, sampler_id: str
+    ) -> tuple[SamplerRecord | None, SessionRecord | None]:
+        """A sampler's record and its session's, in one round trip."""
+        return await self._with_session(keys.sampler(sampler_id), SamplerRecord)
+
+    async def _with_session(self, key: str, kind: type[R]) -> tuple[R | None, SessionRecord | None]:
+        rec, session = await self.redis.eval(_WITH_SESSION, 1, key, keys.session(""))
         return (
-            None if model is None else decode(model, ModelRecord),
+            None if rec is None else decode(rec, kind),
             None if session is None else decode(session, SessionRecord),
         )
 

@@ -20,8 +20,7 @@ class Sample(Op):
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> SampleClaim:
         s = req.sample
-        sampler = await ctx.catalog.owned_sampler(req.owner, s.sampling_session_id)
-        await ctx.catalog.live_session(req.owner, sampler.session_id, "sampling_session_id")
+        await ctx.catalog.live_sampler(req.owner, s.sampling_session_id)
         if not s.prompt_tokens:
             raise UserInputError("prompt", "is empty")
         limits = ctx.limits
