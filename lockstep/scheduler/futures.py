@@ -31,6 +31,10 @@ class FutureBoard:
         self._events: dict[str, _Wake] = {}
         self._waiters: defaultdict[str, int] = defaultdict(int)
 
+    def waiting(self, key: str) -> int:
+        """How many calls wait on `key` now."""
+        return self._waiters.get(key, 0)
+
     def notify(self, *keys: str, value: Recorded | None = None) -> None:
         # The event goes with the wake-up: a later wait on the key (a poller's next poll) waits
         # for the next completion instead of waking at once.

@@ -200,7 +200,8 @@ def test_a_waiting_future_gets_the_committed_outcome_without_reading_it_back(
         await store.put_model(model_record())
         (op,) = await _queue(store, MODEL, ["forward_backward"])
         waiting = asyncio.create_task(board.wait(op.request_id, timeout=30))
-        await asyncio.sleep(0.05)  # it read the pending job and waits
+        while not board.waiting(op.request_id):  # registered: a wake-up from now on reaches it
+            await asyncio.sleep(0.01)
         board.notify(op.request_id, value=Outcome(RESULT).recorded())  # not committed in Redis
         job = await waiting
         assert job is not None and job.status == "done" and job.result == RESULT.SerializeToString()
@@ -209,7 +210,8 @@ def test_a_waiting_future_gets_the_committed_outcome_without_reading_it_back(
         assert stored is not None and stored.status == "pending"  # so it was not read back
         # A wake-up without the outcome (a sample, a cancel) reads it.
         again = asyncio.create_task(board.wait(op.request_id, timeout=30))
-        await asyncio.sleep(0.05)
+        while not board.waiting(op.request_id):
+            await asyncio.sleep(0.01)
         board.notify(op.request_id)
         reread = await again
         assert reread is not None and reread.status == "pending"
