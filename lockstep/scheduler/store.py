@@ -325,9 +325,6 @@ class Store:
             if r is not None
         }
 
-    async def next_cycle(self) -> int:
-        return int(await self.redis.incr(keys.CLOCK))
-
     async def begin_cycle(self, request_ids: Sequence[str]) -> tuple[int, dict[str, bytes]]:
         """The new cycle's number and the payloads of its requests, in one round trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -388,9 +385,6 @@ class Store:
         raw = await self.redis.hget(keys.progress(model_id), "last_request_time")
         return None if raw is None else float(raw)
 
-    async def pending_count(self, model_id: str) -> int:
-        return int(await self.redis.zcard(keys.pending(model_id)))
-
     async def sample_backlog(self) -> int:
         return int(await self.redis.llen(keys.SAMPLE_QUEUE))
 
@@ -411,9 +405,6 @@ class Store:
             if sampler is not None:
                 samplers[job.model_id] = decode(sampler, SamplerRecord)
         return int(backlog), jobs, samplers
-
-    async def queued_samples(self, limit: int) -> list[str]:
-        return [r.decode() for r in await self.redis.lrange(keys.SAMPLE_QUEUE, 0, limit - 1)]
 
 
 def _job(request_id: str, f: dict[str, bytes]) -> Job:

@@ -112,7 +112,7 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
         (job,) = await store.replay_log("sess-1:train:0", after_seq=0)
         assert job.request_id == rid and job.payload == b"x"  # kept until the next snapshot
         assert (await store.queued_ops())[0] == {}
-        c1, c2 = await store.next_cycle(), await store.next_cycle()
+        (c1, _), (c2, _) = await store.begin_cycle([]), await store.begin_cycle([])
         assert c2 == c1 + 1
         await store.close()
 

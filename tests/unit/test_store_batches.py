@@ -75,7 +75,7 @@ def test_a_full_sample_queue_refuses_new_samples_but_answers_retries(clean_redis
         with pytest.raises(QueueFull):
             await store.claim_sample(seq_id=2, payload=b"b", **kw)  # type: ignore[arg-type]
         assert await store.claim_sample(seq_id=1, payload=b"a", **kw) == (rid, False)  # type: ignore[arg-type]
-        assert await store.queued_samples(10) == [rid]
+        assert [job.request_id for job in (await store.sample_batch(10))[1]] == [rid]
         await store.close()
 
     run(go())
