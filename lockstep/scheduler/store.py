@@ -385,9 +385,6 @@ class Store:
         raw = await self.redis.hget(keys.progress(model_id), "last_request_time")
         return None if raw is None else float(raw)
 
-    async def sample_backlog(self) -> int:
-        return int(await self.redis.llen(keys.SAMPLE_QUEUE))
-
     async def sample_batch(self, limit: int) -> tuple[int, list[Job], dict[str, SamplerRecord]]:
         """The sample queue's length, its first `limit` jobs (payloads included) and their
         sampler records: one script, one round trip."""
