@@ -22,7 +22,7 @@ from rich.table import Table
 from lockstep.keyring import KeyRing
 
 if TYPE_CHECKING:
-    from lockstep.scheduler.store import Store
+    from lockstep.scheduler.state.store import Store
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -63,7 +63,7 @@ def _redis_url(a: argparse.Namespace) -> str:
 
 
 async def _owners(store: Store) -> list[str]:
-    from lockstep.scheduler import keys as rkeys
+    from lockstep.scheduler.state import keys as rkeys
 
     pattern = rkeys.owner_sessions("*")
     prefix, suffix = pattern.split("*")
@@ -73,8 +73,8 @@ async def _owners(store: Store) -> list[str]:
 
 async def _run(a: argparse.Namespace) -> list[dict[str, object]]:
     # the scheduler's own modules, imported here so `lockstep serve` does not load them twice
-    from lockstep.scheduler.accounting import Accounting, Counter
-    from lockstep.scheduler.store import Store
+    from lockstep.scheduler.observers.accounting import Accounting, Counter
+    from lockstep.scheduler.state.store import Store
 
     store = Store.from_url(_redis_url(a))
     accounting = Accounting(store, retention_s=ADMIN_LOOKBACK_S)  # Redis trims; read it all

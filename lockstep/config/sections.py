@@ -82,7 +82,7 @@ class ClockConfig:
         ),
     )
     # Light tenants wait for whole cycles, so a cycle's length bounds their latency beside a
-    # heavy tenant (scheduler.pace turns it into tokens from the measured engine rate).
+    # heavy tenant (scheduler.cycle.pace turns it into tokens from the measured engine rate).
     cycle_target_s: float = field(
         default=0.05,
         metadata=flag(

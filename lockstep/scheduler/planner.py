@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import Phase
-from lockstep.scheduler.records import QueuedOp
+from lockstep.scheduler.state.records import QueuedOp
 
 
 @dataclass

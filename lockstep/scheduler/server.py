@@ -29,19 +29,19 @@ from lockstep.engine import memory
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
-from lockstep.scheduler import tenancy as tenancy_mod
-from lockstep.scheduler import tracing
-from lockstep.scheduler.accounting import Accounting
-from lockstep.scheduler.catalog import Catalog
-from lockstep.scheduler.clock import Clock
-from lockstep.scheduler.decoded import DecodedPasses
-from lockstep.scheduler.dispatch import Dispatcher
-from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.observers import AccountingObserver
-from lockstep.scheduler.sampling_lane import SamplingLane
-from lockstep.scheduler.store import Store
-from lockstep.scheduler.submissions import Submissions
-from lockstep.scheduler.tenancy_service import TenancyService
+from lockstep.scheduler.admission.decoded import DecodedPasses
+from lockstep.scheduler.admission.submissions import Submissions
+from lockstep.scheduler.api import tenancy as tenancy_mod
+from lockstep.scheduler.api.tenancy_service import TenancyService
+from lockstep.scheduler.cycle.clock import Clock
+from lockstep.scheduler.cycle.dispatch import Dispatcher
+from lockstep.scheduler.cycle.sampling_lane import SamplingLane
+from lockstep.scheduler.observers import tracing
+from lockstep.scheduler.observers.accounting import Accounting
+from lockstep.scheduler.observers.observers import AccountingObserver
+from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("lockstep.scheduler")

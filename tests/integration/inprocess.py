@@ -18,7 +18,7 @@ from lockstep.config import ClockConfig, EngineConfig
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
 from lockstep.engine.interface import TrainingEngine
 from lockstep.scheduler.server import SchedulerConfig, assemble
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
 from lockstep.wire.v1 import tinker_pb2 as wire

@@ -12,7 +12,7 @@ import pytest
 import tinker
 from tinker import types
 
-from lockstep.scheduler import pace
+from lockstep.scheduler.cycle import pace
 from lockstep.wire.v1 import tinker_pb2 as wire
 
 from .conftest import API_KEY, Server

@@ -1,6 +1,7 @@
-"""The clock's observers (scheduler/observers.py): every hook is called once per phase, in order,
-on a working cycle, an idle one and one the engine's death abandons; and the built-in metrics
-observer reports that death. The real scheduler in-process on a real Redis, FAKE engines."""
+"""The clock's observers (scheduler/observers/observers.py): every hook is called once per
+phase, in order, on a working cycle, an idle one and one the engine's death abandons; and the
+built-in metrics observer reports that death. The real scheduler in-process on a real Redis,
+FAKE engines."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 import redis
 
 from lockstep.observability import metrics
-from lockstep.scheduler.observers import CycleFailure, CycleObserver
-from lockstep.scheduler.outcome import Outcome
+from lockstep.scheduler.observers.observers import CycleFailure, CycleObserver
 from lockstep.scheduler.planner import CyclePlan
-from lockstep.scheduler.records import QueuedOp
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
 
 from .inprocess import OWNER, Scheduler, fb

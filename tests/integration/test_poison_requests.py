@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lockstep.scheduler.poison import PoisonHunt
+from lockstep.scheduler.cycle.poison import PoisonHunt
 from lockstep.v1 import scheduler_pb2 as pb
 
 from .arithmetic_engine import features, initial_weights

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import redis
 
-from lockstep.scheduler import keys
+from lockstep.scheduler.state import keys
 from lockstep.v1 import scheduler_pb2 as pb
 
 from .arithmetic_engine import features, initial_weights, read_weights
@@ -127,7 +127,7 @@ def test_a_run_leaving_the_engine_takes_its_snapshot_with_it(
 
 def test_every_step_is_snapshotted_under_paging(tmp_path: Path) -> None:
     """With --max-resident-models a page-in must stay cheap: the interval does not apply."""
-    from lockstep.scheduler.dispatch import Dispatcher
+    from lockstep.scheduler.cycle.dispatch import Dispatcher
 
     from .arithmetic_engine import ArithmeticTrainingEngine
 

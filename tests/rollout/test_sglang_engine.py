@@ -168,9 +168,9 @@ def test_colocated_training_phase_releases_and_resumes_the_sampler(
     import asyncio
 
     from lockstep.observability import metrics
-    from lockstep.scheduler.futures import FutureBoard
-    from lockstep.scheduler.sampling_lane import SamplingLane
-    from lockstep.scheduler.store import Store
+    from lockstep.scheduler.cycle.sampling_lane import SamplingLane
+    from lockstep.scheduler.state.futures import FutureBoard
+    from lockstep.scheduler.state.store import Store
 
     state, url = standin
     _train_and_export(trainer, "c", 1, tmp_path / "c-v1", seed=3)

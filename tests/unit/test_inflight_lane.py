@@ -17,10 +17,10 @@ from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.rollout.local import LocalSamplingEngine
-from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.records import InflightTarget, SamplerRecord
-from lockstep.scheduler.sampling_lane import SamplingLane
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.cycle.sampling_lane import SamplingLane
+from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.records import InflightTarget, SamplerRecord
+from lockstep.scheduler.state.store import Store
 
 MODEL = "sess-1:train:0"
 

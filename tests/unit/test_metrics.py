@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry, Counter
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import OpsServer
 from lockstep.observability.tracking import OTHER, BusyWindow, OwnerCache, TenantLabels
-from lockstep.scheduler import redis_conn
-from lockstep.scheduler.dispatch import Outcome
+from lockstep.scheduler.cycle.dispatch import Outcome
+from lockstep.scheduler.observers.span import ClockMeter
 from lockstep.scheduler.planner import CyclePlan, ModelWork
-from lockstep.scheduler.records import QueuedOp
-from lockstep.scheduler.span import ClockMeter
+from lockstep.scheduler.state import redis_conn
+from lockstep.scheduler.state.records import QueuedOp
 from tests.promql import (
     alert_rules,
     dashboard,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockstep.scheduler.pace import MIN_CYCLE_TOKENS, SHARE_CYCLES, CyclePace
+from lockstep.scheduler.cycle.pace import MIN_CYCLE_TOKENS, SHARE_CYCLES, CyclePace
 
 SHARED = ("light", "heavy")  # models with passes queued: tenants share the clock
 

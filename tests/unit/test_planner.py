@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lockstep.scheduler.planner import plan_cycle
-from lockstep.scheduler.records import QueuedOp
+from lockstep.scheduler.state.records import QueuedOp
 
 
 def op(model: str, seq: int, kind: str, tokens: int = 0) -> QueuedOp:

@@ -13,11 +13,11 @@ import pytest
 from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.rollout.local import LocalSamplingEngine
-from lockstep.scheduler import keys, sample_futures
-from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.records import SamplerRecord
-from lockstep.scheduler.sampling_lane import SamplingLane
-from lockstep.scheduler.store import Job, Store
+from lockstep.scheduler.cycle.sampling_lane import SamplingLane
+from lockstep.scheduler.state import keys, sample_futures
+from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.records import SamplerRecord
+from lockstep.scheduler.state.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from lockstep.scheduler import keys
-from lockstep.scheduler.claims import ClaimConflict, TenantLimitReached, TrainingClaim
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import LoraRecord, ModelRecord
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.claims import ClaimConflict, TenantLimitReached, TrainingClaim
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import LoraRecord, ModelRecord
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 
 RESULT = pb.JobResult(optim_step=pb.OptimStepResult(metrics={"grad_norm:mean": 1.0}))
@@ -242,7 +242,7 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
 def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> None:
     """The SDK retries save_weights_and_get_sampling_client with a new sampling_session_seq_id;
     Submissions passes an identity without it, so the retry gets the first request back."""
-    from lockstep.scheduler.submissions import retry_identity
+    from lockstep.scheduler.admission.submissions import retry_identity
     from lockstep.v1 import scheduler_pb2 as pb
 
     def save(sampling_seq: int | None, name: str | None = None) -> pb.SubmitRequest:
@@ -413,7 +413,7 @@ def test_commit_is_idempotent(clean_redis: str) -> None:
 
 
 def test_commit_records_the_checkpoint_the_model_and_the_sampler_together(clean_redis: str) -> None:
-    from lockstep.scheduler.records import CheckpointRecord, SamplerRecord
+    from lockstep.scheduler.state.records import CheckpointRecord, SamplerRecord
 
     async def go() -> None:
         store = Store.from_url(clean_redis)

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from lockstep.engine.types import Datum, PassRequest
-from lockstep.scheduler import commit
-from lockstep.scheduler.claims import QueueFull, TrainingClaim
-from lockstep.scheduler.decoded import DecodedPasses
-from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import CheckpointRecord, SessionRecord
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.admission.decoded import DecodedPasses
+from lockstep.scheduler.state import commit
+from lockstep.scheduler.state.claims import QueueFull, TrainingClaim
+from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import CheckpointRecord, SessionRecord
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from tests.unit.test_store import RESULT, _queue, model_record
 

@@ -16,11 +16,11 @@ from lockstep.gateway.deps import Caller, authenticate
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.keyring import KeyRing, owner_of
-from lockstep.scheduler import encryption
-from lockstep.scheduler.accounting import Accounting, AuditEvent, Counter
-from lockstep.scheduler.records import QueuedOp
-from lockstep.scheduler.residency import Residency
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.observers.accounting import Accounting, AuditEvent, Counter
+from lockstep.scheduler.state import encryption
+from lockstep.scheduler.state.records import QueuedOp
+from lockstep.scheduler.state.residency import Residency
+from lockstep.scheduler.state.store import Store
 
 
 def _ring(tmp_path: Path, text: str) -> KeyRing:

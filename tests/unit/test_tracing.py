@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from lockstep.scheduler import keys, tracing
-from lockstep.scheduler.records import QueuedOp
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.observers import tracing
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.records import QueuedOp
+from lockstep.scheduler.state.store import Store
 
 FB = QueuedOp("req-a", "sess-1:train:0", 1, "forward_backward", 40)
 OPT = QueuedOp("req-b", "sess-1:train:0", 2, "optim_step", 0)

@@ -34,12 +34,12 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UserInputError
-from lockstep.scheduler.catalog import Catalog
-from lockstep.scheduler.custom_losses import CustomLosses
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import ModelRecord, QueuedOp
-from lockstep.scheduler.residency import Residency
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.custom_losses import CustomLosses
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import ModelRecord, QueuedOp
+from lockstep.scheduler.state.residency import Residency
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 

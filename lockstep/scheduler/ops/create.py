@@ -13,8 +13,8 @@ from typing import ClassVar
 from lockstep.engine.types import LoraSpec
 from lockstep.errors import UserInputError
 from lockstep.scheduler.ops.base import Claim, Phase, RunContext, SingleOp, SubmitContext
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import LoraRecord, ModelRecord, QueuedOp
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 

@@ -1,8 +1,8 @@
 """forward and forward_backward: every tenant's passes run as ONE fused pass per cycle.
 
 Validated at submission in their decoded form (token ids, loss inputs, sizes, the memory
-budget, a named custom loss); that decoded request is kept (`scheduler/decoded.py`) and the
-dispatcher hands it to the fused pass as it is. Only a forward_backward changes the model
+budget, a named custom loss); that decoded request is kept (`scheduler/admission/decoded.py`)
+and the dispatcher hands it to the fused pass as it is. Only a forward_backward changes the model
 (gradients), so only it is replayed after a restore and counts as trained tokens.
 """
 
@@ -13,11 +13,12 @@ from typing import ClassVar
 from lockstep.engine import losses, memory
 from lockstep.engine.types import PassRequest, PassResult
 from lockstep.errors import UserInputError
-from lockstep.scheduler import custom_losses, translate
+from lockstep.scheduler import translate
 from lockstep.scheduler.ops.base import Claim, PassOp, Phase, SubmitContext, check_seq
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import QueuedOp
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state import custom_losses
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import QueuedOp
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 from lockstep.wire.v1 import tinker_pb2 as wire

@@ -13,7 +13,6 @@ from typing import ClassVar
 
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
-from lockstep.scheduler.catalog import NotFound
 from lockstep.scheduler.ops.base import (
     Claim,
     Phase,
@@ -22,8 +21,9 @@ from lockstep.scheduler.ops.base import (
     SubmitContext,
     check_seq,
 )
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import ModelRecord, QueuedOp
+from lockstep.scheduler.state.catalog import NotFound
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import ModelRecord, QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 

@@ -12,7 +12,7 @@ from lockstep.engine.types import OptimRequest
 from lockstep.errors import UserInputError
 from lockstep.scheduler import translate
 from lockstep.scheduler.ops.base import Claim, Phase, StepOp, SubmitContext, check_seq, finite
-from lockstep.scheduler.outcome import Outcome
+from lockstep.scheduler.state.outcome import Outcome
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 

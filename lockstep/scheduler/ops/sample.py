@@ -1,4 +1,4 @@
-"""sample: queued for the sampling lane (`scheduler/sampling_lane.py`), which batches every
+"""sample: queued for the sampling lane (`scheduler/cycle/sampling_lane.py`), which batches every
 tenant's samples beside the clock; no model's seq_id order, no cycle phase.
 
 Its engine request and its result encoding are `translate.sample_request` / `sample_response`.

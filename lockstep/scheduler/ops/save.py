@@ -14,7 +14,6 @@ from typing import ClassVar
 
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir, ephemeral_dir, validate_name
-from lockstep.scheduler import encryption, storage
 from lockstep.scheduler.ops.base import (
     Claim,
     Phase,
@@ -23,8 +22,9 @@ from lockstep.scheduler.ops.base import (
     SubmitContext,
     check_seq,
 )
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import (
+from lockstep.scheduler.state import encryption, storage
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import (
     CheckpointRecord,
     InflightTarget,
     ModelRecord,

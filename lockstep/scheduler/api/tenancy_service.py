@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 
-from lockstep.scheduler.accounting import AuditEvent
-from lockstep.scheduler.service import SchedulerService, grpc_errors
-from lockstep.scheduler.tenancy import Tenancy
+from lockstep.scheduler.api.service import SchedulerService, grpc_errors
+from lockstep.scheduler.api.tenancy import Tenancy
+from lockstep.scheduler.observers.accounting import AuditEvent
 from lockstep.v1 import scheduler_pb2 as pb
 
 

@@ -31,8 +31,8 @@ from typing import Any
 from lockstep.config.sections import TRACE_RETENTION_S
 from lockstep.observability import metrics
 from lockstep.observability.metrics import RedisCaller
-from lockstep.scheduler import keys
-from lockstep.scheduler.records import QueuedOp
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.records import QueuedOp
 
 log = logging.getLogger(__name__)
 

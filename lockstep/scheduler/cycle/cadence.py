@@ -2,7 +2,7 @@
 
 A snapshot (adapter + Adam moments) costs I/O per tenant — ~1 GB for a Qwen3-8B-shaped rank-32
 adapter — so one per tenant per optim_step would make disk the bottleneck of a packed cycle.
-Between two snapshots the replay log holds the model's passes and steps (`scheduler.commit`):
+Between two snapshots the replay log holds the model's passes and steps (`scheduler.state.commit`):
 a restart or a page-in recomputes at most `interval_s` of that model's work, and nothing is lost.
 
 A step that is not snapshotted stays *pending*: its snapshot is taken at the model's next step

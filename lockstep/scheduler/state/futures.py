@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
-from lockstep.scheduler.outcome import Recorded
-from lockstep.scheduler.store import Job, Store
+from lockstep.scheduler.state.outcome import Recorded
+from lockstep.scheduler.state.store import Job, Store
 from lockstep.vocab import JobStatus
 
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from lockstep.engine.interface import TrainingEngine
 from lockstep.observability import metrics
-from lockstep.scheduler.records import QueuedOp
+from lockstep.scheduler.state.records import QueuedOp
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,19 @@ from lockstep.config import Limits
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
-from lockstep.scheduler import tracing
-from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
-from lockstep.scheduler.claims import ClaimConflict, QueueFull, TenantLimitReached, TrainingClaim
-from lockstep.scheduler.custom_losses import CustomLosses
-from lockstep.scheduler.decoded import DecodedPasses
+from lockstep.scheduler.admission.decoded import DecodedPasses
+from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import Claim, Hold, SampleClaim, SubmitContext
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state.catalog import Catalog, NotFound, OverCapacity
+from lockstep.scheduler.state.claims import (
+    ClaimConflict,
+    QueueFull,
+    TenantLimitReached,
+    TrainingClaim,
+)
+from lockstep.scheduler.state.custom_losses import CustomLosses
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 

@@ -21,12 +21,12 @@ from typing import Any
 from lockstep.config import TenancyConfig
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
-from lockstep.scheduler import keys
-from lockstep.scheduler.accounting import Accounting, AuditEvent
-from lockstep.scheduler.catalog import Catalog
-from lockstep.scheduler.records import CheckpointRecord, SessionRecord
-from lockstep.scheduler.residency import Residency
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.observers.accounting import Accounting, AuditEvent
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.records import CheckpointRecord, SessionRecord
+from lockstep.scheduler.state.residency import Residency
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 

@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.scheduler import keys
-from lockstep.scheduler.records import ModelRecord, encoder
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.records import ModelRecord, encoder
 from lockstep.vocab import ErrorCategory, JobStatus, OpKind
 
 # Shared by both claims. KEYS[1] claim, KEYS[2] job, KEYS[3] the queue.

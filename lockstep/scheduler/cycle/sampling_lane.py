@@ -25,12 +25,14 @@ from pathlib import Path
 from lockstep.engine.interface import EngineDied, SamplingEngine
 from lockstep.engine.types import SampleRequest
 from lockstep.observability import metrics
-from lockstep.scheduler import sample_futures, tracing, translate
-from lockstep.scheduler.accounting import Accounting
-from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.poison import PoisonHunt
-from lockstep.scheduler.records import InflightTarget, SamplerRecord
-from lockstep.scheduler.store import Job, Store
+from lockstep.scheduler import translate
+from lockstep.scheduler.cycle.poison import PoisonHunt
+from lockstep.scheduler.observers import tracing
+from lockstep.scheduler.observers.accounting import Accounting
+from lockstep.scheduler.state import sample_futures
+from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.records import InflightTarget, SamplerRecord
+from lockstep.scheduler.state.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus
 

@@ -20,9 +20,9 @@ from lockstep.observability.tracking import BusyWindow, HasOwner
 from lockstep.scheduler.ops import registry
 
 if TYPE_CHECKING:
-    from lockstep.scheduler.outcome import Outcome
     from lockstep.scheduler.planner import CyclePlan
-    from lockstep.scheduler.records import QueuedOp
+    from lockstep.scheduler.state.outcome import Outcome
+    from lockstep.scheduler.state.records import QueuedOp
 
 
 @dataclass

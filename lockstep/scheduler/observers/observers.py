@@ -21,12 +21,12 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Protocol
 
-from lockstep.scheduler import tracing
-from lockstep.scheduler.accounting import Accounting
-from lockstep.scheduler.outcome import Outcome
+from lockstep.scheduler.observers import tracing
+from lockstep.scheduler.observers.accounting import Accounting
+from lockstep.scheduler.observers.span import ClockMeter, CycleSpan
 from lockstep.scheduler.planner import CyclePlan
-from lockstep.scheduler.records import QueuedOp
-from lockstep.scheduler.span import ClockMeter, CycleSpan
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import QueuedOp
 
 
 class CycleFailure(StrEnum):

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 
-from lockstep.scheduler import keys
-from lockstep.scheduler.store import Job, Store
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, JobStatus
 

@@ -26,10 +26,10 @@ from lockstep.engine import custom_loss as spec
 from lockstep.engine.losses import CUSTOM, custom_loss_id
 from lockstep.engine.types import CustomLoss, CustomLossNode, PassRequest
 from lockstep.errors import UserInputError
-from lockstep.scheduler import keys
-from lockstep.scheduler.catalog import Catalog, NotFound
-from lockstep.scheduler.records import CustomLossRecord, ModelRecord, decode, encoder
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.catalog import Catalog, NotFound
+from lockstep.scheduler.state.records import CustomLossRecord, ModelRecord, decode, encoder
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 

@@ -14,13 +14,13 @@ from pathlib import Path
 from lockstep.engine.types import ModelCard
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
-from lockstep.scheduler.records import (
+from lockstep.scheduler.state.records import (
     CheckpointRecord,
     ModelRecord,
     SamplerRecord,
     SessionRecord,
 )
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state.store import Store
 
 
 class NotFound(LookupError):

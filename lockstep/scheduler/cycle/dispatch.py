@@ -30,17 +30,18 @@ from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
 from lockstep.engine.interface import EngineDied, TrainingEngine
 from lockstep.engine.types import OptimRequest, PassRequest, PassResult
 from lockstep.observability import metrics
-from lockstep.scheduler import storage, tracing
-from lockstep.scheduler.cadence import SnapshotCadence
-from lockstep.scheduler.decoded import DecodedPasses
+from lockstep.scheduler.admission.decoded import DecodedPasses
+from lockstep.scheduler.cycle.cadence import SnapshotCadence
+from lockstep.scheduler.cycle.poison import PoisonHunt
+from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import StepOp
-from lockstep.scheduler.outcome import Outcome, failure
 from lockstep.scheduler.planner import CyclePlan
-from lockstep.scheduler.poison import PoisonHunt
-from lockstep.scheduler.records import QueuedOp
-from lockstep.scheduler.residency import Residency
-from lockstep.scheduler.store import Job, Store
+from lockstep.scheduler.state import storage
+from lockstep.scheduler.state.outcome import Outcome, failure
+from lockstep.scheduler.state.records import QueuedOp
+from lockstep.scheduler.state.residency import Residency
+from lockstep.scheduler.state.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory
 

@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from lockstep.scheduler import claims, commit, keys, redis_conn
-from lockstep.scheduler.claims import TrainingClaim, new_request_id
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import (
+from lockstep.scheduler.state import claims, commit, keys, redis_conn
+from lockstep.scheduler.state.claims import TrainingClaim, new_request_id
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import (
     CheckpointRecord,
     InflightTarget,
     ModelRecord,

@@ -15,23 +15,23 @@ import time
 from collections.abc import Sequence
 
 from lockstep.config import ClockConfig
-from lockstep.scheduler.dispatch import CycleAborted, Dispatcher
-from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.observers import (
+from lockstep.scheduler.cycle.dispatch import CycleAborted, Dispatcher
+from lockstep.scheduler.cycle.pace import CyclePace
+from lockstep.scheduler.cycle.sampling_lane import SamplingLane
+from lockstep.scheduler.observers.observers import (
     CycleFailure,
     CycleObserver,
     MeterObserver,
     Observers,
     TraceObserver,
 )
+from lockstep.scheduler.observers.span import ClockMeter
 from lockstep.scheduler.ops import registry
-from lockstep.scheduler.outcome import NO_OUTCOME, Outcome
-from lockstep.scheduler.pace import CyclePace
 from lockstep.scheduler.planner import CyclePlan, plan_cycle
-from lockstep.scheduler.records import QueuedOp
-from lockstep.scheduler.sampling_lane import SamplingLane
-from lockstep.scheduler.span import ClockMeter
-from lockstep.scheduler.store import Store
+from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.outcome import NO_OUTCOME, Outcome
+from lockstep.scheduler.state.records import QueuedOp
+from lockstep.scheduler.state.store import Store
 from lockstep.vocab import ClockPolicy, OpKind, QueueState
 
 log = logging.getLogger(__name__)

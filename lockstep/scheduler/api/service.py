@@ -14,12 +14,13 @@ import grpc
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
 from lockstep.paths import TinkerPath
-from lockstep.scheduler import redis_conn, sample_futures, tracing
-from lockstep.scheduler.catalog import Catalog, NotFound, OverCapacity
-from lockstep.scheduler.futures import FutureBoard
-from lockstep.scheduler.records import CheckpointRecord, ModelRecord, SamplerRecord
-from lockstep.scheduler.store import Store
-from lockstep.scheduler.submissions import Submissions
+from lockstep.scheduler.admission.submissions import Submissions
+from lockstep.scheduler.observers import tracing
+from lockstep.scheduler.state import redis_conn, sample_futures
+from lockstep.scheduler.state.catalog import Catalog, NotFound, OverCapacity
+from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.records import CheckpointRecord, ModelRecord, SamplerRecord
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
 from lockstep.vocab import JobStatus, OpKind

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from lockstep.engine.interface import EngineDied
 from lockstep.errors import UserInputError
-from lockstep.scheduler import storage
-from lockstep.scheduler.records import CheckpointRecord, InflightTarget, SamplerRecord
+from lockstep.scheduler.state import storage
+from lockstep.scheduler.state.records import CheckpointRecord, InflightTarget, SamplerRecord
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, JobStatus
 

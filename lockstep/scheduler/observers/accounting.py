@@ -15,14 +15,14 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from lockstep.engine.types import SampleRequest, SampleResult
-from lockstep.scheduler import keys
 from lockstep.scheduler.ops import registry
-from lockstep.scheduler.store import Job, Store
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
 
 if TYPE_CHECKING:
-    from lockstep.scheduler.outcome import Outcome
     from lockstep.scheduler.planner import CyclePlan
+    from lockstep.scheduler.state.outcome import Outcome
 
 HOUR_S = 3600
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lockstep.scheduler import keys
-from lockstep.scheduler.outcome import Outcome
-from lockstep.scheduler.records import ModelRecord, QueuedOp, decode, encoder
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.outcome import Outcome
+from lockstep.scheduler.state.records import ModelRecord, QueuedOp, decode, encoder
 from lockstep.vocab import CheckpointType, JobStatus, OpKind
 
 # The one trim rule: replay-log entries a snapshot covers leave the log and their job keeps its
