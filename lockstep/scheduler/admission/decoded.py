@@ -8,6 +8,8 @@ never saw, dispatch reads from the job's payload (the durable copy) as before.
 
 from __future__ import annotations
 
+from contextlib import suppress
+
 from cachetools import LRUCache
 
 from lockstep.engine.types import PassRequest
@@ -29,7 +31,7 @@ class DecodedPasses:
 
     def keep(self, request_id: str, req: PassRequest) -> None:
         req.request_id = request_id
-        if _values(req) <= self._held.maxsize:
+        with suppress(ValueError):  # larger than the whole bound: never held
             self._held[request_id] = req
 
     def take(self, request_id: str) -> PassRequest | None:

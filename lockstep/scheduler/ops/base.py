@@ -17,8 +17,9 @@ branching on its kind; the fused calls stay one engine call each over every tena
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -37,7 +38,7 @@ from lockstep.errors import UserInputError
 from lockstep.scheduler.state.catalog import Catalog
 from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.outcome import Outcome
-from lockstep.scheduler.state.records import ModelRecord, QueuedOp
+from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.scheduler.state.residency import Residency
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
@@ -53,6 +54,29 @@ class Phase(IntEnum):
     PASS = 1
     OPTIM = 2
     POST = 3
+
+
+def new_run(
+    owner: str,
+    session_id: str,
+    model_seq_id: int,
+    base_model: str,
+    lora: LoraRecord,
+    user_metadata: Mapping[str, str],
+) -> ModelRecord:
+    """The record of a training run created now (create_model, create-via-load); its id is the
+    one the SDK computes itself."""
+    now = time.time()
+    return ModelRecord(
+        model_id=f"{session_id}:train:{model_seq_id}",
+        owner=owner,
+        session_id=session_id,
+        base_model=base_model,
+        lora=lora,
+        created=now,
+        last_request_time=now,
+        user_metadata=dict(user_metadata),
+    )
 
 
 # ---------------------------------------------------------------- what admission queues

@@ -7,14 +7,13 @@ recorded: nothing earlier exists to replay from.
 
 from __future__ import annotations
 
-import time
 from typing import ClassVar
 
 from lockstep.engine.types import LoraSpec
 from lockstep.errors import UserInputError
-from lockstep.scheduler.ops.base import Claim, Phase, RunContext, SingleOp, SubmitContext
+from lockstep.scheduler.ops.base import Claim, Phase, RunContext, SingleOp, SubmitContext, new_run
 from lockstep.scheduler.state.outcome import Outcome
-from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
+from lockstep.scheduler.state.records import LoraRecord, QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 
@@ -47,25 +46,21 @@ class CreateModel(SingleOp):
             raise UserInputError(
                 "optimizer_config.type", f"{c.optimizer_type!r} is not supported; use adamw"
             )
-        model_id = f"{session.session_id}:train:{c.model_seq_id}"
-        now = time.time()
-        record = ModelRecord(
-            model_id=model_id,
-            owner=owner,
-            session_id=session.session_id,
-            base_model=c.base_model,
-            lora=LoraRecord(
+        record = new_run(
+            owner,
+            session.session_id,
+            c.model_seq_id,
+            c.base_model,
+            LoraRecord(
                 rank=lc.rank,
                 seed=lc.seed if lc.HasField("seed") else None,
                 train_attn=lc.train_attn,
                 train_mlp=lc.train_mlp,
                 train_unembed=lc.train_unembed,
             ),
-            created=now,
-            last_request_time=now,
-            user_metadata=dict(c.user_metadata),
+            c.user_metadata,
         )
-        return Claim(model_id, 0, OpKind.CREATE_MODEL, 0, record)
+        return Claim(record.model_id, 0, OpKind.CREATE_MODEL, 0, record)
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PRE if current == Phase.PRE else None

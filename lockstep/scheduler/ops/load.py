@@ -8,7 +8,6 @@ Either way the loaded state is snapshotted, durably, before the op is recorded.
 
 from __future__ import annotations
 
-import time
 from typing import ClassVar
 
 from lockstep.errors import UserInputError
@@ -20,10 +19,11 @@ from lockstep.scheduler.ops.base import (
     SingleOp,
     SubmitContext,
     check_seq,
+    new_run,
 )
 from lockstep.scheduler.state.catalog import NotFound
 from lockstep.scheduler.state.outcome import Outcome
-from lockstep.scheduler.state.records import ModelRecord, QueuedOp
+from lockstep.scheduler.state.records import QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 
@@ -54,19 +54,15 @@ class Load(SingleOp):
         source = await ctx.store.model(path.model_id)
         if source is None:
             raise NotFound(f"training run {path.model_id} does not exist")
-        model_id = f"{session.session_id}:train:{load.model_seq_id}"
-        now = time.time()
-        record = ModelRecord(
-            model_id=model_id,
-            owner=owner,
-            session_id=session.session_id,
-            base_model=load.base_model if load.HasField("base_model") else source.base_model,
-            lora=source.lora,
-            created=now,
-            last_request_time=now,
-            user_metadata=dict(load.user_metadata),
+        record = new_run(
+            owner,
+            session.session_id,
+            load.model_seq_id,
+            load.base_model if load.HasField("base_model") else source.base_model,
+            source.lora,
+            load.user_metadata,
         )
-        return Claim(model_id, 0, OpKind.LOAD, 0, record)
+        return Claim(record.model_id, 0, OpKind.LOAD, 0, record)
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PRE if current == Phase.PRE else None

@@ -39,17 +39,26 @@ end
 redis.call('HSET', KEYS[2], unpack(ARGV, FIELDS))
 """
 
+
+def _refuse_past_backlog(length_command: str) -> str:
+    """The backlog rule of both claims (ARGV[3] the limit, 0: none): a queue of KEYS[3] that
+    already holds the limit refuses a new request ("full", with its length)."""
+    return f"""
+local limit = tonumber(ARGV[3])
+if limit > 0 then
+  local queued = redis.call('{length_command}', KEYS[3])
+  if queued >= limit then return {{'full', '', tostring(queued)}} end
+end
+"""
+
+
 # Training. KEYS[4] active models, KEYS[5] model, KEYS[6] session's models, KEYS[7] owner's
 # runs, KEYS[8] all models. ARGV[6] seq_id, ARGV[7] model id, ARGV[8] new model record ('' if
 # none), ARGV[9] its creation time, ARGV[10] runs per key limit, ARGV[11] server runs limit.
 CLAIM_TRAINING = (
     _HEAD
+    + _refuse_past_backlog("ZCARD")
     + """
-local limit = tonumber(ARGV[3])
-if limit > 0 then
-  local queued = redis.call('ZCARD', KEYS[3])
-  if queued >= limit then return {'full', '', tostring(queued)} end
-end
 if ARGV[8] ~= '' then
   local per_key, total = tonumber(ARGV[10]), tonumber(ARGV[11])
   local mine = redis.call('ZCARD', KEYS[7])
@@ -76,12 +85,8 @@ return {'created', ARGV[1], ''}
 # Sampling: the queue is the sampling lane's FIFO list.
 CLAIM_SAMPLE = (
     _HEAD
+    + _refuse_past_backlog("LLEN")
     + """
-local limit = tonumber(ARGV[3])
-if limit > 0 then
-  local queued = redis.call('LLEN', KEYS[3])
-  if queued >= limit then return {'full', '', tostring(queued)} end
-end
 local FIELDS = 6
 """
     + _WRITE_JOB
