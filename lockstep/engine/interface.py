@@ -83,12 +83,27 @@ class TrainingEngine(ABC):
         requests again, together or one by one. An engine that runs out of accelerator memory
         retries the pass in smaller pieces itself before it raises (numbers unchanged).
 
+        Parts (`PassRequest.part`): the scheduler may run one request as parts of whole datums in
+        consecutive calls, a part being the only request of its model in its call and nothing
+        else of that model running between its parts. Their gradients accumulate as the whole
+        request's would, and their results, concatenated and reduced, are the whole request's.
+        A FIRST part of a forward_backward keeps the model's accumulated gradients as they are
+        before it (the request's undo point) until its LAST part succeeds or `undo_parts`
+        restores them; a MIDDLE or LAST part of a model with no undo point (the engine lost
+        it: restarted, or the model was deleted or loaded since) raises instead of running.
+
         Returns:
             One result per request, in order: per-datum "logprobs" and "elementwise_loss", and
             metrics including "loss:sum".
         Raises:
             UserInputError: a request is malformed (token out of range, shape mismatch, ...).
         """
+
+    @abstractmethod
+    def undo_parts(self, model_id: str) -> None:
+        """A request of `model_id` run in parts failed: restore the model's gradients to its undo
+        point (as they were before the request's FIRST part) and forget it. No undo point (a
+        forward, or nothing kept): nothing to do."""
 
     @abstractmethod
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:

@@ -126,9 +126,21 @@ class CustomLoss:
     nodes: tuple[CustomLossNode, ...]
 
 
+class PassPart(StrEnum):
+    """Which part of its request a `PassRequest` is. The scheduler splits a request larger than
+    a tenant's share of a shared cycle into parts of whole datums run in consecutive cycles of
+    that model (`TrainingEngine.run_passes` says what an engine keeps between them)."""
+
+    WHOLE = "whole"  # the whole request
+    FIRST = "first"  # the first part: the engine keeps the model's gradients as they were
+    MIDDLE = "middle"
+    LAST = "last"  # the last part: the engine forgets the gradients kept at the first part
+
+
 @dataclass
 class PassRequest:
-    """One forward or forward_backward request of one model (one SDK chunk)."""
+    """One forward or forward_backward request of one model (one SDK chunk), or one part of it
+    (`part`: its `data` are then that part's datums)."""
 
     request_id: str
     model_id: str
@@ -137,6 +149,7 @@ class PassRequest:
     forward_only: bool
     data: list[Datum]
     custom_loss: CustomLoss | None = None  # loss_fn "custom": the stored loss it names
+    part: PassPart = PassPart.WHOLE
 
 
 @dataclass

@@ -14,16 +14,52 @@ the updated weights, while other tenants flow on. A request refused at submissio
 still holds its seq_id, as "rejected", so the model's later requests are not stuck. A gap in a
 model's seq_ids (a request not yet arrived) stops that model until the missing request comes.
 Which phase an op kind takes is its own module's rule (`scheduler/ops/`, `Op.phase`).
+
+While tenants share the clock, a pass larger than its model's pace runs in *parts* of whole
+datums in consecutive cycles of that model (`Part`); the rest of the cycle's room stays for the
+others. A part is its model's only pass in its cycle, nothing else of that model runs between
+two parts (the model's later ops wait), and the request is committed with its last part.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
 
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import Phase
 from lockstep.scheduler.state.records import QueuedOp
+
+
+@dataclass(frozen=True)
+class Datums:
+    """What the planner knows of a pass it may split: each datum's pass tokens, and how many
+    datums ran in earlier cycles (a request in parts)."""
+
+    tokens: tuple[int, ...]
+    done: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return sum(self.tokens[self.done :])
+
+
+@dataclass(frozen=True)
+class Part:
+    """The datums [start, stop) of a request of `count` datums that run in this cycle."""
+
+    start: int
+    stop: int
+    count: int
+
+    @property
+    def final(self) -> bool:
+        """Its request completes with this part (and is committed in this cycle)."""
+        return self.stop == self.count
 
 
 @dataclass
@@ -36,14 +72,26 @@ class ModelWork:
     optim: QueuedOp | None = None
     post: list[QueuedOp] = field(default_factory=list)
     rejected: list[QueuedOp] = field(default_factory=list)  # refused at submission: no effect
+    # The request of `passes` whose part in this cycle is not its last: it runs but is not
+    # committed (its model's progress stays before it).
+    open: str | None = None
 
     def ops(self) -> list[QueuedOp]:
-        """Every op of this model in the cycle, in seq_id order: the order their results are
-        committed, so a model's progress only ever moves forward."""
+        """Every op of this model the cycle commits, in seq_id order: the order their results
+        are committed, so a model's progress only ever moves forward."""
         tail = [self.optim] if self.optim is not None else []
         return sorted(
-            [*self.pre, *self.passes, *tail, *self.post, *self.rejected], key=lambda op: op.seq_id
+            (
+                op
+                for op in [*self.pre, *self.passes, *tail, *self.post, *self.rejected]
+                if op.request_id != self.open
+            ),
+            key=lambda op: op.seq_id,
         )
+
+    def runs(self) -> list[QueuedOp]:
+        """Every op of this model the cycle runs: those it commits and an open part."""
+        return [*self.ops(), *(op for op in self.passes if op.request_id == self.open)]
 
     @property
     def tokens(self) -> int:
@@ -59,12 +107,15 @@ class CyclePlan:
     deficits: pass tokens each model that had to wait is owed in the next cycle.
     pace:     the most pass tokens one model could pack in this cycle (the clock's pace while
               tenants share it; else the budget).
+    parts:    request id -> its part in this cycle, for every request run in parts (its
+              QueuedOp in `passes` carries that part's tokens).
     """
 
     models: tuple[ModelWork, ...]
     budget: int
     deficits: dict[str, int] = field(default_factory=dict)
     pace: int = 0
+    parts: dict[str, Part] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -93,6 +144,15 @@ class CyclePlan:
     @property
     def tokens(self) -> int:
         return sum(w.tokens for w in self.models)
+
+    def settled(self, failed: Mapping[str, object]) -> CyclePlan:
+        """The plan as it ended: a request whose open part failed (it has an outcome in
+        `failed`) is committed now, with its error."""
+        models = tuple(
+            dataclasses.replace(w, open=None) if w.open is not None and w.open in failed else w
+            for w in self.models
+        )
+        return dataclasses.replace(self, models=models)
 
 
 def take_model_work(model_id: str, ops: list[QueuedOp], next_seq: int) -> ModelWork:
@@ -158,6 +218,15 @@ def _cut(work: ModelWork, before_seq: int) -> ModelWork:
     )
 
 
+class _Piece(NamedTuple):
+    """A model's next admission: whole ops (`ops` of them), or the next datum of a request run
+    in parts (`stop`: the datum index it reaches)."""
+
+    tokens: int
+    ops: int
+    stop: int | None = None
+
+
 class _KeySpend:
     """Pass tokens each API key spent in the cycle being planned, against the per-key cap."""
 
@@ -189,6 +258,7 @@ def plan_cycle(
     owners: dict[str, str] | None = None,
     key_cap: int = 0,
     cycle_tokens: int | None = None,
+    datums: Mapping[str, Datums] | None = None,
 ) -> CyclePlan:
     """Pack every model's ready work into one cycle under `token_budget` pass tokens (the memory
     bound of one fused pass). While tenants share the clock, `cycle_tokens` (its pace) caps each
@@ -204,6 +274,17 @@ def plan_cycle(
     share. If nothing at all fits, the most-owed model's next piece runs alone: a huge batch is
     delayed, never starved, and cannot starve others.
 
+    Parts: `datums` gives each datum's tokens of the passes the planner may split (and of every
+    request already in parts: its `done` datums ran before, its op's tokens are what is left).
+    While tenants share the clock (`cycle_tokens` below `token_budget`) such a pass larger than
+    the pace is admitted datum by datum like a unit op by op, and stops where its model's room
+    ends: a part. A part starts its model's passes in its cycle (a request whose turn comes
+    after other passes of its model waits for the next cycle), and a request in parts is its
+    model's last pass in the cycle. A single datum larger than the room is a piece larger than
+    the cycle (saved for, as above). A model alone never starts parts (it fills
+    `token_budget`); a request already in parts goes on in parts (alone: the rest, up to the
+    budget).
+
     `key_cap` (0 = off) caps the pass tokens of all models of one API key (`owners`: model ->
     key; a model missing there is a key of its own) in this cycle; the rest waits, owed as
     usual, so the models of one key take turns by deficit round robin too. A call larger than
@@ -211,9 +292,12 @@ def plan_cycle(
     among its key's work in its cycle: nothing starves, and other keys are not held back.
     The plan's `deficits` are what each model is owed next cycle.
     """
+    datums = datums or {}
+    queues = {m: [_remaining(op, datums) for op in ops] for m, ops in queues.items()}
     works = {m: take_model_work(m, ops, next_seq.get(m, 0)) for m, ops in queues.items() if ops}
     works = {m: w for m, w in works.items() if w.ops()}
     room = pace = token_budget
+    splits = False
     if cycle_tokens is not None:
         # No model's passes take more of the cycle than the pace or the next-largest model's
         # ready passes: tenants of like size pack whole, a heavy one cannot make its light
@@ -221,19 +305,70 @@ def plan_cycle(
         sizes = sorted((w.tokens for w in works.values()), reverse=True)
         pace = min(token_budget, max(cycle_tokens, sizes[1] if len(sizes) > 1 else 0))
         room = max(1, sum(min(size, pace) for size in sizes))
-    packer = _DeficitRoundRobin(works, room, dict(deficits or {}), _KeySpend(owners or {}, key_cap))
+        splits = cycle_tokens < token_budget
+    packer = _DeficitRoundRobin(
+        works,
+        room,
+        dict(deficits or {}),
+        _KeySpend(owners or {}, key_cap),
+        _Splits(datums, pace if splits else None),
+    )
     packer.pack()
     return dataclasses.replace(packer.plan(), budget=token_budget, pace=pace)
+
+
+def _remaining(op: QueuedOp, datums: Mapping[str, Datums]) -> QueuedOp:
+    """A request in parts counts only its datums not run yet."""
+    known = datums.get(op.request_id)
+    if known is None or not known.done:
+        return op
+    return msgspec.structs.replace(op, tokens=known.remaining)
+
+
+class _Splits:
+    """Which passes run in parts, and how far each got in the cycle being planned."""
+
+    def __init__(self, datums: Mapping[str, Datums], pace: int | None) -> None:
+        self.datums = datums
+        self.pace = pace  # None: nothing new splits (a model alone)
+        self.stop: dict[str, int] = {}  # request id -> datum reached in this cycle
+
+    def parted(self, op: QueuedOp) -> bool:
+        """Whether `op` is admitted datum by datum (in parts)."""
+        known = self.datums.get(op.request_id)
+        if known is None:
+            return False
+        return known.done > 0 or (self.pace is not None and op.tokens > self.pace)
+
+    def next_datum(self, op: QueuedOp) -> tuple[int, int]:
+        """(tokens, index) of `op`'s next datum not yet admitted."""
+        known = self.datums[op.request_id]
+        at = self.stop.get(op.request_id, known.done)
+        return known.tokens[at], at
+
+    def part(self, op: QueuedOp) -> Part | None:
+        """`op`'s part in this cycle (None: it runs whole, or not at all)."""
+        known = self.datums.get(op.request_id)
+        stop = self.stop.get(op.request_id)
+        if known is None or stop is None or (known.done == 0 and stop == len(known.tokens)):
+            return None
+        return Part(known.done, stop, len(known.tokens))
 
 
 class _DeficitRoundRobin:
     """One cycle of deficit round robin over pass tokens (see `plan_cycle`)."""
 
     def __init__(
-        self, works: dict[str, ModelWork], budget: int, owed: dict[str, int], keyspend: _KeySpend
+        self,
+        works: dict[str, ModelWork],
+        budget: int,
+        owed: dict[str, int],
+        keyspend: _KeySpend,
+        splits: _Splits,
     ) -> None:
         self.works = works
         self.keyspend = keyspend
+        self.splits = splits
         self.units = {m: pass_units(w.passes) for m, w in works.items()}
         # Models with passes waiting, most-owed first.
         self.active = sorted(
@@ -243,6 +378,8 @@ class _DeficitRoundRobin:
         quantum = self.budget // max(len(self.active), 1)
         self.allowance = {m: owed.get(m, 0) + quantum for m in self.active}
         self.taken: dict[str, int] = {m: 0 for m in works}  # pass ops admitted per model
+        self.spent: dict[str, int] = {m: 0 for m in works}  # pass tokens admitted per model
+        self.closed: set[str] = set()  # a request in parts ended: its model's passes stop
         self.room = self.budget
 
     def pack(self) -> None:
@@ -252,61 +389,105 @@ class _DeficitRoundRobin:
             self.room -= used
         for m in self.active:  # a piece bigger than the cycle runs once its model saved for it
             piece = self.piece(m)
-            size = sum(o.tokens for o in piece)
-            if size > self.budget and self.allowance[m] >= size and not self.taken[m]:
-                if self._take(m, size, len(piece), 0, size):
-                    self.allowance[m] -= size
+            if piece is None or self.spent[m] or self.taken[m]:
+                continue
+            if piece.tokens > self.budget and self.allowance[m] >= piece.tokens:
+                if self._take(m, piece, 0, piece.tokens):
+                    self.allowance[m] -= piece.tokens
         for m in self.active:  # round two: leftover room, same order
             self.room -= self.admit(m, self.room)
-        saving = [m for m in self.active if sum(o.tokens for o in self.piece(m)) > self.budget]
+        saving = [m for m in self.active if self._size(m) > self.budget]
         for m in saving:  # room nobody could use pays towards the big pieces (no starving)
             self.allowance[m] += self.room // len(saving)
-        if self.active and not any(self.taken[m] for m in self.active):
+        if self.active and not any(self.spent[m] or self.taken[m] for m in self.active):
             first = self.active[0]  # nothing fits: the most-owed runs alone
-            self.taken[first] = len(self.piece(first))
+            piece = self.piece(first)
+            if piece is not None:
+                self._apply(first, piece)
             self.allowance[first] = 0
 
-    def piece(self, m: str) -> list[QueuedOp]:
+    def _size(self, m: str) -> int:
+        piece = self.piece(m)
+        return 0 if piece is None else piece.tokens
+
+    def piece(self, m: str) -> _Piece | None:
         """m's next admission: the rest of its current unit if the unit fits the cycle and m's
-        key cap, else the unit's next op alone; [] when all of m's passes are taken."""
+        key cap, else the unit's next op alone, or the next datum of a request in parts; None
+        when all of m's passes are taken (or wait for a later cycle)."""
+        if m in self.closed:
+            return None
         done = self.taken[m]
         for unit in self.units[m]:
             if done >= len(unit):
                 done -= len(unit)
                 continue
-            whole = sum(o.tokens for o in unit)
+            rest = unit[done:]
+            parted = next((k for k, op in enumerate(rest) if self.splits.parted(op)), None)
+            if parted == 0:
+                if self.taken[m]:
+                    return None  # a part starts its model's passes: the next cycle
+                tokens, at = self.splits.next_datum(rest[0])
+                count = len(self.splits.datums[rest[0].request_id].tokens)
+                return _Piece(tokens, int(at + 1 == count), at + 1)
+            rest = rest[:parted]
+            whole = sum(o.tokens for o in rest)
             if whole <= self.budget and self.keyspend.fits(whole):
-                return unit[done:]
-            return [unit[done]]
-        return []
+                return _Piece(whole, len(rest))
+            return _Piece(rest[0].tokens, 1)
+        return None
 
     def admit(self, m: str, limit: int) -> int:
         """Admit m's next pieces while they cost at most `limit` in all and fit its key's cap;
         returns tokens spent."""
         spent = 0
-        while piece := self.piece(m):
-            size = sum(o.tokens for o in piece)
-            if not self._take(m, size, len(piece), spent, limit):
+        while (piece := self.piece(m)) is not None:
+            if not self._take(m, piece, spent, limit):
                 break
-            spent += size
+            spent += piece.tokens
         return spent
 
-    def _take(self, m: str, tokens: int, ops: int, spent: int, limit: int) -> bool:
-        if spent + tokens > limit or not self.keyspend.room(m, tokens):
+    def _take(self, m: str, piece: _Piece, spent: int, limit: int) -> bool:
+        if spent + piece.tokens > limit or not self.keyspend.room(m, piece.tokens):
             return False
-        self.taken[m] += ops
-        self.keyspend.spend(m, tokens)
+        self._apply(m, piece)
         return True
+
+    def _apply(self, m: str, piece: _Piece) -> None:
+        if piece.stop is not None:
+            op = self._next_op(m)
+            self.splits.stop[op.request_id] = piece.stop
+            if piece.ops and self.splits.part(op) is not None:
+                self.closed.add(m)  # a request in parts is its model's last pass in a cycle
+        self.taken[m] += piece.ops
+        self.spent[m] += piece.tokens
+        self.keyspend.spend(m, piece.tokens)
+
+    def _next_op(self, m: str) -> QueuedOp:
+        return self.works[m].passes[self.taken[m]]
 
     def plan(self) -> CyclePlan:
         plan: list[ModelWork] = []
         new_owed: dict[str, int] = {}
+        parts: dict[str, Part] = {}
         order = {m: i for i, m in enumerate(self.active)}
         for m in sorted(self.works, key=lambda m: (m not in order, order.get(m, 0), m)):
             work = self.works[m]
-            if self.taken[m] < len(work.passes):
-                work = _cut(work, work.passes[self.taken[m]].seq_id)
+            passes = work.passes
+            open_part: Part | None = None
+            if self.taken[m] < len(passes):
+                nxt = passes[self.taken[m]]
+                open_part = self.splits.part(nxt)
+                work = _cut(work, nxt.seq_id + (open_part is not None))
+                if open_part is not None:
+                    work.open = nxt.request_id
                 new_owed[m] = max(self.allowance.get(m, 0), 0)  # still waiting: keep its due
-            if work.ops():
+            for k, op in enumerate(work.passes):
+                part = self.splits.part(op)
+                if part is not None:
+                    parts[op.request_id] = part
+                    known = self.splits.datums[op.request_id].tokens
+                    tokens = sum(known[part.start : part.stop])
+                    work.passes[k] = msgspec.structs.replace(op, tokens=tokens)
+            if work.ops() or work.open is not None:
                 plan.append(work)
-        return CyclePlan(models=tuple(plan), budget=self.budget, deficits=new_owed)
+        return CyclePlan(models=tuple(plan), budget=self.budget, deficits=new_owed, parts=parts)

@@ -208,6 +208,9 @@ class ProcessTrainingEngine(TrainingEngine):
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
         return list(self.process.call("run_passes", requests, tokens=pass_tokens(requests)))
 
+    def undo_parts(self, model_id: str) -> None:
+        self.process.call("undo_parts", model_id)
+
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         return dict(self.process.call("optim_step", requests))
 

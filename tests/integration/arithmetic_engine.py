@@ -24,6 +24,7 @@ from lockstep.engine.types import (
     MemoryBudget,
     ModelCard,
     OptimRequest,
+    PassPart,
     PassRequest,
     PassResult,
     SampledSequence,
@@ -69,6 +70,7 @@ def weights_token(w: np.ndarray) -> int:
 class _State:
     w: np.ndarray
     g: np.ndarray = field(default_factory=lambda: np.zeros(DIM))
+    undo: np.ndarray | None = None  # g before the FIRST part of a request run in parts
 
 
 def _write(directory: Path, w: np.ndarray) -> int:
@@ -88,6 +90,8 @@ class ArithmeticTrainingEngine(TrainingEngine):
         self.die_at_next_pass = False
         # Fault injection: any pass holding this token kills the engine (a poison request).
         self.poison_token: int | None = None
+        # Fault injection: a request holding this token fails (its own error, like a NaN loss).
+        self.fail_token: int | None = None
         self.dead = False  # like a dead process: every call fails until restart()
         self.restarts = 0
         self.in_flight: list[tuple[str, Path]] = []  # background snapshots being written
@@ -123,14 +127,28 @@ class ArithmeticTrainingEngine(TrainingEngine):
         for r in requests:  # validate everything first: a failed call leaves no gradient
             if r.model_id not in self.models:
                 raise UserInputError("model_id", f"{r.model_id} is not resident")
+            if self.fail_token is not None and any(self.fail_token in d.tokens for d in r.data):
+                raise UserInputError("data", "fake engine: a datum holds the failing token")
+            undone = r.part is PassPart.MIDDLE or r.part is PassPart.LAST
+            if undone and not r.forward_only and self.models[r.model_id].undo is None:
+                raise RuntimeError(f"fake engine: {r.request_id} lost its first part")
         results = []
         for r in requests:
             state, f = self.models[r.model_id], features(r.data)
             if not r.forward_only:
+                if r.part is PassPart.FIRST:  # the undo point of a request run in parts
+                    state.undo = state.g
                 state.g = state.g + f
+                if r.part is PassPart.LAST:
+                    state.undo = None
             outputs = [{"logprobs": np.zeros(len(d.tokens), np.float32)} for d in r.data]
             results.append(PassResult(r.request_id, outputs, {"loss:sum": float(state.w @ f)}))
         return results
+
+    def undo_parts(self, model_id: str) -> None:
+        state = self.models.get(model_id)
+        if state is not None and state.undo is not None:
+            state.g, state.undo = state.undo, None
 
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         self._check_alive()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockstep.scheduler.planner import plan_cycle
+from lockstep.scheduler.planner import CyclePlan, Datums, plan_cycle
 from lockstep.scheduler.state.records import QueuedOp
 
 
@@ -338,3 +338,100 @@ def test_tenants_of_like_size_pack_whole_under_the_pace() -> None:
     queues = {f"t{i}": [op(f"t{i}", 1, "forward_backward", 256)] for i in range(8)}
     plan = plan_cycle(queues, dict.fromkeys(queues, 1), 65536, {}, cycle_tokens=500)
     assert plan.tokens == 8 * 256 and not plan.deficits
+
+
+# -- requests larger than the pace run in parts ------------------------------------------------
+
+
+def run_in_parts(
+    queues: dict[str, list[QueuedOp]], sizes: dict[str, tuple[int, ...]], cycle_tokens: int
+) -> list[CyclePlan]:
+    """Plan cycles until every queue is done, as the clock does: each cycle's parts move their
+    requests on (`Datums.done`), committed ops leave their queues."""
+    next_seq = {m: ops[0].seq_id for m, ops in queues.items()}
+    done: dict[str, int] = {}
+    owed: dict[str, int] = {}
+    plans: list[CyclePlan] = []
+    while any(queues.values()):
+        datums = {rid: Datums(t, done.get(rid, 0)) for rid, t in sizes.items()}
+        plan = plan_cycle(queues, next_seq, 65536, owed, cycle_tokens=cycle_tokens, datums=datums)
+        plans.append(plan)
+        owed = plan.deficits
+        for rid, part in plan.parts.items():
+            done[rid] = part.stop
+        for work in plan.models:
+            ran = {o.request_id for o in work.ops()}
+            queues[work.model_id] = [o for o in queues[work.model_id] if o.request_id not in ran]
+            if ran:
+                next_seq[work.model_id] = max(o.seq_id for o in work.ops()) + 1
+        assert len(plans) < 500
+    return plans
+
+
+def test_a_request_larger_than_the_pace_runs_in_parts_beside_the_light_tenants() -> None:
+    heavy = tuple([384] * 100)  # ~100x a pace of ~400 tokens
+    queues = light_and_heavy(sum(heavy))
+    plans = run_in_parts(queues, {"heavy-1": heavy}, cycle_tokens=400)
+    first = plans[0]
+    # The light tenants' steps all run in the first cycle, beside the heavy request's first part.
+    assert {f"light{i}" for i in range(3)} <= {w.model_id for w in first.models}
+    assert all(w.optim is not None for w in first.models if w.model_id.startswith("light"))
+    parts = [p.parts["heavy-1"] for p in plans if "heavy-1" in p.parts]
+    assert len(parts) > 10 and parts[0].start == 0 and parts[-1].final
+    assert all(a.stop == b.start for a, b in zip(parts, parts[1:], strict=False))  # in order
+    for plan in plans:
+        (heavy_work,) = [w for w in plan.models if w.model_id == "heavy"] or [None]
+        if heavy_work is None:
+            continue
+        assert heavy_work.tokens <= 400 + 64 * 3  # at most the pace (and the room nobody used)
+        part = plan.parts["heavy-1"]
+        if part.final:  # committed with its last part; its optim_step may follow in that cycle
+            assert [o.seq_id for o in heavy_work.ops()] == [1, 2]
+        else:  # nothing of the model commits, nothing of it runs after the part
+            assert heavy_work.open == "heavy-1" and heavy_work.ops() == []
+            assert heavy_work.optim is None and "heavy" in plan.deficits
+
+
+def test_a_tenant_alone_never_splits() -> None:
+    heavy = tuple([384] * 100)
+    queues = light_and_heavy(sum(heavy), n_light=0)
+    sizes = {"heavy-1": heavy}
+    (plan,) = run_in_parts(queues, sizes, cycle_tokens=65536)  # the pace of a model alone
+    assert not plan.parts and [o.seq_id for o in plan.models[0].ops()] == [1, 2]
+
+
+def test_a_part_starts_its_models_passes_and_ends_them() -> None:
+    """A request in parts never shares a fused pass with its model's other requests: it waits
+    for a cycle of its own, and the model's next pass waits for the cycle after its last part."""
+    big = tuple([300] * 4)
+    queues = light_and_heavy(0)
+    queues["heavy"] = [
+        op("heavy", 1, "forward_backward", 50),
+        op("heavy", 2, "forward_backward", sum(big)),
+        op("heavy", 3, "forward_backward", 50),
+    ]
+    plans = run_in_parts(queues, {"heavy-2": big}, cycle_tokens=400)
+    heavy = [[o.seq_id for o in w.passes] for p in plans for w in p.models if w.model_id == "heavy"]
+    assert heavy[0] == [1]
+    assert heavy[-1] == [3] and all(seqs == [2] for seqs in heavy[1:-1])
+    parts = [p.parts["heavy-2"] for p in plans if "heavy-2" in p.parts]
+    assert sum(p.stop - p.start for p in parts) == 4 and parts[-1].final
+
+
+def test_a_datum_longer_than_the_pace_is_one_part() -> None:
+    sizes = (100, 5000, 100)
+    queues = light_and_heavy(sum(sizes))
+    plans = run_in_parts(queues, {"heavy-1": sizes}, cycle_tokens=400)
+    parts = [p.parts["heavy-1"] for p in plans if "heavy-1" in p.parts]
+    assert any(p.start == 1 and p.stop == 2 for p in parts), parts  # the long datum alone
+    assert parts[-1].final and sum(p.stop - p.start for p in parts) == 3
+
+
+def test_a_failed_open_part_is_committed_with_its_error() -> None:
+    queues = light_and_heavy(38400)
+    datums = {"heavy-1": Datums(tuple([384] * 100))}
+    plan = plan_cycle(queues, dict.fromkeys(queues, 1), 65536, cycle_tokens=400, datums=datums)
+    (heavy,) = [w for w in plan.models if w.model_id == "heavy"]
+    assert heavy.ops() == []
+    (settled,) = [w for w in plan.settled({"heavy-1": "its error"}).models if w.model_id == "heavy"]
+    assert [o.request_id for o in settled.ops()] == ["heavy-1"]

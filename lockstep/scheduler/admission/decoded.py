@@ -38,5 +38,9 @@ class DecodedPasses:
         """The decoded pass, once: a re-run (the cycle aborted) reads the payload again."""
         return self._held.pop(request_id, None)
 
+    def peek(self, request_id: str) -> PassRequest | None:
+        """The decoded pass, left held (the planner reads its datums' sizes)."""
+        return self._held.get(request_id)
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._held

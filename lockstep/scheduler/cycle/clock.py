@@ -120,6 +120,7 @@ class Clock:
             await self.observers.failed(CycleFailure.ENGINE)
             self.wake.set()  # nothing was recorded: the same work runs on the fresh engine
             return plan
+        plan = plan.settled(outcomes)  # a request whose open part failed is committed now
         await self.observers.dispatched(plan, outcomes)
         # Publish first: the sampler loads new adapters while commit answers the futures and
         # the client asks for its sampling session, instead of after (a task; never blocks).
@@ -138,6 +139,10 @@ class Clock:
         queues, next_seq = await self.store.queued_ops()
         ready = self.dispatcher.resident.admit(queues, next_seq)  # paging: what fits the engine
         owners = await self.store.owners(list(ready)) if self.key_token_cap else None
+        pace = self.pace.budget(
+            m for m, ops in queues.items() if any(registry.is_pass(op.kind) for op in ops)
+        )
+        shared = pace if pace < self.config.token_budget else None  # a model alone never splits
         plan = plan_cycle(
             ready,
             next_seq,
@@ -145,9 +150,8 @@ class Clock:
             self.deficits,
             owners=owners,
             key_cap=self.key_token_cap,
-            cycle_tokens=self.pace.budget(
-                m for m, ops in queues.items() if any(registry.is_pass(op.kind) for op in ops)
-            ),
+            cycle_tokens=pace,
+            datums=await self.dispatcher.datums(queues, next_seq, shared),
         )
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
         self._backlog = bool(plan.deficits)

@@ -14,6 +14,10 @@ durable. An engine that restarted (a crash, a new scheduler) has no adapters; be
 next cycle its snapshot is loaded and the passes and steps since then (the replay log) are re-run,
 so a crash loses nothing and applies nothing twice. If the engine dies during a cycle, the cycle
 is abandoned before anything is written and runs again on a fresh engine.
+
+A request the planner runs in parts (`planner.Part`) is kept between its cycles (`parts.py`):
+each cycle runs its part, the last joins the parts' results, and a failed part undoes the
+earlier ones (`TrainingEngine.undo_parts`) so the request fails leaving no gradient behind.
 """
 
 from __future__ import annotations
@@ -28,15 +32,16 @@ from typing import TypeVar
 
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
 from lockstep.engine.interface import EngineDied, TrainingEngine
-from lockstep.engine.types import OptimRequest, PassRequest, PassResult
+from lockstep.engine.types import OptimRequest, PassPart, PassRequest, PassResult
 from lockstep.observability import metrics
 from lockstep.scheduler.admission.decoded import DecodedPasses
 from lockstep.scheduler.cycle.cadence import SnapshotCadence
+from lockstep.scheduler.cycle.parts import RequestsInParts, datum_tokens
 from lockstep.scheduler.cycle.poison import PoisonHunt
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import StepOp
-from lockstep.scheduler.planner import CyclePlan
+from lockstep.scheduler.planner import CyclePlan, Datums, Part
 from lockstep.scheduler.state import storage
 from lockstep.scheduler.state.outcome import Outcome, failure
 from lockstep.scheduler.state.records import QueuedOp
@@ -76,6 +81,8 @@ class Dispatcher:
         self.resident = Residency(engine, max_resident, before_drop=self._snapshot_pending)
         # Which request kills the engine, when one does every time (bounded restarts).
         self.poison = PoisonHunt()
+        # Passes the planner runs in parts: each whole request and its parts' results so far.
+        self.parts = RequestsInParts()
 
     # The Dispatcher is the RunContext its ops run in (scheduler/ops/base.py): `call`,
     # `durable_snapshot`, `ensure_resident`, and the store, engine, data dir and residency.
@@ -87,9 +94,50 @@ class Dispatcher:
         """Number the cycle and read the payloads it needs (not decoded already): one round
         trip."""
         ops = [*plan.pre, *plan.passes, *plan.optims, *plan.post]
-        unread = [op.request_id for op in ops if op.request_id not in self.decoded]
+        held = (self.decoded, self.parts)  # decoded at submission, or kept between parts
+        unread = [op.request_id for op in ops if not any(op.request_id in h for h in held)]
         cycle, self._payloads = await self.store.begin_cycle(unread)
         return cycle
+
+    async def datums(
+        self, queues: dict[str, list[QueuedOp]], next_seq: dict[str, int], pace: int | None
+    ) -> dict[str, Datums]:
+        """What the planner may split: every request in parts and, while tenants share the clock
+        (`pace`: the clock's pace, None when a model is alone), each model's first ready pass
+        larger than the pace, with each datum's tokens (read from the pass held decoded, or
+        decoded from its payload and then held for dispatch)."""
+        queued = {op.request_id for ops in queues.values() for op in ops}
+        self.parts.keep_only(queued, self.resident)
+        out = self.parts.datums()
+        if pace is None:
+            return out
+        for model_id, ops in queues.items():
+            expected = next_seq.get(model_id, 0)
+            for op in sorted(ops, key=lambda o: o.seq_id):
+                if op.seq_id < expected:
+                    continue
+                if op.seq_id != expected or op.request_id in out:
+                    break  # a gap, or a request in parts: it comes first
+                expected += 1
+                if registry.is_pass(op.kind) and op.tokens > pace:
+                    held = await self._held_pass(op)
+                    if held is not None:
+                        out[op.request_id] = Datums(datum_tokens(held))
+                    break
+        return out
+
+    async def _held_pass(self, op: QueuedOp) -> PassRequest | None:
+        held = self.decoded.peek(op.request_id)
+        if held is not None:
+            return held
+        try:
+            decoded = await registry.fused_pass(op.kind).decode(
+                self.store, op.request_id, await self._request(op)
+            )
+        except Exception:  # dispatch runs it whole and reports why it cannot
+            return None
+        self.decoded.keep(op.request_id, decoded)
+        return decoded
 
     async def run(self, plan: CyclePlan, cycle: int) -> dict[str, Outcome]:
         """Execute the plan; one Outcome per op. A model whose state cannot be restored fails
@@ -101,7 +149,8 @@ class Dispatcher:
             for work in plan.models:
                 broken = await self._restore(work.model_id)
                 if broken is not None:
-                    outcomes.update((op.request_id, broken) for op in work.ops())
+                    outcomes.update((op.request_id, broken) for op in work.runs())
+                    self.parts.drop(op.request_id for op in work.runs())
 
             def runnable(ops: list[QueuedOp]) -> list[QueuedOp]:
                 return [op for op in ops if op.request_id not in outcomes]
@@ -110,7 +159,7 @@ class Dispatcher:
                 with tracing.phase(op.kind, [op]):  # [trace hook]
                     outcomes[op.request_id] = await self._single(op)
             with tracing.phase("pass", plan.passes):  # [trace hook]
-                outcomes.update(await self._passes(runnable(plan.passes), cycle))
+                outcomes.update(await self._passes(runnable(plan.passes), cycle, plan.parts))
             with tracing.phase("optimizer step", plan.optims):  # [trace hook]
                 outcomes.update(await self._optims(runnable(plan.optims)))
             for op in runnable(plan.post):
@@ -120,6 +169,7 @@ class Dispatcher:
         except EngineDied as exc:
             log.error("training engine died during cycle %d (%s); restarting it", cycle, exc)
             self.resident.clear()
+            self.parts.clear()  # their earlier parts died with it: they start again
             await asyncio.to_thread(self.engine.restart)
             raise CycleAborted(str(exc)) from exc
 
@@ -257,14 +307,18 @@ class Dispatcher:
         req.ParseFromString(payload)
         return req
 
-    async def _pass(self, op: QueuedOp) -> PassRequest:
-        """The pass as validated at submission, or decoded from its payload (its op's rule)."""
-        held = self.decoded.take(op.request_id)
-        if held is not None:
-            return held
-        return await registry.fused_pass(op.kind).decode(
-            self.store, op.request_id, await self._request(op)
-        )
+    async def _pass(self, op: QueuedOp, part: Part | None) -> PassRequest:
+        """The pass as validated at submission, or decoded from its payload (its op's rule);
+        of a request in parts, this cycle's part."""
+        whole = None if part is not None and part.start else self.decoded.take(op.request_id)
+        if whole is None and op.request_id not in self.parts:
+            whole = await registry.fused_pass(op.kind).decode(
+                self.store, op.request_id, await self._request(op)
+            )
+        if part is None:
+            assert whole is not None
+            return whole
+        return self.parts.part(whole, op.request_id, part)
 
     async def _single(self, op: QueuedOp) -> Outcome:
         """An op that runs alone (create, load, save): its op runs it."""
@@ -275,16 +329,19 @@ class Dispatcher:
             log.warning("request %s (%s) failed: %s", op.request_id, op.kind, exc)
             return failure(exc, f"{op.kind} of {op.model_id}")
 
-    async def _passes(self, passes: list[QueuedOp], cycle: int) -> dict[str, Outcome]:
+    async def _passes(
+        self, passes: list[QueuedOp], cycle: int, parts: dict[str, Part]
+    ) -> dict[str, Outcome]:
         outcomes: dict[str, Outcome] = {}
         requests: list[PassRequest] = []
         for op in passes:
             refused = self.poison.verdict(op.request_id)
             if refused is not None:  # it killed the engine on its own: never run again
                 outcomes[op.request_id] = Outcome(error=refused, category=ErrorCategory.USER)
+                self.parts.drop([op.request_id])
                 continue
             try:
-                requests.append(await self._pass(op))
+                requests.append(await self._pass(op, parts.get(op.request_id)))
             except Exception as exc:
                 outcomes[op.request_id] = failure(exc)
         results: list[PassResult] = []
@@ -293,7 +350,10 @@ class Dispatcher:
         queued = {op.request_id: op for op in passes}
         for res in results:  # each result encoded by its op
             op = queued[res.request_id]
-            outcomes[res.request_id] = registry.fused_pass(op.kind).outcome(op, res, cycle)
+            part = parts.get(res.request_id)
+            whole = res if part is None else self.parts.ran(part, res)
+            if whole is not None:  # None: a part before the last (no outcome yet)
+                outcomes[res.request_id] = registry.fused_pass(op.kind).outcome(op, whole, cycle)
         return outcomes
 
     async def _run_passes(
@@ -310,11 +370,20 @@ class Dispatcher:
         except Exception as exc:
             if len(call) == 1:
                 outcomes[call[0].request_id] = failure(exc)
+                await self._undo_parts(call[0])
                 return []
             log.warning("fused pass failed (%s); retrying requests one by one", exc)
             return [res for r in call for res in await self._run_passes([r], outcomes)]
         self.poison.survived(ids)
         return list(results)
+
+    async def _undo_parts(self, failed: PassRequest) -> None:
+        """A part failed: its request fails, and the gradients of its earlier parts go (the
+        part is its model's only request in the call, so nothing else of the model is lost)."""
+        if failed.part is PassPart.WHOLE:
+            return
+        self.parts.drop([failed.request_id])
+        await self.call(self.engine.undo_parts, failed.model_id)
 
     async def _optims(self, steps: list[QueuedOp]) -> dict[str, Outcome]:
         if not steps:

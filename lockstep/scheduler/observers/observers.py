@@ -133,7 +133,7 @@ class TraceObserver(CycleObserver):
         self._trace: tracing.CycleTrace | None = None
 
     async def dispatching(self, cycle: int, plan: CyclePlan) -> None:
-        ops = [op for work in plan.models for op in work.ops()]
+        ops = [op for work in plan.models for op in work.runs()]
         self._trace = tracing.begin_cycle(cycle, ops, len(plan.models), plan.tokens)
 
     async def finished(self, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:

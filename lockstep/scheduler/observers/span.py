@@ -117,6 +117,9 @@ class ClockMeter:
                     metrics.scheduler_error(outcome.category if outcome is not None else "server")
                 elif registry.is_pass(op.kind):
                     metrics.tenant_inc(metrics.TENANT_TOKENS, owner, op.kind, amount=op.tokens)
+            for op in work.passes:  # a part before its request's last: its tokens ran
+                if op.request_id == work.open:
+                    metrics.tenant_inc(metrics.TENANT_TOKENS, owner, op.kind, amount=op.tokens)
 
     def failed(self, category: str = "cycle") -> None:
         """The cycle raised ("cycle"; the clock logs it and goes on) or was abandoned because

@@ -47,6 +47,7 @@ from lockstep.engine.types import (
     MemoryBudget,
     ModelCard,
     OptimRequest,
+    PassPart,
     PassRequest,
     PassResult,
 )
@@ -157,6 +158,8 @@ class LocalTrainingEngine(TrainingEngine):
                 host_memory.mmap_threshold(micro_batch_tokens, hidden, element)
             )
         self._adam: dict[str, AdamState] = {}
+        # A request run in parts: each model's gradients before its FIRST part (its undo point).
+        self._undo: dict[str, dict[torch.nn.Parameter, torch.Tensor | None]] = {}
         self._snapshots = SnapshotWriter()  # snapshots leave the cycle's critical path
         # Masked attention (windows, sinks) and the model's own forward build score matrices.
         scored = not self._packed or "sliding_attention" in arch.layer_types
@@ -202,6 +205,7 @@ class LocalTrainingEngine(TrainingEngine):
     def delete_model(self, model_id: str) -> None:
         self._lora.remove_adapter(model_id)
         self._adam.pop(model_id, None)
+        self._undo.pop(model_id, None)
 
     def has_model(self, model_id: str) -> bool:
         return self._lora.has_adapter(model_id)
@@ -221,6 +225,8 @@ class LocalTrainingEngine(TrainingEngine):
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
         outs: dict[tuple[int, int], RowLoss] = {}
         train = [i for i, r in enumerate(requests) if not r.forward_only]
+        for i in train:
+            self._check_part(requests[i])
         if train:
             params = {p for i in train for p in self._lora.adapter_parameters(requests[i].model_id)}
             saved = {p: None if p.grad is None else p.grad.clone() for p in params}
@@ -234,6 +240,14 @@ class LocalTrainingEngine(TrainingEngine):
             except BaseException:
                 undo()
                 raise
+            for i in train:  # a part is its model's only request in the call
+                model_id, part = requests[i].model_id, requests[i].part
+                if part is PassPart.FIRST:
+                    self._undo[model_id] = {
+                        p: saved[p] for p in self._lora.adapter_parameters(model_id)
+                    }
+                elif part is PassPart.LAST:
+                    del self._undo[model_id]
         # Forward-only requests run in their own no-grad forward: they never touch any grad.
         evals = [i for i, r in enumerate(requests) if r.forward_only]
         if evals:
@@ -243,6 +257,17 @@ class LocalTrainingEngine(TrainingEngine):
             pass_result(req, [outs[(i, j)] for j in range(len(req.data))])
             for i, req in enumerate(requests)
         ]
+
+    def _check_part(self, req: PassRequest) -> None:
+        if req.part in (PassPart.MIDDLE, PassPart.LAST) and req.model_id not in self._undo:
+            raise RuntimeError(
+                f"a {req.part} part of request {req.request_id} of {req.model_id}, whose first "
+                "part this engine did not keep: run the request again from its first part"
+            )
+
+    def undo_parts(self, model_id: str) -> None:
+        for p, grad in self._undo.pop(model_id, {}).items():
+            p.grad = None if grad is None else grad.clone()
 
     def _fused_pass(
         self,
@@ -451,6 +476,7 @@ class LocalTrainingEngine(TrainingEngine):
             self._lora.remove_adapter(scratch)
         self._lora.load_adapter_state(model_id, state, spec)
         self._adam[model_id] = adam
+        self._undo.pop(model_id, None)  # new state: a request in parts starts again
         return spec
 
     def export_adapter(self, model_id: str, directory: Path) -> int:

@@ -22,6 +22,7 @@ from lockstep.engine.types import (
     MemoryBudget,
     ModelCard,
     OptimRequest,
+    PassPart,
     PassRequest,
     PassResult,
 )
@@ -66,6 +67,7 @@ class MegatronTrainingEngine(TrainingEngine):
         self._card = ModelCard.from_dir(model_dir, served_name)
         self.parallel = parallel
         self._specs: dict[str, LoraSpec] = {}
+        self._parted: set[str] = set()  # models whose ranks keep an undo point (run_passes)
         log.info(
             "starting megatron worker group tp=%d pp=%d cp=%d dp=%d via %s",
             parallel.tp,
@@ -134,8 +136,10 @@ class MegatronTrainingEngine(TrainingEngine):
         state = init_adapter_state(spec, MegatronLora.spec_paths(self._arch, spec))
         self._group.call("set_adapter", model_id, state, spec, None, 0)
         self._specs[model_id] = spec
+        self._parted.discard(model_id)
 
     def delete_model(self, model_id: str) -> None:
+        self._parted.discard(model_id)
         if self._specs.pop(model_id, None) is not None:
             self._group.call("delete_adapter", model_id)
 
@@ -160,8 +164,24 @@ class MegatronTrainingEngine(TrainingEngine):
                     "--engine megatron; pass forward_backward_custom a plain callable instead",
                 )
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
+            lost = req.part in (PassPart.MIDDLE, PassPart.LAST) and req.model_id not in self._parted
+            if lost and not req.forward_only:
+                raise RuntimeError(
+                    f"a {req.part} part of request {req.request_id} of {req.model_id}, whose "
+                    "first part these ranks did not keep: run it again from its first part"
+                )
         results: list[PassResult] = self._group.call("run_passes", requests, configs)[0]
+        for req in requests:  # the ranks keep the undo point of a FIRST part (rank_worker)
+            if req.part is PassPart.FIRST and not req.forward_only:
+                self._parted.add(req.model_id)
+            elif req.part is PassPart.LAST:
+                self._parted.discard(req.model_id)
         return results
+
+    def undo_parts(self, model_id: str) -> None:
+        if model_id in self._parted:
+            self._group.call("undo_parts", model_id)
+            self._parted.discard(model_id)
 
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         for req in requests:
@@ -218,6 +238,7 @@ class MegatronTrainingEngine(TrainingEngine):
                 }
         self._group.call("set_adapter", model_id, state, spec, moments, step)
         self._specs[model_id] = spec
+        self._parted.discard(model_id)
         return spec
 
     def export_adapter(self, model_id: str, directory: Path) -> int:

@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from lockstep.engine.types import Datum, LoraSpec, OptimRequest, PassRequest, PassResult
+from lockstep.engine.types import (
+    Datum,
+    LoraSpec,
+    OptimRequest,
+    PassPart,
+    PassRequest,
+    PassResult,
+)
 from lockstep.training.logprobs import chunk_tokens, target_logprobs
 from lockstep.training.losses import datum_targets, loss_from_logprobs
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
@@ -124,6 +131,8 @@ class RankWorker:
         )
         self.chunk = chunk_tokens(arch.vocab // parallel.tp)
         self.adam: dict[str, AdamState] = {}
+        # A request run in parts: this rank's grads of its model before its FIRST part.
+        self._undo: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         # Added (as exact zeros) to a stage output that no adapter touched, so the schedule's
         # backward has a graph on every stage even when a tenant trains only the LM head.
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -153,6 +162,7 @@ class RankWorker:
     ) -> None:
         """Create or replace `aid` from its full PEFT state (+ full Adam moments, if any)."""
         self.lora.load_adapter(aid, state, spec)
+        self._undo.pop(aid, None)
         adam = AdamState(step=step)
         if moments:
             for _, info in self.lora.params(aid):
@@ -170,6 +180,12 @@ class RankWorker:
     def delete_adapter(self, aid: str) -> None:
         self.lora.remove_adapter(aid)
         self.adam.pop(aid, None)
+        self._undo.pop(aid, None)
+
+    def undo_parts(self, aid: str) -> None:
+        """Restore `aid`'s grads kept at its FIRST part (`TrainingEngine.undo_parts`)."""
+        for p, grad in self._undo.pop(aid, []):
+            p.grad = None if grad is None else grad.clone()
 
     def gather_adapter(self, aid: str, include_optimizer: bool) -> Any:
         """Rank 0: (full PEFT state, full moments or None, Adam step); others: None. Dense
@@ -231,8 +247,16 @@ class RankWorker:
         outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, float]] = {}
         train = [i for i, r in enumerate(requests) if not r.forward_only]
         evals = [i for i, r in enumerate(requests) if r.forward_only]
+        for i in train:  # a part is its model's only request in the call
+            if requests[i].part is PassPart.FIRST:
+                aid = requests[i].model_id
+                params = [p for p, _ in self.lora.params(aid)]
+                self._undo[aid] = [(p, None if p.grad is None else p.grad.clone()) for p in params]
         if train:
             self._schedule(requests, train, configs, outs, forward_only=False)
+        for i in train:
+            if requests[i].part is PassPart.LAST:
+                self._undo.pop(requests[i].model_id, None)
         if evals:
             with torch.no_grad():
                 self._schedule(requests, evals, configs, outs, forward_only=True)
