@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lockstep.devserver import Server, start_server, stop_server
+from lockstep.ports import free_port
 
 API_KEY = "tml-integration-test"
 # A 5xx answer to an API call in a `lockstep serve` log (healthz answers 503 while the server
@@ -18,10 +19,17 @@ SERVER_ERROR = re.compile(r'"[A-Z]+ /api/v1/(?!healthz)\S* HTTP/1\.1" 5\d\d')
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def metrics_port() -> int:
+    """The port of the session server's scheduler /metrics."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, metrics_port: int) -> Iterator[Server]:
     os.environ.setdefault("TINKER_API_KEY", API_KEY)
     os.environ["HF_HUB_OFFLINE"] = "1"
-    srv = start_server(tmp_path_factory.mktemp("lockstep") / "data")
+    data = tmp_path_factory.mktemp("lockstep") / "data"
+    srv = start_server(data, "--metrics-port", str(metrics_port))
     yield srv
     code = stop_server(srv)
     assert code == 0, f"lockstep serve did not stop cleanly ({code}):\n{srv.log()[-5000:]}"

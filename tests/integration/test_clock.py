@@ -12,13 +12,14 @@ import pytest
 import tinker
 from tinker import types
 
-from lockstep.scheduler.cycle import pace
+from lockstep.config.sections import ClockConfig
 from lockstep.wire.v1 import tinker_pb2 as wire
 
 from .conftest import API_KEY, Server
 
 pytestmark = pytest.mark.e2e
 ADAM = types.AdamParams(learning_rate=1e-4)
+TOKEN_BUDGET = ClockConfig().token_budget  # the session server's (its default)
 
 
 def _datum(n: int = 64) -> types.Datum:
@@ -99,8 +100,17 @@ def test_two_pipelined_tenants_share_their_cycles(
     assert shared >= 0.8, (results, shared)
 
 
+def pace_now(metrics_port: int) -> float:
+    """The pass tokens one model may pack in a cycle, as of the last cycle planned."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith("lockstep_clock_token_budget "):
+            return float(line.split()[1])
+    raise AssertionError("no lockstep_clock_token_budget in /metrics")
+
+
 def test_all_chunks_of_a_large_call_land_in_one_cycle(
-    service_client: tinker.ServiceClient, base_model: str
+    service_client: tinker.ServiceClient, base_model: str, metrics_port: int
 ) -> None:
     trainer = new_trainer(service_client, base_model)
     data = [
@@ -110,9 +120,17 @@ def test_all_chunks_of_a_large_call_land_in_one_cycle(
         )
         for i in range(1025)
     ]
-    # Alone on the clock (the earlier tests' tenants left its sharing window): a tenant sharing
-    # it packs at most the pace per cycle, so its chunks may spread (tests/unit/test_planner.py).
-    time.sleep(pace.SHARE_WINDOW_S)
+    # Alone on the clock (the earlier tests' tenants left their sharing windows, a few of their
+    # own step periods): a tenant sharing it packs at most the pace per cycle, so its chunks may
+    # spread (tests/unit/test_planner.py). A forward a second runs cycles until the clock plans
+    # the whole --token-budget for this tenant alone.
+    for _ in range(600):
+        trainer.forward(data[:1], "cross_entropy").result()
+        if pace_now(metrics_port) == TOKEN_BUDGET:
+            break
+        time.sleep(1.0)
+    else:
+        raise AssertionError("the clock never saw this tenant alone")
     result = trainer.forward_backward(data, "cross_entropy").result()
     assert len(result.loss_fn_outputs) == 1025
     cycles = {v for k, v in result.metrics.items() if k.startswith("clock_cycle:unique")}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from lockstep.scheduler.cycle import pace as pace_module
 from lockstep.scheduler.cycle.pace import MIN_CYCLE_TOKENS, SHARE_CYCLES, CyclePace
 
 SHARED = ("light", "heavy")  # models with passes queued: tenants share the clock
@@ -57,3 +60,32 @@ def test_a_model_alone_packs_the_whole_budget_and_recent_neighbours_count() -> N
     for _ in range(SHARE_CYCLES):  # ...until it has had no passes for a few cycles
         budget = pace.budget(["heavy"])
     assert budget == 65536
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 10.0])
+def test_a_tenant_between_steps_shares_the_clock_by_its_own_cadence(
+    monkeypatch: pytest.MonkeyPatch, slowdown: float
+) -> None:
+    """A light tenant reads each result before its next step; a heavy one runs back to back.
+    The light one keeps the heavy one at the pace for a few of its own periods after each step,
+    however long the machine makes them (`slowdown`), and not for ever after it stopped."""
+    now = [0.0]
+    monkeypatch.setattr(pace_module.time, "monotonic", lambda: now[0])
+    pace = CyclePace(65536, 0.05)
+    for i in range(40):
+        tokens = 192 if i % 2 else 8192
+        pace.observe(tokens, engine(tokens))
+
+    def cycles(seconds: float, light: bool = False) -> list[int]:
+        """Heavy cycles every 0.1 s (slowed down) for `seconds`; the light tenant in the first."""
+        out = []
+        for k in range(int(seconds / 0.1)):
+            now[0] += 0.1 * slowdown
+            out.append(pace.budget(["heavy", "light"] if light and k == 0 else ["heavy"]))
+        return out
+
+    cycles(1.0, light=True)  # its first step: no period yet (SHARE_CYCLES cycles only)
+    for _ in range(4):  # then a step every second (slowed down): its period
+        assert max(cycles(1.0, light=True)) < 2000
+    assert max(cycles(1.5)) < 2000  # 2.5 periods since its last step: 25 cycles, still sharing
+    assert cycles(1.0)[-1] == 65536  # it stopped: after SHARE_PERIODS periods, heavy is alone

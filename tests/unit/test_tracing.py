@@ -4,6 +4,7 @@ the retention TTL, and tracing off (retention 0) writes nothing."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.state import keys
@@ -18,8 +19,9 @@ OTHER = QueuedOp("req-c", "sess-2:train:0", 1, "forward_backward", 8)
 async def _cycle() -> None:
     for op in (FB, OPT, OTHER):
         tracing.submitted(op.request_id)
+    planned = time.time()
     await asyncio.sleep(0.01)
-    trace = tracing.begin_cycle(7, [FB, OPT, OTHER], tenants=2, tokens=48)
+    trace = tracing.begin_cycle(7, [FB, OPT, OTHER], tenants=2, tokens=48, planned=planned)
     with tracing.phase("pass", [FB, OTHER]):
         await asyncio.sleep(0.01)
     with tracing.phase("optimizer step", [OPT]):
@@ -53,7 +55,9 @@ def test_a_cycle_is_recorded_per_session_and_nests(clean_redis: str) -> None:
     assert len(by_name["queue wait"]) == 2
     clock = [e for e in slices if e["pid"] == tracing.CLOCK_PID]
     assert {e["name"] for e in clock} == {"cycle 7", "pass", "optimizer step"}
+    planned_us = clock[0]["args"].pop("planned_us")
     assert clock[0]["args"] == {"cycle": 7, "tenants": 2, "tokens": 48}
+    assert planned_us <= clock[0]["ts"]  # planned before it was dispatched
     # the snapshot is the optimizer step's child, on the optim_step request's row only
     (snap,) = by_name["snapshot"]
     (opt_phase,) = [e for e in by_name["optimizer step"] if e["pid"] != tracing.CLOCK_PID]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from lockstep.config import ClockConfig
 from lockstep.scheduler.cycle.dispatch import CycleAborted, Dispatcher
 from lockstep.scheduler.cycle.pace import CyclePace
+from lockstep.scheduler.cycle.partners import Partners
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
 from lockstep.scheduler.observers.observers import (
     CycleFailure,
@@ -68,6 +69,8 @@ class Clock:
         self.observers = Observers([TraceObserver(), *observers, meter])
         # Pass tokens per cycle: what the engine does in --cycle-target seconds (pace.py).
         self.pace = CyclePace(config.token_budget, config.cycle_target_s)
+        # Models that shared the last cycle: a cycle waits a little for one not queued yet.
+        self.partners = Partners()
         self._stopping = False
         self._backlog = False  # passes had to wait for room: the next cycle starts at once
 
@@ -107,6 +110,7 @@ class Clock:
         await self.observers.planned(queues, plan, runs)
         if not runs:
             return plan
+        started = time.monotonic()
         cycle = await self.dispatcher.begin(plan)  # its number and payloads: one round trip
         await self.observers.dispatching(cycle, plan)
         try:
@@ -126,6 +130,7 @@ class Clock:
         # the client asks for its sampling session, instead of after (a task; never blocks).
         self.publish(outcomes)
         self.notify(await self.commit(plan, outcomes))
+        self.partners.after(plan, time.monotonic() - started)
         self.cycles_run += 1
         await self.observers.finished(plan, outcomes)  # traces, usage, metrics
         await self.dispatcher.prune(plan, outcomes)  # old snapshot files, once the new ones count
@@ -137,6 +142,8 @@ class Clock:
     async def plan(self) -> tuple[CyclePlan, dict[str, list[QueuedOp]]]:
         """Read the queues and plan the cycle (pure `plan_cycle`); keeps the fairness debts."""
         queues, next_seq = await self.store.queued_ops()
+        if ClockPolicy(self.config.policy) == ClockPolicy.TRIGGERED:
+            queues, next_seq = await self._wait_for_partners(queues, next_seq)
         ready = self.dispatcher.resident.admit(queues, next_seq)  # paging: what fits the engine
         owners = await self.store.owners(list(ready)) if self.key_token_cap else None
         pace = self.pace.budget(
@@ -158,6 +165,24 @@ class Clock:
         # Models of ended sessions leave the engine once their queues drain (durable state stays).
         await self.dispatcher.resident.free_ended(w.model_id for w in plan.models)
         return plan, queues
+
+    async def _wait_for_partners(
+        self, queues: dict[str, list[QueuedOp]], next_seq: dict[str, int]
+    ) -> tuple[dict[str, list[QueuedOp]], dict[str, int]]:
+        """Wait (at most about a cycle, `partners.py`) for last cycle's partners that have
+        nothing queued yet while the others have; the queues as they are then."""
+        missing = self.partners.missing(queues)
+        deadline = time.monotonic() + self.partners.wait_s()
+        while missing and not self._stopping and (left := deadline - time.monotonic()) > 0:
+            self.wake.clear()  # a submission sets it (the next tick still sees later ones)
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=left)
+            except TimeoutError:
+                break
+            queues, next_seq = await self.store.queued_ops()
+            missing = self.partners.missing(queues)
+        self.partners.gone(missing)
+        return queues, next_seq
 
     async def commit(
         self, plan: CyclePlan, outcomes: dict[str, Outcome]

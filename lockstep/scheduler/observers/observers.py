@@ -131,10 +131,15 @@ class TraceObserver(CycleObserver):
 
     def __init__(self) -> None:
         self._trace: tracing.CycleTrace | None = None
+        self._planned = time.time()
+
+    async def begun(self) -> None:
+        self._planned = time.time()  # before the queues are read
 
     async def dispatching(self, cycle: int, plan: CyclePlan) -> None:
         ops = [op for work in plan.models for op in work.runs()]
-        self._trace = tracing.begin_cycle(cycle, ops, len(plan.models), plan.tokens)
+        tenants, tokens = len(plan.models), plan.tokens
+        self._trace = tracing.begin_cycle(cycle, ops, tenants, tokens, self._planned)
 
     async def finished(self, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
         if self._trace is not None:

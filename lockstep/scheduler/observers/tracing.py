@@ -71,6 +71,7 @@ class CycleTrace:
     ops: list[QueuedOp]
     tenants: int
     tokens: int
+    planned: float  # when its planning began (every request queued before then was planned)
     start: float = field(default_factory=time.time)
     spans: dict[str, list[Span]] = field(default_factory=dict)  # request_id -> its phases
     phases: list[Span] = field(default_factory=list)  # the cycle's own phases
@@ -99,7 +100,12 @@ class Tracer:
     async def cycle_done(self, trace: CycleTrace) -> None:
         end = time.time()
         per_session: dict[str, list[dict[str, Any]]] = {}
-        cycle_args = {"cycle": trace.cycle, "tenants": trace.tenants, "tokens": trace.tokens}
+        cycle_args = {
+            "cycle": trace.cycle,
+            "tenants": trace.tenants,
+            "tokens": trace.tokens,
+            "planned_us": _us(trace.planned),
+        }
         for op in trace.ops:
             if op.kind == "rejected":
                 continue
@@ -189,8 +195,10 @@ def _x(
 _current: ContextVar[CycleTrace | None] = ContextVar("lockstep_cycle_trace", default=None)
 
 
-def begin_cycle(cycle: int, ops: list[QueuedOp], tenants: int, tokens: int) -> CycleTrace:
-    trace = CycleTrace(cycle, ops, tenants, tokens)
+def begin_cycle(
+    cycle: int, ops: list[QueuedOp], tenants: int, tokens: int, planned: float
+) -> CycleTrace:
+    trace = CycleTrace(cycle, ops, tenants, tokens, planned)
     _current.set(trace)
     return trace
 
