@@ -152,6 +152,16 @@ class SamplerConfig:
             on=SCHEDULER,
         ),
     )
+    slice_steps: int = field(
+        default=16,
+        metadata=flag(
+            "--sample-slice-steps",
+            help="decode steps of each local sampler call: samples queued meanwhile start at "
+            "the next call, so a long generation delays a short one by about a slice, not its "
+            "whole length (vLLM and SGLang run each batch whole)",
+            on=SCHEDULER,
+        ),
+    )
     max_lora_rank: int = field(
         default=64,
         metadata=flag(
@@ -165,6 +175,8 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         if self.max_adapters is not None and self.max_adapters < 1:
             raise ValueError(f"--max-adapters must be >= 1, got {self.max_adapters}")
+        if self.slice_steps < 1:
+            raise ValueError(f"--sample-slice-steps must be >= 1, got {self.slice_steps}")
         if self.url is not None and self.kind == "local":
             raise ValueError(
                 "--sampler-url needs --sampler vllm or --sampler sglang (the API the server speaks)"

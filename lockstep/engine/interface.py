@@ -193,6 +193,17 @@ class SamplingEngine(ABC):
         `SampleResult.error` set instead of failing the batch.
         """
 
+    def sample_slice(self, requests: list[SampleRequest], steps: int) -> list[SampleResult]:
+        """Start `requests`, then move every generation this engine is running on by at most
+        `steps` decode steps; returns the results of the requests that finished (started now
+        or by an earlier call), in any order. The others stay in the engine and go on at the
+        next call; a call that raises (or an engine that dies) drops them all, and the caller
+        runs them again. A generation run in slices is exactly the generation run in one call,
+        token for token.
+
+        Default (an engine that does not slice): the new requests, whole, in one call."""
+        return self.sample(requests) if requests else []
+
     def release(self) -> None:  # noqa: B027 - optional hook
         """Colocated mode: free accelerator memory before a training phase (no sampling until
         `resume`). Default: nothing to free."""

@@ -127,7 +127,14 @@ def assemble(
 ) -> Assembly:
     card = trainer.card()
     board = FutureBoard(store)
-    lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
+    lane = SamplingLane(
+        store,
+        sampler,
+        board,
+        cfg.max_sample_batch,
+        cfg.sampler.colocate,
+        cfg.sampler.slice_steps,
+    )
     decoded = DecodedPasses()  # validated at submission, run by dispatch as they are
     dispatcher = Dispatcher(
         store,

@@ -245,6 +245,7 @@ class ProcessSamplingEngine(SamplingEngine):
     ) -> None:
         self.process = EngineProcess(factory, name, deadline=deadline)
         self._card: ModelCard = self.process.call("card")
+        self._rows: dict[str, int] = {}  # rows of the generations running in slices
 
     def card(self) -> ModelCard:
         return self._card
@@ -254,6 +255,7 @@ class ProcessSamplingEngine(SamplingEngine):
 
     def restart(self) -> None:
         """A fresh sampler process; adapters are loaded again on demand."""
+        self._rows.clear()
         self.process.restart()
 
     def load_adapters(self, adapters: Sequence[tuple[str, Path]]) -> None:
@@ -267,6 +269,15 @@ class ProcessSamplingEngine(SamplingEngine):
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
         return list(self.process.call("sample", requests, tokens=sample_tokens(requests)))
+
+    def sample_slice(self, requests: list[SampleRequest], steps: int) -> list[SampleResult]:
+        self._rows.update((r.request_id, r.num_samples) for r in requests)
+        prompts = sum(len(r.prompt) for r in requests)  # the deadline: prefill + the slice
+        tokens = prompts + steps * sum(self._rows.values())
+        results = list(self.process.call("sample_slice", requests, steps, tokens=tokens))
+        for result in results:
+            self._rows.pop(result.request_id, None)
+        return results
 
     def close(self) -> None:
         self.process.close()

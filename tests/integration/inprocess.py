@@ -16,7 +16,7 @@ import numpy as np
 
 from lockstep.config import ClockConfig, EngineConfig
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
-from lockstep.engine.interface import TrainingEngine
+from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.scheduler.server import SchedulerConfig, assemble
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
@@ -37,10 +37,12 @@ class Scheduler:
         data_dir: Path,
         snapshot_interval_s: float = DEFAULT_SNAPSHOT_S,
         trainer: TrainingEngine | None = None,
+        sampler: SamplingEngine | None = None,
     ) -> None:
-        """`trainer`: a real training engine instead of the fake (its card names the model)."""
+        """`trainer`: a real training engine instead of the fake (its card names the model);
+        `sampler`: a real sampling engine instead of the fake."""
         self.trainer: Any = trainer or ArithmeticTrainingEngine(data_dir)
-        self.sampler = ArithmeticSamplingEngine(data_dir)
+        self.sampler: Any = sampler or ArithmeticSamplingEngine(data_dir)
         self.data_dir = data_dir
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

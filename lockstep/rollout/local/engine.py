@@ -4,6 +4,12 @@ Adapters come from PEFT directories written by the trainer. At most `max_adapter
 in the LoRA model (least recently used evicted first); an evicted adapter is reloaded from its
 directory, transparently, the next time a request uses it. A `sample` batch that needs more
 distinct adapters than fit is served in several consecutive sub-batches.
+
+`sample_slice` runs generations a slice of decode steps at a time: each call starts the new
+requests (prefilled together, as one `Generation`) and moves every running generation on by at
+most `steps` steps, so a long generation never holds a short one for its whole length. Each
+generation decodes in its own batches, exactly as it would have to the end in one call. The
+adapters of running generations stay loaded until they finish (an unload waits for them).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from lockstep.errors import UserInputError
 from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
-from lockstep.rollout.local.generate import GenerateConfig, Generator
+from lockstep.rollout.local.generate import GenerateConfig, Generation, Generator
 from lockstep.rollout.pager import AdapterPager
 from lockstep.rollout.validation import validate_sample_request
 
@@ -71,6 +77,9 @@ class LocalSamplingEngine(SamplingEngine):
         self._pager = AdapterPager(max_adapters)
         self._max_batch_rows = max_batch_rows
         self._lock = threading.RLock()
+        self._running: list[Generation] = []  # started by sample_slice, not finished
+        self._waiting: list[SampleRequest] = []  # their adapters do not fit beside those yet
+        self._unload_later: set[str] = set()  # unloaded while a running generation used them
 
     # -- SamplingEngine -------------------------------------------------------------------
 
@@ -91,6 +100,7 @@ class LocalSamplingEngine(SamplingEngine):
         """
         directory = Path(directory)
         with self._lock:
+            self._unload_later.discard(adapter_id)
             if self._pager.is_loaded(adapter_id, directory):
                 self._pager.touch([adapter_id])
                 return
@@ -105,7 +115,10 @@ class LocalSamplingEngine(SamplingEngine):
     def unload_adapter(self, adapter_id: str) -> None:
         with self._lock:
             if self._pager.forget(adapter_id):
-                self._lora.remove_adapter(adapter_id)
+                if adapter_id in self._in_use():
+                    self._unload_later.add(adapter_id)  # its running generations finish first
+                else:
+                    self._lora.remove_adapter(adapter_id)
             self._generator.prefix_cache.forget_adapter(adapter_id)
 
     def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
@@ -135,6 +148,56 @@ class LocalSamplingEngine(SamplingEngine):
                     results[i] = out
             assert all(r is not None for r in results)
             return [r for r in results if r is not None]
+
+    def sample_slice(self, requests: list[SampleRequest], steps: int) -> list[SampleResult]:
+        """Start `requests`, then move every running generation on by at most `steps` decode
+        steps; the results of the requests that finished (module docstring)."""
+        with self._lock:
+            finished: list[SampleResult] = []
+            for req in requests:
+                try:
+                    self._validate(req)
+                    self._waiting.append(req)
+                except UserInputError as exc:
+                    finished.append(SampleResult(req.request_id, [], error=str(exc)))
+            try:
+                finished += self._start_waiting()
+                with torch.inference_mode():
+                    for generation in self._running:
+                        finished += self._generator.advance(generation, steps)
+            except BaseException:  # the interface's promise: nothing half-run stays behind
+                self._running, self._waiting = [], []
+                raise
+            self._running = [g for g in self._running if not g.finished]
+            for adapter_id in self._unload_later - self._in_use():
+                self._lora.remove_adapter(adapter_id)
+                self._unload_later.discard(adapter_id)
+            return finished
+
+    def _start_waiting(self) -> list[SampleResult]:
+        """Start the waiting requests whose adapters fit beside the running generations'."""
+        failed: list[SampleResult] = []
+        waiting, self._waiting = self._waiting, []
+        for chunk in self._pager.chunks(waiting, list(range(len(waiting))), self._max_batch_rows):
+            batch = [waiting[i] for i in chunk]
+            wanted = {r.adapter_id for r in batch if r.adapter_id is not None}
+            if self._running and len(wanted | self._in_use()) > self._pager.max_adapters:
+                self._waiting += batch  # after some running generation finishes
+                continue
+            errors = self._make_resident(set(wanted))
+            failed += [
+                SampleResult(r.request_id, [], error=errors[r.adapter_id])
+                for r in batch
+                if r.adapter_id in errors
+            ]
+            runnable = [r for r in batch if r.adapter_id not in errors]
+            if runnable:
+                with torch.inference_mode():
+                    self._running.append(self._generator.start(runnable))
+        return failed
+
+    def _in_use(self) -> set[str]:
+        return {a for g in self._running for a in g.adapters()}
 
     def close(self) -> None:
         with self._lock:
@@ -176,13 +239,14 @@ class LocalSamplingEngine(SamplingEngine):
         """Ensure every adapter of a chunk is in memory; returns adapter_id -> error message."""
         failed: dict[str | None, str] = {}
         wanted = sorted(a for a in adapter_ids if a is not None)
-        self._pager.touch(wanted)
+        keep = [*wanted, *self._in_use()]  # running generations' adapters stay loaded
+        self._pager.touch(keep)
         for adapter_id in wanted:
             if self._pager.is_loaded(adapter_id):
                 continue
             directory = self._pager.directory(adapter_id)
             try:
-                self._install(adapter_id, directory, keep=wanted)
+                self._install(adapter_id, directory, keep=keep)
             except (OSError, ValueError) as exc:
                 failed[adapter_id] = (
                     f"adapter_id: cannot reload {adapter_id!r} from {directory}: {exc}"

@@ -15,6 +15,12 @@ model (sliding windows, sinks, linear attention) takes the grouped path: request
 length prefill together without padding, their samples decode as one batch over HF's own
 per-layer caches, and finished rows leave it (`UnpaddedBatch`); no prefix reuse there.
 
+Slices: a `Generation` is a batch of requests prefilled together and decoding; `advance(steps)`
+runs at most `steps` decode steps and keeps everything else (cache, rows, their next logits,
+sampling generators, stop state) for the next call, so a generation run a slice at a time
+computes exactly what one run to the end computes. The local sampler runs long generations in
+slices and lets new requests start between them (`LocalSamplingEngine.sample_slice`).
+
 Prompt logprobs are `log_softmax` of the raw fp32 logits (the model's own distribution at
 temperature 1). Sampled-token logprobs (and their top-k) are under the distribution each token
 was drawn from: temperature, then top-k / top-p truncation and renormalisation (sampling.py).
@@ -73,6 +79,7 @@ class _Row:
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_lps: list[list[float]] = field(default_factory=list)
     stop_reason: StopReason = "length"
+    done: bool = False
 
     def sequence(self) -> SampledSequence:
         return SampledSequence(
@@ -82,6 +89,43 @@ class _Row:
             topk_ids=self.topk_ids if self.topk > 0 else None,
             topk_logprobs=self.topk_lps if self.topk > 0 else None,
         )
+
+
+@dataclass
+class _Live:
+    """Rows decoding in one batch: its cache, its unfinished rows, their next-token logits."""
+
+    batch: BatchCache | UnpaddedBatch
+    rows: list[_Row]
+    logits: torch.Tensor
+
+
+@dataclass
+class Generation:
+    """Requests prefilled together, decoding: `Generator.advance` moves it on."""
+
+    results: list[SampleResult]  # one per request, in order
+    samples: list[list[_Row]]  # each request's rows (one per sample)
+    lives: list[_Live]
+    answered: set[int] = field(default_factory=set)  # requests whose results were handed out
+
+    @property
+    def finished(self) -> bool:
+        return len(self.answered) == len(self.results)
+
+    def adapters(self) -> set[str]:
+        """Adapters its unfinished rows decode with."""
+        return {r.adapter_id for live in self.lives for r in live.rows if r.adapter_id}
+
+    def done(self) -> list[SampleResult]:
+        """Results of the requests that finished since the last call."""
+        out = []
+        for i, rows in enumerate(self.samples):
+            if i not in self.answered and all(r.done for r in rows):
+                self.results[i].sequences = [row.sequence() for row in rows]
+                self.answered.add(i)
+                out.append(self.results[i])
+        return out
 
 
 def _wants_prompt_scores(req: SampleRequest) -> bool:
@@ -305,8 +349,15 @@ class Generator:
             yield (picked, *self._prefill(requests, picked, results))
 
     def run(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        """Every request to the end, in one go."""
+        generation = self.start(requests)
+        self.advance(generation, None)
+        return generation.results
+
+    def start(self, requests: Sequence[SampleRequest]) -> Generation:
+        """Prefill `requests`: a generation ready to decode."""
         if not self.cfg.padded:
-            return self._run_grouped(requests)
+            return self._start_grouped(requests)
         results = [SampleResult(request_id=r.request_id, sequences=[]) for r in requests]
         parts: list[BatchCache] = []
         part_logits: list[torch.Tensor] = []
@@ -323,21 +374,30 @@ class Generator:
                     if requests[i].params.max_tokens > 0:
                         rows.append(row)
                         where.append((len(parts) - 1, part_row))
+        lives = []
         if rows:
             first_logits = torch.stack([part_logits[p][r] for p, r in where])
             merged = merge(parts, where, self.model.config)
             parts.clear()  # the merged copy is the only cache from here on
-            self._decode(merged, rows, first_logits)
-        for i, req_rows in enumerate(per_request):
-            results[i].sequences = [row.sequence() for row in req_rows]
-        return results
+            lives.append(_Live(merged, rows, first_logits))
+        return Generation(results, per_request, lives)
 
-    def _run_grouped(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+    def advance(self, generation: Generation, steps: int | None) -> list[SampleResult]:
+        """At most `steps` decode steps of every batch of `generation` (None: to the end); the
+        results of the requests that finished."""
+        generation.lives = [live for live in generation.lives if not self._decode(live, steps)]
+        return generation.done()
+
+    def _start_grouped(self, requests: Sequence[SampleRequest]) -> Generation:
         """Requests of one prompt length at a time, unpadded (module docstring)."""
         results = [SampleResult(request_id=r.request_id, sequences=[]) for r in requests]
+        per_request: list[list[_Row]] = [
+            [self._new_row(r, s) for s in range(r.num_samples)] for r in requests
+        ]
         by_length: dict[int, list[int]] = {}
         for i, req in enumerate(requests):
             by_length.setdefault(len(req.prompt), []).append(i)
+        lives = []
         for length, members in sorted(by_length.items()):
             per_batch = max(1, self.cfg.prefill_token_budget // length)
             if any(_wants_prompt_scores(requests[i]) for i in members):
@@ -345,8 +405,11 @@ class Generator:
                     1, min(per_batch, self.cfg.max_logits_elements // (length * self.vocab))
                 )
             for at in range(0, len(members), per_batch):
-                self._group(requests, members[at : at + per_batch], length, results)
-        return results
+                batch = members[at : at + per_batch]
+                live = self._group(requests, batch, length, results, per_request)
+                if live is not None:
+                    lives.append(live)
+        return Generation(results, per_request, lives)
 
     def _group(
         self,
@@ -354,7 +417,8 @@ class Generator:
         batch: list[int],
         length: int,
         results: list[SampleResult],
-    ) -> None:
+        samples: list[list[_Row]],
+    ) -> _Live | None:
         ids = torch.tensor([requests[i].prompt for i in batch], dtype=torch.long)
         positions = torch.arange(length).expand(len(batch), length)
         full = any(_wants_prompt_scores(requests[i]) for i in batch)
@@ -374,22 +438,17 @@ class Generator:
         self.prefilled_tokens += len(batch) * length
         rows: list[_Row] = []
         source: list[int] = []  # the prefill row each decode row continues
-        samples = {
-            i: [self._new_row(requests[i], s) for s in range(requests[i].num_samples)]
-            for i in batch
-        }
         for part_row, i in enumerate(batch):
             if requests[i].params.max_tokens > 0:
                 rows += samples[i]
                 source += [part_row] * len(samples[i])
-        if rows:
-            index = torch.tensor(source, dtype=torch.long, device=self.device)
-            first_logits = logits[:, -1, :].index_select(0, index)
-            batch_cache = UnpaddedBatch(cache)
-            batch_cache.select(index)
-            self._decode(batch_cache, rows, first_logits)
-        for i in batch:
-            results[i].sequences = [r.sequence() for r in samples[i]]
+        if not rows:
+            return None
+        index = torch.tensor(source, dtype=torch.long, device=self.device)
+        first_logits = logits[:, -1, :].index_select(0, index)
+        batch_cache = UnpaddedBatch(cache)
+        batch_cache.select(index)
+        return _Live(batch_cache, rows, first_logits)
 
     def _new_row(self, req: SampleRequest, sample: int) -> _Row:
         p = req.params
@@ -400,12 +459,16 @@ class Generator:
             sampling=RowSampling(p.temperature, p.top_k, p.top_p, gen),
             stop=StopChecker(p, self.cfg.eos_ids, self.cfg.decode),
             topk=req.topk_sample_logprobs,
+            done=p.max_tokens <= 0,  # nothing to decode
         )
 
-    def _decode(
-        self, batch: BatchCache | UnpaddedBatch, rows: list[_Row], logits: torch.Tensor
-    ) -> None:
-        while True:
+    def _decode(self, live: _Live, steps: int | None) -> bool:
+        """Decode `live` for at most `steps` steps (None: to the end); True once every row
+        finished. Between two calls it holds exactly what the next step needs."""
+        batch, rows, logits = live.batch, live.rows, live.logits
+        taken = 0
+        while steps is None or taken < steps:
+            taken += 1
             choice = choose_tokens(logits, [r.sampling for r in rows])
             tokens, lp = choice.tokens, choice.logprobs
             token_lp = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cpu().tolist()
@@ -424,8 +487,10 @@ class Generator:
                     keep.append(j)
                 else:
                     row.stop_reason = reason
+                    row.done = True
             if not keep:
-                return
+                live.rows = []
+                return True
             if len(keep) < len(rows):
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 batch.select(index)
@@ -447,3 +512,5 @@ class Generator:
                 logits_to_keep=1,
                 valid=None,
             )[:, -1, :]
+            live.rows, live.logits = rows, logits
+        return False

@@ -3,6 +3,12 @@
 Samples have no ordering constraints, so they do not wait for a training cycle: whatever is queued
 is taken as one batch (every tenant's adapter mixed in it) and handed to the sampling engine.
 
+Generations run in slices (`SamplingEngine.sample_slice`, `--sample-slice-steps` decode steps a
+call): each call starts what was queued since the last one and moves every running generation
+on, and the samples that finished are answered at once. So a 16-token sample queued beside a
+4096-token generation waits at most one slice for its start, not for the whole generation; an
+engine that does not slice runs each batch whole, as before.
+
 Inflight clients (SDK kind="inflight") follow their training model's shared weights target
 (`InflightTarget` in Redis, versioned by the save's seq_id). The lane serves each model's inflight
 clients from ONE engine adapter, the newest version it has loaded (`_serving`), which only moves
@@ -21,9 +27,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from lockstep.engine.interface import EngineDied, SamplingEngine
-from lockstep.engine.types import SampleRequest
+from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.observability import metrics
 from lockstep.scheduler import translate
 from lockstep.scheduler.cycle.poison import PoisonHunt
@@ -37,6 +44,16 @@ from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus
 
 log = logging.getLogger(__name__)
+DEFAULT_SLICE_STEPS = 16
+
+
+class _Running(NamedTuple):
+    """A sample the engine is generating (started by an earlier call, not answered yet)."""
+
+    job: Job
+    request: SampleRequest
+    topk: int
+    started: float  # time.time() of the call that started it [trace hook]
 
 
 class SamplingLane:
@@ -47,12 +64,15 @@ class SamplingLane:
         board: FutureBoard,
         max_batch: int = 64,
         colocate: bool = False,
+        slice_steps: int = DEFAULT_SLICE_STEPS,
     ) -> None:
         self.store = store
         self.colocate = colocate  # sampler and trainer share one accelerator
         self.engine = engine
         self.board = board
         self.max_batch = max_batch
+        self.slice_steps = slice_steps  # decode steps per engine call
+        self._running: dict[str, _Running] = {}  # request id -> a sample being generated
         self.wake = asyncio.Event()
         self._stopping = False
         self._loaded: set[str] = set()
@@ -129,9 +149,13 @@ class SamplingLane:
         return serving.adapter_id
 
     async def _unload_retired(self) -> None:
-        """Free superseded inflight versions; called between batches, when none is in use."""
-        while self._retired:
-            adapter_id = self._retired.pop()
+        """Free superseded inflight versions; called between engine calls, once no running
+        generation uses them."""
+        busy = {r.request.adapter_id for r in self._running.values()}
+        for adapter_id in list(self._retired):
+            if adapter_id in busy:
+                continue  # a later call frees it
+            self._retired.discard(adapter_id)
             if any(t.adapter_id == adapter_id for t in self._serving.values()):
                 continue
             async with self._engine_lock:
@@ -199,13 +223,17 @@ class SamplingLane:
                 self._loaded.clear()
                 self._serving.clear()  # a fresh engine has no adapters: reload on demand
                 self._retired.clear()
+                self._running.clear()  # they died with it; still queued, they run again
                 await asyncio.to_thread(self.engine.restart)
                 served = self.max_batch  # work is still queued: no waiting for a wake-up
             except Exception:
                 log.exception("sampling batch failed")
                 metrics.scheduler_error("sampling")
+                self._running.clear()  # the engine dropped them; still queued, they run again
                 served = 0
                 await asyncio.sleep(0.5)
+            if self._running:  # generations go on at once, taking in what was queued since
+                continue
             if served < self.max_batch:  # the queue was drained: a new sample wakes the lane
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=1.0)
@@ -215,9 +243,14 @@ class SamplingLane:
 
     async def serve_once(self) -> int:
         await self._unload_retired()
-        backlog, read, samplers = await self.store.sample_batch(self.max_batch)
+        backlog, read, samplers = await self.store.sample_batch(
+            self.max_batch + len(self._running)  # the running ones are still queued
+        )
         metrics.sample_backlog(backlog)
+        read = [job for job in read if job.request_id not in self._running]
         if not read:
+            if self._running:
+                await self._sample([])  # move the running generations on
             return 0
         jobs: list[Job] = []
         requests: list[SampleRequest] = []
@@ -250,41 +283,63 @@ class SamplingLane:
             await self._finish_all([(job, None, error) for job, error in refused])
             metrics.sample_failed([job.owner for job, _ in refused])
         batch = list(zip(jobs, requests, topk, strict=True))
-        for call in self.poison.calls([r.request_id for r in requests], batch):
+        calls = self.poison.calls([r.request_id for r in requests], batch)
+        for call in calls or [[]]:
             await self._sample(call)
         return len(read)
 
     async def _sample(self, call: list[tuple[Job, SampleRequest, int]]) -> None:
-        """One engine call; its samples are answered before the next call runs, so a later call
-        that kills the engine leaves only its own samples (and those after it) queued."""
+        """One engine call: it starts `call`'s samples and moves the running ones on. What
+        finished is answered before the next call runs, so a later call that kills the engine
+        leaves only unanswered samples queued."""
         call = await self._live(call)
-        if not call:
+        if not call and not self._running:
             return
-        jobs = [job for job, _, _ in call]
-        requests = [request for _, request, _ in call]
-        ids = [r.request_id for r in requests]
         started = time.time()  # [trace hook]
+        self._running.update(
+            (request.request_id, _Running(job, request, k, started)) for job, request, k in call
+        )
+        requests = [request for _, request, _ in call]
+        ids = list(self._running)  # every generation in the engine during this call
         try:
             async with self._engine_lock:
                 with metrics.engine_call("sampler", "sample") as timer:
-                    results = await asyncio.to_thread(self.engine.sample, requests)
+                    results = await asyncio.to_thread(
+                        self.engine.sample_slice, requests, self.slice_steps
+                    )
         except EngineDied as exc:
             self.poison.died(ids, str(exc))
             raise
-        self.poison.survived(ids)
-        metrics.sampled([job.owner for job in jobs], results, timer.seconds)
+        done = [(self._running.pop(result.request_id), result) for result in results]
+        self.poison.survived([result.request_id for result in results])
+        if done:
+            await self._answer(done, timer.seconds)
+
+    async def _answer(self, done: list[tuple[_Running, SampleResult]], seconds: float) -> None:
+        jobs = [run.job for run, _ in done]
+        results = [result for _, result in done]
+        metrics.sampled([job.owner for job in jobs], results, seconds)
         if self.accounting is not None:  # tenancy: usage per key
-            await self.accounting.on_sampled(jobs, requests, results)
+            await self.accounting.on_sampled(jobs, [run.request for run, _ in done], results)
         await self._finish_all(
             [
-                (job, None, result.error)
+                (run.job, None, result.error)
                 if result.error is not None
-                else (job, pb.JobResult(sample=translate.sample_response(result, k)), None)
-                for (job, _, k), result in zip(call, results, strict=True)
+                else (
+                    run.job,
+                    pb.JobResult(sample=translate.sample_response(result, run.topk)),
+                    None,
+                )
+                for run, result in done
             ]
         )
-        jobs_done = [(j.request_id, j.model_id, j.seq_id) for j in jobs]  # [trace hook]
-        await tracing.sampled(jobs_done, started)  # [trace hook]
+        for started in sorted({run.started for run, _ in done}):  # [trace hook]
+            jobs_done = [
+                (r.job.request_id, r.job.model_id, r.job.seq_id)
+                for r, _ in done
+                if r.started == started
+            ]
+            await tracing.sampled(jobs_done, started)  # [trace hook]
 
     async def _live(
         self, call: list[tuple[Job, SampleRequest, int]]
