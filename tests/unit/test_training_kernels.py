@@ -215,7 +215,7 @@ def test_activation_checkpointing_gives_the_same_numbers(model_dir: Path) -> Non
 
 def test_sampler_prompt_logprobs_in_chunks_equal_one_pass() -> None:
     from lockstep.engine.types import SampleParams, SampleRequest, SampleResult
-    from lockstep.rollout.local.generate import _prompt_scores
+    from lockstep.rollout.local.prompts import prompt_scores
 
     prompt = list(range(3, 40))
     logits = torch.randn(len(prompt), V, generator=torch.Generator().manual_seed(1))
@@ -223,7 +223,7 @@ def test_sampler_prompt_logprobs_in_chunks_equal_one_pass() -> None:
     out = []
     for chunk in (4, None):
         result = SampleResult("r", [])
-        _prompt_scores(req, logits, result, chunk)
+        prompt_scores(req, logits, result, chunk)
         out.append(result)
     ref = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
     assert out[0].prompt_logprobs is not None and out[1].prompt_logprobs is not None

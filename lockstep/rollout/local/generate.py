@@ -28,7 +28,6 @@ was drawn from: temperature, then top-k / top-p truncation and renormalisation (
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from lockstep.engine.types import SampledSequence, SampleRequest, SampleResult, 
 from lockstep.modeling.lora import LoraModel
 from lockstep.rollout.local.kvcache import BatchCache, UnpaddedBatch, merge
 from lockstep.rollout.local.prefix_cache import Hit, PrefixCache
+from lockstep.rollout.local.prompts import micro_batches, prompt_scores, wants_prompt_scores
 from lockstep.rollout.local.sampling import (
     RowSampling,
     choose_tokens,
@@ -47,7 +47,6 @@ from lockstep.rollout.local.sampling import (
     topk_logprobs,
 )
 from lockstep.rollout.local.stops import Decode, StopChecker
-from lockstep.training.logprobs import chunk_tokens
 
 # transformers 5.2x renames `past_key_values` to `cache` model by model; the old name works for
 # every model (new ones map it), the new one is silently ignored by models not yet renamed.
@@ -128,63 +127,6 @@ class Generation:
         return out
 
 
-def _wants_prompt_scores(req: SampleRequest) -> bool:
-    return req.prompt_logprobs or req.topk_prompt_logprobs > 0
-
-
-def _micro_batches(
-    requests: Sequence[SampleRequest], vocab: int, cfg: GenerateConfig
-) -> list[list[int]]:
-    order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        trial = current + [i]
-        width = max(len(requests[j].prompt) for j in trial)
-        full = any(_wants_prompt_scores(requests[j]) for j in trial)
-        tokens = len(trial) * width
-        too_big = tokens > cfg.prefill_token_budget or (
-            full and tokens * vocab > cfg.max_logits_elements
-        )
-        if current and too_big:
-            batches.append(current)
-            current = [i]
-        else:
-            current = trial
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _prompt_scores(
-    req: SampleRequest, logits: torch.Tensor, result: SampleResult, chunk: int | None = None
-) -> None:
-    """Fill prompt logprobs / top-k from `logits` [L, V] (row i predicts prompt token i + 1)."""
-    n = len(req.prompt)
-    start = 1 if req.prompt_logprobs_last_n is None else max(1, n - req.prompt_logprobs_last_n)
-    if req.prompt_logprobs:
-        result.prompt_logprobs = [math.nan] * n
-    if req.topk_prompt_logprobs > 0:
-        result.topk_prompt = [None] * n
-    if start >= n:
-        return
-    # fp32 log-softmax in position chunks: never a second [L, V] fp32 copy of the logits.
-    step = chunk or chunk_tokens(logits.shape[-1])
-    for at in range(start, n, step):
-        end = min(n, at + step)
-        lp = torch.log_softmax(logits[at - 1 : end - 1].float(), dim=-1)
-        if req.prompt_logprobs:
-            targets = torch.tensor(req.prompt[at:end], dtype=torch.long, device=lp.device)
-            values = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu().tolist()
-            assert result.prompt_logprobs is not None
-            result.prompt_logprobs[at:end] = values
-        if req.topk_prompt_logprobs > 0:
-            ids, lps = topk_logprobs(lp, req.topk_prompt_logprobs)
-            assert result.topk_prompt is not None
-            for offset, (row_ids, row_lps) in enumerate(zip(ids, lps, strict=True)):
-                result.topk_prompt[at + offset] = list(zip(row_ids, row_lps, strict=True))
-
-
 class Generator:
     """Runs batches of valid requests through a LoRA-wrapped HF causal LM."""
 
@@ -237,7 +179,7 @@ class Generator:
             mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=-1) - 1).clamp_(min=0)
-        full = any(_wants_prompt_scores(requests[i]) for i in batch)
+        full = any(wants_prompt_scores(requests[i]) for i in batch)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(
             ids,
@@ -250,8 +192,8 @@ class Generator:
         )
         for row, i in enumerate(batch):
             req = requests[i]
-            if _wants_prompt_scores(req):
-                _prompt_scores(req, logits[row, width - len(req.prompt) :], results[i])
+            if wants_prompt_scores(req):
+                prompt_scores(req, logits[row, width - len(req.prompt) :], results[i])
         self.prefilled_tokens += int(mask.sum())
         part = BatchCache(cache, mask)
         self._keep_prefixes(requests, batch, part)
@@ -264,7 +206,7 @@ class Generator:
         return (
             req.cache_namespace is not None
             and self.cfg.prefix_cache_sessions > 0
-            and not _wants_prompt_scores(req)
+            and not wants_prompt_scores(req)
         )
 
     def _keep_prefixes(
@@ -344,7 +286,9 @@ class Generator:
         if hits:
             yield ([i for i, _ in hits], *self._prefill_cached(requests, hits))
         subset = [requests[i] for i in rest]
-        for batch in _micro_batches(subset, self.vocab, self.cfg):
+        for batch in micro_batches(
+            subset, self.vocab, self.cfg.prefill_token_budget, self.cfg.max_logits_elements
+        ):
             picked = [rest[j] for j in batch]
             yield (picked, *self._prefill(requests, picked, results))
 
@@ -400,7 +344,7 @@ class Generator:
         lives = []
         for length, members in sorted(by_length.items()):
             per_batch = max(1, self.cfg.prefill_token_budget // length)
-            if any(_wants_prompt_scores(requests[i]) for i in members):
+            if any(wants_prompt_scores(requests[i]) for i in members):
                 per_batch = max(
                     1, min(per_batch, self.cfg.max_logits_elements // (length * self.vocab))
                 )
@@ -421,7 +365,7 @@ class Generator:
     ) -> _Live | None:
         ids = torch.tensor([requests[i].prompt for i in batch], dtype=torch.long)
         positions = torch.arange(length).expand(len(batch), length)
-        full = any(_wants_prompt_scores(requests[i]) for i in batch)
+        full = any(wants_prompt_scores(requests[i]) for i in batch)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(
             ids.to(self.device),
@@ -433,8 +377,8 @@ class Generator:
             valid=None,
         )
         for row, i in enumerate(batch):
-            if _wants_prompt_scores(requests[i]):
-                _prompt_scores(requests[i], logits[row], results[i])
+            if wants_prompt_scores(requests[i]):
+                prompt_scores(requests[i], logits[row], results[i])
         self.prefilled_tokens += len(batch) * length
         rows: list[_Row] = []
         source: list[int] = []  # the prefill row each decode row continues
