@@ -347,6 +347,8 @@ class Dispatcher:
         results: list[PassResult] = []
         for call in self.poison.calls([r.request_id for r in requests], requests):
             results.extend(await self._run_passes(call, outcomes))
+        for failed in (r for r in requests if r.request_id in outcomes):
+            await self._undo_parts(failed)  # before anything else of its model runs
         queued = {op.request_id: op for op in passes}
         for res in results:  # each result encoded by its op
             op = queued[res.request_id]
@@ -370,7 +372,6 @@ class Dispatcher:
         except Exception as exc:
             if len(call) == 1:
                 outcomes[call[0].request_id] = failure(exc)
-                await self._undo_parts(call[0])
                 return []
             log.warning("fused pass failed (%s); retrying requests one by one", exc)
             return [res for r in call for res in await self._run_passes([r], outcomes)]
