@@ -7,17 +7,22 @@ cycle: per-datum logprobs, `loss:sum`, grad norms and the adapters after two opt
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from lockstep.engine.parts import join_results, part_request
 from lockstep.engine.types import OptimRequest
+from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.tiny import ensure_default_model
 from lockstep.workers.local.engine import LocalTrainingEngine
 from lockstep.workers.megatron.engine import MegatronTrainingEngine
 from lockstep.workers.megatron.parallel import ParallelConfig
 from tests.megatron.common import ADAM, TENANTS, assert_records_close, cycle_requests, run_workload
 
+CUTS = [(0, 1), (1, 3)]  # a 3-datum request in two parts
 LAYOUTS = {
     "tp2": ParallelConfig(tp=2),
     "dp2": ParallelConfig(dp=2),
@@ -93,3 +98,34 @@ def test_context_parallel_without_transformer_engine_is_refused(model_dir: Path)
         MegatronTrainingEngine(model_dir, "tiny", ParallelConfig(tp=3), launcher="process")
     with pytest.raises(ValueError, match="--dp must be an integer >= 1"):
         ParallelConfig(dp=0)
+
+
+def test_a_request_in_parts_and_a_failed_one_on_megatron(model_dir: Path, tmp_path: Path) -> None:
+    """DP=2 (each part's rows split over the replicas): a request in two parts joins to its
+    whole pass; a request whose later part failed is undone (`undo_parts`) on every rank, so a
+    tenant that ran it then the whole request steps exactly like one that ran the whole only."""
+    engine = MegatronTrainingEngine(model_dir, "tiny", ParallelConfig(dp=2), launcher="process")
+    try:
+        for m in ("whole", "parts", "undone"):
+            engine.create_model(m, TENANTS["t4"])
+        req = cycle_requests(0)[0]  # 3 datums
+        (want,) = engine.run_passes([dataclasses.replace(req, model_id="whole")])
+        mine = dataclasses.replace(req, model_id="parts")
+        got = join_results([engine.run_passes([part_request(mine, a, b)])[0] for a, b in CUTS])
+        assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+        for a, b in zip(got.outputs, want.outputs, strict=True):
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
+        failed = dataclasses.replace(req, model_id="undone")
+        engine.run_passes([part_request(failed, *CUTS[0])])  # its LAST part then failed
+        engine.undo_parts("undone")
+        engine.run_passes([failed])
+        engine.optim_step([OptimRequest(m, ADAM["t4"]) for m in ("whole", "parts", "undone")])
+        states = {}
+        for m in ("whole", "parts", "undone"):
+            engine.export_adapter(m, tmp_path / m)
+            states[m] = load_peft_adapter(tmp_path / m).state
+    finally:
+        engine.close()
+    for m in ("parts", "undone"):
+        for key, tensor in states["whole"].items():
+            np.testing.assert_allclose(states[m][key], tensor, rtol=0, atol=1e-5, err_msg=key)

@@ -170,11 +170,12 @@ class MegatronTrainingEngine(TrainingEngine):
                     f"a {req.part} part of request {req.request_id} of {req.model_id}, whose "
                     "first part these ranks did not keep: run it again from its first part"
                 )
-        results: list[PassResult] = self._group.call("run_passes", requests, configs)[0]
-        for req in requests:  # the ranks keep the undo point of a FIRST part (rank_worker)
+        for req in requests:  # the ranks keep its undo point before it runs (rank_worker)
             if req.part is PassPart.FIRST and not req.forward_only:
                 self._parted.add(req.model_id)
-            elif req.part is PassPart.LAST:
+        results: list[PassResult] = self._group.call("run_passes", requests, configs)[0]
+        for req in requests:
+            if req.part is PassPart.LAST:
                 self._parted.discard(req.model_id)
         return results
 
