@@ -387,10 +387,10 @@ def report(result: dict[str, Any], title: str) -> None:
     print(
         f"p99 ratio {result['p99_ratio']:.2f} {check(result['p99_ratio'] <= TARGET_RATIO)} "
         f"(<= {TARGET_RATIO}); p50 ratio {result['p50_ratio']:.2f}; heavy beside "
-        f"{heavy['tokens_per_s']:,.0f} tokens/s, {heavy['cycles_per_step']:.2f} cycles per step, "
-        f"in cycles with light steps at most {heavy['shared_max_tokens_per_cycle']} tokens "
-        f"(mean {heavy['shared_mean_tokens_per_cycle']:.0f}); a heavy request is "
-        f"{result['request_over_pace']:.0f}x the pace"
+        f"{heavy['tokens_per_s']:,.0f} tokens/s, in cycles with light steps at most "
+        f"{heavy['shared_max_tokens_per_cycle']} tokens answered (mean "
+        f"{heavy['shared_mean_tokens_per_cycle']:.0f}; a request in parts counts in the cycle of "
+        f"its last part); a heavy request is {result['request_over_pace']:.0f}x the pace"
         + (
             f"; heavy alone {result['heavy_alone']['tokens_per_s']:,.0f} tokens/s, beside/alone "
             f"{fraction:.2f} {check(fraction >= TARGET_HEAVY)} (>= {TARGET_HEAVY})"
