@@ -240,14 +240,7 @@ class LocalTrainingEngine(TrainingEngine):
             except BaseException:
                 undo()
                 raise
-            for i in train:  # a part is its model's only request in the call
-                model_id, part = requests[i].model_id, requests[i].part
-                if part is PassPart.FIRST:
-                    self._undo[model_id] = {
-                        p: saved[p] for p in self._lora.adapter_parameters(model_id)
-                    }
-                elif part is PassPart.LAST:
-                    del self._undo[model_id]
+            self._keep_undo_points([requests[i] for i in train], saved)
         # Forward-only requests run in their own no-grad forward: they never touch any grad.
         evals = [i for i, r in enumerate(requests) if r.forward_only]
         if evals:
@@ -264,6 +257,20 @@ class LocalTrainingEngine(TrainingEngine):
                 f"a {req.part} part of request {req.request_id} of {req.model_id}, whose first "
                 "part this engine did not keep: run the request again from its first part"
             )
+
+    def _keep_undo_points(
+        self, succeeded: list[PassRequest], before: dict[torch.nn.Parameter, torch.Tensor | None]
+    ) -> None:
+        """After the call: a FIRST part that succeeded keeps its model's gradients from
+        `before` it (a part is its model's only request in a call); a LAST part that succeeded
+        ends its request, whose undo point goes. A part that failed keeps the undo point for
+        `undo_parts`."""
+        for req in succeeded:
+            if req.part is PassPart.FIRST:
+                params = self._lora.adapter_parameters(req.model_id)
+                self._undo[req.model_id] = {p: before[p] for p in params}
+            elif req.part is PassPart.LAST:
+                self._undo.pop(req.model_id, None)
 
     def undo_parts(self, model_id: str) -> None:
         for p, grad in self._undo.pop(model_id, {}).items():
