@@ -27,6 +27,7 @@ datums costs a dictionary lookup each once its buckets are priced.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -251,7 +252,8 @@ def _price(prog: Program, shapes: Shapes) -> Price | UserInputError:
         watch.after(step, out)
 
     try:
-        with counter:
+        with counter, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's advice on a user's graph: not for the log
             value, metrics = program.run(prog, inputs, before=counter.enter, after=after)
             counter.step = None  # what runs from here on is the loss's backward
             grads = []
@@ -274,7 +276,8 @@ def _price(prog: Program, shapes: Shapes) -> Price | UserInputError:
 def _forward(prog: Program, shapes: Shapes) -> UserInputError | None:
     """The forward alone on `shapes` (indices checked), without counting."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             program.run(prog, _meta(prog, shapes, grad=False))
     except UserInputError as exc:
         return exc

@@ -412,7 +412,7 @@ def evaluate(
 def check_finite(loss: CustomLoss, what: str, value: torch.Tensor) -> None:
     """A NaN or inf loss (or gradient) fails the datum's request: nothing of it is applied."""
     if not bool(torch.isfinite(value.detach()).all()):
-        shown = float(value) if value.ndim == 0 else "not finite"
+        shown = float(value.detach()) if value.ndim == 0 else "not finite"
         raise UserInputError(
             "loss_fn_config.loss_id",
             f"custom loss {loss.name!r}: its {what} is {shown} on this request's data; nothing "
