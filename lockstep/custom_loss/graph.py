@@ -350,25 +350,29 @@ def check_datum(loss: CustomLoss, datum: Datum, index: int) -> None:
     """A datum's inputs against the loss's declared ranks: `logprobs` has target_tokens' rank,
     every other input is present, at its rank, real and finite. A rank-0 input is one value
     (the wire sends a scalar with no shape, as one element)."""
-    where = f"data[{index}].loss_fn_inputs"
-    targets = np.asarray(datum.loss_inputs["target_tokens"])
     logprobs, *rest = loss.inputs
-    if targets.ndim != logprobs.rank:
+    rank = np.ndim(datum.loss_inputs["target_tokens"])
+    if rank != logprobs.rank:
         raise UserInputError(
-            f"{where}.target_tokens",
-            f"has rank {targets.ndim}, but loss {loss.name!r} declared logprobs with rank "
-            f"{logprobs.rank}",
+            f"data[{index}].loss_fn_inputs.target_tokens",
+            f"has rank {rank}, but loss {loss.name!r} declared logprobs with rank {logprobs.rank}",
         )
     for x in rest:
-        if x.name not in datum.loss_inputs:
-            raise UserInputError(f"{where}.{x.name}", f"required by custom loss {loss.name!r}")
-        value = np.asarray(datum.loss_inputs[x.name])
+        found = datum.loss_inputs.get(x.name)
+        if found is None:
+            raise UserInputError(
+                f"data[{index}].loss_fn_inputs.{x.name}", f"required by custom loss {loss.name!r}"
+            )
+        value = np.asarray(found)
         rank = 0 if x.rank == 0 and value.size == 1 and value.ndim <= 1 else value.ndim
         if rank != x.rank:
             raise UserInputError(
-                f"{where}.{x.name}",
+                f"data[{index}].loss_fn_inputs.{x.name}",
                 f"has rank {value.ndim} (shape {value.shape}), but loss {loss.name!r} declared "
                 f"it with rank {x.rank}",
             )
-        if not np.issubdtype(value.dtype, np.number) or not np.all(np.isfinite(value)):
-            raise UserInputError(f"{where}.{x.name}", "must be finite real numbers")
+        kind = value.dtype.kind  # integers are finite; floats must be
+        if kind not in "fiu" or (kind == "f" and not np.isfinite(value).all()):
+            raise UserInputError(
+                f"data[{index}].loss_fn_inputs.{x.name}", "must be finite real numbers"
+            )

@@ -3,9 +3,10 @@
 The program (`program.run`, the engine's own runner) runs on meta tensors (nothing is computed
 or allocated) under `_Counter`, a torch dispatch mode that sees every aten op of the forward and
 of the backward (`torch.autograd.grad` of the loss w.r.t. logprobs, as the engine runs it).
-Composite ops are first split into torch's core aten decompositions, so what an op allocates
-inside (mse_loss's broadcast difference, logsumexp's exponentials, an einsum's contraction
-path) is counted like any other value:
+Composite ops are first split into torch's core aten decompositions (pointwise ops stay whole:
+their kernels allocate nothing beside their output), so what an op allocates inside (mse_loss's
+broadcast difference, logsumexp's exponentials, an einsum's contraction path) is counted like
+any other value:
 
 - FLOPs: torch's formulas (`torch.utils.flop_counter`) for matrix products and attention; one
   per element of the largest operand for every other op; none for views.
@@ -27,6 +28,7 @@ datums costs a dictionary lookup each once its buckets are priced.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -48,8 +50,14 @@ from lockstep.errors import UserInputError
 
 PROBE_T, PROBE_K = 64, 4  # shapes a graph is priced on at creation
 CACHE = 4096  # priced (loss, shapes) kept
-# A plain dict: the table torch returns materialises its entries lazily (`.get` misses them).
-_DECOMPOSITIONS = dict(core_aten_decompositions().items())
+# Composite ops split into core aten ops, so what they allocate inside is seen. Pointwise ops
+# stay whole: their kernel makes nothing beside its output (and splitting them is most of the
+# pricing's time). A plain dict: torch's table materialises its entries lazily (`.get` misses).
+_DECOMPOSITIONS = {
+    op: fn
+    for op, fn in core_aten_decompositions().items()
+    if torch.Tag.pointwise not in getattr(op, "tags", ())
+}
 
 # Input shapes: (shape, dtype name) per input of the loss, in its declared order.
 Shapes = tuple[tuple[tuple[int, ...], str], ...]
@@ -220,6 +228,8 @@ def _integer_index(value: Any) -> bool:
 _PRICES: OrderedDict[tuple[str, Shapes], Price | UserInputError] = OrderedDict()
 _FORWARD: OrderedDict[tuple[str, Shapes], UserInputError | None] = OrderedDict()
 _FACTS: OrderedDict[str, _Facts] = OrderedDict()
+# (loss, bound, bucket) -> the fewest tokens a datum of the bucket needs to rely on its price.
+_FEWEST: OrderedDict[tuple[str, CostBound, Shapes], int | None] = OrderedDict()
 
 
 def _cached(cache: OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
@@ -366,6 +376,7 @@ def datum_shapes(loss: CustomLoss, datum: Datum) -> Shapes:
     return tuple(out)
 
 
+@functools.cache
 def _round(n: int, up: bool) -> int:
     if n <= 2:
         return n
@@ -382,6 +393,25 @@ def bucket(shapes: Shapes, up: bool) -> Shapes | None:
     return tuple((tuple(_round(d, up) for d in shape), dtype) for shape, dtype in shapes)
 
 
+def _fewest_tokens(loss: CustomLoss, high: Shapes, bound: CostBound, facts: _Facts) -> int | None:
+    """The fewest tokens a datum in this bucket needs for the bucket's price to be within the
+    bound (None: no datum of the bucket can rely on the bucket)."""
+    try:
+        price = priced(loss, high)
+    except UserInputError:
+        return None
+    if price.peak_bytes > bound.memory_bytes:
+        return None
+    fewest = max(1, -(-price.flops // bound.flops_per_token))
+    if facts.indexes:  # integer indices must be in range on the bucket's smallest shapes too
+        low = bucket(high, up=False)
+        assert low is not None, "a bucket's dimensions are distinct"
+        prog = program.program(loss)
+        if _cached(_FORWARD, (loss.loss_id, low), lambda: _forward(prog, low)) is not None:
+            return None
+    return fewest
+
+
 def check_datum(loss: CustomLoss, shapes: Shapes, tokens: int, bound: CostBound) -> None:
     """One datum's loss within the bound on its shapes (its bucket's price when that speaks for
     it, else its own).
@@ -392,16 +422,9 @@ def check_datum(loss: CustomLoss, shapes: Shapes, tokens: int, bound: CostBound)
     facts = _FACTS.get(loss.loss_id)
     high = bucket(shapes, up=True) if facts is not None and not facts.exact else None
     if facts is not None and high is not None:
-        try:
-            fits = over(loss, priced(loss, high), tokens, bound) is None
-        except UserInputError:
-            fits = False
-        if fits and facts.indexes:
-            low = bucket(shapes, up=False)
-            assert low is not None, "the same dimensions as the upper end"
-            prog = program.program(loss)
-            fits = _cached(_FORWARD, (loss.loss_id, low), lambda: _forward(prog, low)) is None
-        if fits:
+        key = (loss.loss_id, bound, high)
+        fewest = _cached(_FEWEST, key, lambda: _fewest_tokens(loss, high, bound, facts))
+        if fewest is not None and tokens >= fewest:
             return
     refused = over(loss, priced(loss, shapes), tokens, bound)
     if refused is not None:
