@@ -308,3 +308,35 @@ def test_the_bound_follows_the_model_and_keeps_a_floor() -> None:
     assert big.memory_bytes == int((60 << 30) * 0.02)
     tiny = CostBound.of(1000, MemoryBudget(0, 0, "not limited"))
     assert tiny.flops_per_token == FLOOR_FLOPS_PER_TOKEN and tiny.memory_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("FAKE CUDA out of memory. Tried to allocate 2.00 GiB"),
+        torch.AcceleratorError("FAKE CUDA error: an illegal memory access was encountered"),
+    ],
+    ids=["out of memory", "device error"],
+)
+def test_out_of_memory_and_device_errors_are_not_the_graphs_fault(
+    error: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FAULT INJECTION: an op of the table raises what CUDA raises. Out of memory goes to the
+    pass's halving retry and a device error ends the engine, so neither may become the
+    graph's 400; any other op error does."""
+
+    def raises(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    monkeypatch.setitem(program.FUNCTIONS, "torch.exp", raises)
+
+    def exp_loss(logprobs, weights):  # type: ignore[no-untyped-def]
+        return torch.exp(logprobs * weights).sum(), {}
+
+    _, loss = _rebuild(exp_loss, W, f"id-exp-{type(error).__name__}")
+    inputs = {"logprobs": torch.zeros(4), "weights": torch.ones(4)}
+    with pytest.raises(type(error)):
+        program.run(program.rebuild(loss), inputs)
+    monkeypatch.setitem(program.FUNCTIONS, "torch.exp", lambda x: x.reshape(3, -1))
+    with pytest.raises(program.NodeError, match="failed: RuntimeError"):
+        program.run(program.rebuild(loss), inputs)
