@@ -29,6 +29,7 @@ datums costs a dictionary lookup each once its buckets are priced.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -232,13 +233,19 @@ _FACTS: OrderedDict[str, _Facts] = OrderedDict()
 _FEWEST: OrderedDict[tuple[str, CostBound, Shapes], int | None] = OrderedDict()
 
 
+_LOCK = threading.Lock()  # the scheduler prices in threads: one at a time touches a cache
+
+
 def _cached(cache: OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    value = cache[key] = make()
-    while len(cache) > CACHE:
-        cache.popitem(last=False)
+    with _LOCK:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+    value = make()  # outside the lock: two threads may price the same shapes once each
+    with _LOCK:
+        cache[key] = value
+        while len(cache) > CACHE:
+            cache.popitem(last=False)
     return value
 
 

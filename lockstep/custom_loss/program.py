@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -275,17 +276,19 @@ def rebuild(loss: CustomLoss) -> Program:
 
 
 _PROGRAMS: OrderedDict[str, Program] = OrderedDict()
+_LOCK = threading.Lock()  # the scheduler checks losses in threads
 
 
 def program(loss: CustomLoss) -> Program:
     """The rebuilt loss, cached by id (a stored loss never changes)."""
-    found = _PROGRAMS.get(loss.loss_id)
-    if found is None or found.loss != loss:
-        found = _PROGRAMS[loss.loss_id] = rebuild(loss)
-    _PROGRAMS.move_to_end(loss.loss_id)
-    while len(_PROGRAMS) > 256:
-        _PROGRAMS.popitem(last=False)
-    return found
+    with _LOCK:
+        found = _PROGRAMS.get(loss.loss_id)
+        if found is None or found.loss != loss:
+            found = _PROGRAMS[loss.loss_id] = rebuild(loss)
+        _PROGRAMS.move_to_end(loss.loss_id)
+        while len(_PROGRAMS) > 256:
+            _PROGRAMS.popitem(last=False)
+        return found
 
 
 def _decode(value: Any, env: dict[str, Any], device: torch.device) -> Any:
