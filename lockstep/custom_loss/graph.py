@@ -346,6 +346,22 @@ def decode_float(value: Any) -> float:
     return _FLOATS[value]
 
 
+# The shapes a datum gives a loss's inputs, in the loss's input order: (shape, dtype name).
+Shapes = tuple[tuple[tuple[int, ...], str], ...]
+
+
+def datum_shapes(loss: CustomLoss, datum: Datum) -> Shapes:
+    """The shapes a datum gives the loss's inputs (logprobs: those of target_tokens)."""
+    out: list[tuple[tuple[int, ...], str]] = [
+        (tuple(np.shape(datum.loss_inputs["target_tokens"])), "float32")
+    ]
+    for x in loss.inputs[1:]:
+        value = np.asarray(datum.loss_inputs[x.name])
+        dtype = "float32" if value.dtype.kind == "f" else "int64"
+        out.append((() if x.rank == 0 else tuple(value.shape), dtype))
+    return tuple(out)
+
+
 def check_datum(loss: CustomLoss, datum: Datum, index: int) -> None:
     """A datum's inputs against the loss's declared ranks: `logprobs` has target_tokens' rank,
     every other input is present, at its rank, real and finite. A rank-0 input is one value

@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch._decomp import core_aten_decompositions
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -45,6 +44,7 @@ from torch.utils.flop_counter import flop_registry
 
 from lockstep.custom_loss import graph, program
 from lockstep.custom_loss.bound import CostBound
+from lockstep.custom_loss.graph import Shapes, datum_shapes
 from lockstep.custom_loss.program import NodeError, Program, Step
 from lockstep.engine.types import CustomLoss, Datum
 from lockstep.errors import UserInputError
@@ -61,7 +61,6 @@ _DECOMPOSITIONS = {
 }
 
 # Input shapes: (shape, dtype name) per input of the loss, in its declared order.
-Shapes = tuple[tuple[tuple[int, ...], str], ...]
 _DTYPES = {"float32": torch.float32, "int64": torch.int64}
 
 
@@ -371,18 +370,6 @@ def check_created(loss: CustomLoss, bound: CostBound, max_tokens: int) -> None:
         return
 
 
-def datum_shapes(loss: CustomLoss, datum: Datum) -> Shapes:
-    """The shapes a datum gives the loss's inputs (logprobs: those of target_tokens)."""
-    out: list[tuple[tuple[int, ...], str]] = [
-        (tuple(np.shape(datum.loss_inputs["target_tokens"])), "float32")
-    ]
-    for x in loss.inputs[1:]:
-        value = np.asarray(datum.loss_inputs[x.name])
-        dtype = "float32" if value.dtype.kind == "f" else "int64"
-        out.append((() if x.rank == 0 else value.shape, dtype))
-    return tuple(out)
-
-
 @functools.cache
 def _round(n: int, up: bool) -> int:
     if n <= 2:
@@ -438,10 +425,16 @@ def check_datum(loss: CustomLoss, shapes: Shapes, tokens: int, bound: CostBound)
         raise refused
 
 
-def check_data(loss: CustomLoss, data: Sequence[Datum], bound: CostBound) -> None:
-    """`check_datum` on each datum of a request; the error names the datum and the node."""
-    for i, datum in enumerate(data):
+def check_shapes(loss: CustomLoss, shapes: Sequence[tuple[Shapes, int]], bound: CostBound) -> None:
+    """`check_datum` on each datum of a request, given as (its shapes, its tokens); the error
+    names the datum and the node."""
+    for i, (datum, tokens) in enumerate(shapes):
         try:
-            check_datum(loss, datum_shapes(loss, datum), len(datum.tokens), bound)
+            check_datum(loss, datum, tokens, bound)
         except UserInputError as exc:
             raise UserInputError(f"data[{i}]", str(exc)) from None
+
+
+def check_data(loss: CustomLoss, data: Sequence[Datum], bound: CostBound) -> None:
+    """`check_shapes` on a request's datums."""
+    check_shapes(loss, [(datum_shapes(loss, d), len(d.tokens)) for d in data], bound)

@@ -237,6 +237,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
             await asyncio.wait_for(task, timeout=30)
     trainer.close()
     sampler.close()
+    parts.submissions.custom_losses.pricer.close()
     await store.close()
     if ops is not None:
         ops.close()

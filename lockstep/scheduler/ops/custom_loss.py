@@ -9,21 +9,21 @@ one of the model's session's, each datum's inputs have their declared ranks, and
 no more than the bound on that datum's shapes. So a graph or datum the engine should not run is
 a 400 naming the node before it is queued.
 
-The scheduler imports torch only for the pricing (meta tensors, in a thread), on first use.
+The scheduler never imports torch: pricing runs in a worker process of its own
+(`custom_loss/pricer.py`), started on first use.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
-from types import ModuleType
 
 import msgspec
 
 from lockstep.custom_loss import graph
 from lockstep.custom_loss.bound import CostBound
+from lockstep.custom_loss.pricer import Pricer
 from lockstep.engine.losses import CUSTOM, custom_loss_id
 from lockstep.engine.types import CustomLoss, PassRequest
 from lockstep.errors import UserInputError
@@ -35,13 +35,6 @@ from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
 
 Created = Callable[[CustomLossRecord], Awaitable[None]]  # usage: a loss was stored
-
-
-def _pricing() -> ModuleType:
-    """The torch half, imported on first use."""
-    from lockstep.custom_loss import pricing
-
-    return pricing
 
 
 class CustomLosses:
@@ -58,6 +51,7 @@ class CustomLosses:
         self.bound = bound  # what one datum's loss may cost (reported by get_info)
         self.max_tokens = max_tokens  # the longest datum the server accepts
         self.created = created
+        self.pricer = Pricer()  # its own process: pricing never holds the scheduler's loop
 
     async def create(self, req: pb.CreateCustomLossRequest) -> pb.SubmitReply:
         """Check, price and store a loss; answered as an already finished future."""
@@ -67,7 +61,7 @@ class CustomLosses:
         loss_id = f"{session.session_id}:loss:{req.custom_loss_seq_id}"
         inputs = [(x.name, x.rank) for x in req.inputs]
         loss = graph.build_loss(loss_id, req.name, inputs, stored.nodes_of(req.graph_json))
-        await asyncio.to_thread(_pricing().check_created, loss, self.bound, self.max_tokens)
+        await self.pricer.check_created(loss, self.bound, self.max_tokens)
         digest = hashlib.sha256(
             msgspec.json.encode([req.name, inputs]) + b"\0" + req.graph_json
         ).hexdigest()
@@ -110,4 +104,4 @@ class CustomLosses:
             return
         for i, datum in enumerate(req.data):
             graph.check_datum(loss, datum, i)
-        await asyncio.to_thread(_pricing().check_data, loss, req.data, self.bound)
+        await self.pricer.check_data(loss, req.data, self.bound)
