@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -404,6 +404,10 @@ def describe(model: PreTrainedModel) -> Architecture:
     prefix = _module_path(model, layers, "decoder layers")
     shapes = tuple(_layer(layer, config, f"{prefix}.{i}", i) for i, layer in enumerate(layers))
     targets = _targets(model, family)
+    shapes = tuple(
+        replace(shape, lora_slots=_slots(targets, f"{prefix}.{i}.", shape))
+        for i, shape in enumerate(shapes)
+    )
     mixers = tuple(
         f"{prefix}.{i}.{name}"
         for i, layer in enumerate(layers)
@@ -421,6 +425,7 @@ def describe(model: PreTrainedModel) -> Architecture:
         trainer_path=TrainerPath.PACKED if packed else TrainerPath.GENERIC,
         tied_embeddings=isinstance(head, nn.Module) and head.weight is embeddings.weight,
         rope=_rope_type(config),
+        head_slots=sum(1 for t in targets if t.role is Role.UNEMBED),
     )
     return Architecture(
         shape=shape,
@@ -429,6 +434,20 @@ def describe(model: PreTrainedModel) -> Architecture:
         row_mixers=mixers if packed else (),
         experts=tuple(t.path for t in targets if experts_layout(t.module) is not None),
     )
+
+
+def _slots(targets: list[Target], prefix: str, shape: LayerShape) -> int:
+    """LoRA projections one token passes in a layer: each linear target (or part of one), and
+    each routed (token, expert) pair's expert projections."""
+    slots = 0
+    for t in targets:
+        if not t.path.startswith(prefix):
+            continue
+        if isinstance(t.module, nn.Linear):
+            slots += len(t.parts) or 1
+        elif shape.ffn is not None:
+            slots += shape.ffn.top_k * (3 if shape.ffn.gated else 2)
+    return slots
 
 
 def describe_dir(model_dir: Path) -> Architecture:

@@ -174,21 +174,22 @@ class LocalTrainingEngine(TrainingEngine):
             )
         self._adam: dict[str, AdamState] = {}
         self._snapshots = SnapshotWriter()  # snapshots leave the cycle's critical path
-        # The model's own forward (masks, eager attention) builds score matrices in every
-        # attention layer; row attention only where a window or sinks mask it.
+        # The model's own forward (masks) builds score matrices in every attention layer; row
+        # attention only where a window, sinks or a narrower value head take the math kernel.
         cost = memory.PassCost.from_shape(
             arch.shape,
             next(model.parameters()).element_size(),
             activation_checkpointing,
             micro_batch_tokens if self._packed else 1,
             self._chunk,
-            materialised_scores=not self._packed,
+            generic=not self._packed,
         )
         if self._device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self._device)
             found = memory.cuda_budget(free, total, memory_budget_bytes)
         else:
             found = memory.cpu_budget(memory_budget_bytes)
+        self._pass_cost = cost  # what admission assumes a pass takes (tests/unit/test_pass_cost.py)
         self._memory = cost.budget(found[0], self._card.max_context_length, found[1])
         log.info(
             "trainer: memory budget %s fits rows of up to %d tokens",
