@@ -153,8 +153,12 @@ class Target:
     path: str  # module path in the HF model
     role: Role
     module: nn.Module  # nn.Linear or a fused experts module
-    name: str  # Tinker's adapter path (what adapter files hold)
+    name: str = ""  # Tinker's adapter path (what adapter files hold); "": the module path
     parts: tuple[LoraPart, ...] = ()  # non-empty: LoRA per row slice, under the parts' names
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.path)
 
 
 @dataclass(frozen=True)
