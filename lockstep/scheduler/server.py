@@ -162,6 +162,9 @@ def assemble(
         limits=cfg.limits,
         memory_budget=trainer.memory_budget(),
         decoded=decoded,
+        custom_loss_created=lambda rec: accounting.custom_loss_created(
+            rec.owner, rec.session_id, card.name, rec.loss_id, rec.name
+        ),
     )
     return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
 
