@@ -45,7 +45,6 @@ the text decoder is described as above, the vision tower beside it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -463,13 +462,6 @@ def describe_dir(model_dir: Path) -> Architecture:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return describe(model)
-
-
-def config_json(model_dir: Path) -> dict[str, object]:
-    """The language model's settings in a HF `config.json` (multimodal: its `text_config`)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text: dict[str, object] = config.get("text_config") or config
-    return text
 
 
 def _rope_type(config: object) -> str:
