@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lockstep.engine.shape import TrainerPath
+
 LossConfig = dict[str, float | str]
 StopReason = Literal["stop", "length"]
 
@@ -48,6 +50,9 @@ class ModelCard:
     vocab_size: int  # size of the embedding table: valid token ids are [0, vocab_size)
     max_context_length: int
     eos_token_id: int | None
+    # How the training engine runs this model (set by the engine once it has described it):
+    # GENERIC is the slow path, reported to clients and in a metric.
+    trainer_path: TrainerPath = TrainerPath.PACKED
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, served_name: str) -> ModelCard:

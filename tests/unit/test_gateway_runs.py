@@ -58,6 +58,7 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 trainer_memory_budget_bytes=1 << 30,
                 custom_loss_max_flops_per_token=1 << 16,
                 custom_loss_max_memory_bytes=1 << 24,
+                trainer_path="generic",
             )
         ]
     )
@@ -72,6 +73,7 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "trainer_memory_budget_bytes": 1 << 30,
                 "custom_loss_max_flops_per_token": 1 << 16,
                 "custom_loss_max_memory_bytes": 1 << 24,
+                "trainer_path": "generic",
             }
         ]
     }

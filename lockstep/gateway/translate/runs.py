@@ -84,6 +84,7 @@ def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
                 trainer_memory_budget_bytes=m.trainer_memory_budget_bytes or None,
                 custom_loss_max_flops_per_token=m.custom_loss_max_flops_per_token or None,
                 custom_loss_max_memory_bytes=m.custom_loss_max_memory_bytes or None,
+                trainer_path=m.trainer_path or None,
             )
             for m in caps.models
         ]

@@ -199,6 +199,9 @@ class GetInfoResponse(WireModel):
     max_tokens_per_datum: int | None = None
     custom_loss_max_flops_per_token: int | None = None
     custom_loss_max_memory_bytes: int | None = None
+    # Lockstep's own: "packed", or "generic" (a family outside the packed list: each row runs
+    # alone through the model's own forward, exact but slower).
+    trainer_path: str | None = None
 
 
 class CreateSamplingSessionResponse(WireModel):
@@ -228,6 +231,7 @@ class SupportedModel(WireModel):
     trainer_memory_budget_bytes: int | None = None
     custom_loss_max_flops_per_token: int | None = None
     custom_loss_max_memory_bytes: int | None = None
+    trainer_path: str | None = None  # "packed", or "generic" (each row alone: slower)
 
 
 class ServerCapabilitiesResponse(WireModel):

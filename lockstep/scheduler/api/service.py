@@ -263,6 +263,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             max_tokens_per_datum=self.submissions.max_tokens_per_datum(),
             custom_loss_max_flops_per_token=self.submissions.custom_losses.bound.flops_per_token,
             custom_loss_max_memory_bytes=self.submissions.custom_losses.bound.memory_bytes,
+            trainer_path=card.trainer_path.value,
         )
 
     @grpc_errors
@@ -318,6 +319,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     trainer_memory_budget_bytes=budget,
                     custom_loss_max_flops_per_token=loss.flops_per_token,
                     custom_loss_max_memory_bytes=loss.memory_bytes,
+                    trainer_path=self.catalog.card.trainer_path.value,
                 )
                 for n in self.catalog.served_names
             ]
