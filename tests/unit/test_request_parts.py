@@ -13,7 +13,7 @@ import pytest
 import torch
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
-from lockstep.engine import custom_loss as spec
+from lockstep.custom_loss import graph as spec
 from lockstep.engine.parts import join_results, part_request
 from lockstep.engine.types import (
     AdamConfig,
