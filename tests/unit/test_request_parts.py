@@ -169,3 +169,20 @@ def test_joining_refuses_a_reduction_it_has_no_rule_for() -> None:
         join_results(parts)
     mean = [PassResult("r", outputs * n, {"m:mean": v}) for n, v in ((1, 1.0), (3, 3.0))]
     assert join_results(mean).metrics["m:mean"] == pytest.approx(2.5)  # weighted by datums
+
+
+def test_a_last_part_that_fails_alone_keeps_its_undo_point(engine: LocalTrainingEngine) -> None:
+    """A part whose own data fails (a NaN loss: its weights sum to 0) gets its error in the
+    call's results beside the other tenants' (per-request failures); its undo point stays, so
+    undoing the request removes the earlier parts' gradients too."""
+    engine.create_model("nan", SPEC)
+    engine.create_model("peer", LoraSpec(rank=4, seed=9))
+    before = grads(engine, "nan")
+    req = request("nan", "custom")
+    req.data[-1].loss_inputs["weights"] = np.zeros_like(req.data[-1].loss_inputs["weights"])
+    engine.run_passes([part_request(req, *CUTS[0])])
+    peer = PassRequest("p", "peer", "cross_entropy", {}, False, data(60, 2))
+    ok, failed = engine.run_passes([peer, part_request(req, *CUTS[2])])
+    assert ok.error is None and failed.error is not None
+    engine.undo_parts("nan")
+    assert all(torch.equal(a, b) for a, b in zip(grads(engine, "nan"), before, strict=True))
