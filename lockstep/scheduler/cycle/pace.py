@@ -13,7 +13,10 @@ Rate: a cycle's dispatch time is a fixed part (optimizer steps, snapshots, calls
 per pass token. The fixed part is paid by every cycle whatever the budget, so only the part per
 token is budgeted: a least-squares line through recent cycles (sizes differ: light-only cycles
 are small, packed ones large) gives the seconds per token, and a cycle packs `target / that`
-tokens. Until two cycles of different sizes were seen the clock packs up to `--token-budget`.
+tokens. Until cycles of different sizes were seen, the cost per token is bounded by the mean
+seconds per token of the cycles seen (fixed costs included, so the pace is smaller than the
+fit's), and before any cycle was seen tenants sharing the clock pack `MIN_CYCLE_TOKENS` each: a
+heavy tenant arriving first never gets a whole `--token-budget` cycle beside light ones.
 Packing never changes a result (a tenant alone == packed), only which cycle a request runs in.
 
 Who shares the clock: a model counts from the cycle it has passes queued until it misses its
@@ -90,10 +93,16 @@ class CyclePace:
         while len(self._seen) > MAX_KNOWN:
             del self._seen[next(iter(self._seen))]
         sharing = sum(s.shares(self._cycle, now) for s in self._seen.values())
-        if sharing <= 1 or self.target_s <= 0 or self.seconds_per_token is None:
+        if sharing <= 1 or self.target_s <= 0:
             return self.token_budget
-        tokens = int(self.target_s / self.seconds_per_token)
-        return max(min(tokens, self.token_budget), min(MIN_CYCLE_TOKENS, self.token_budget))
+        floor = min(MIN_CYCLE_TOKENS, self.token_budget)
+        per_token = self.seconds_per_token
+        if per_token is None:  # not fitted yet: an upper bound, fixed costs included
+            w, t, s, _, _ = self._sums
+            if t <= 0:
+                return floor
+            per_token = s / t
+        return max(min(int(self.target_s / per_token), self.token_budget), floor)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A cycle dispatched `tokens` pass tokens in `seconds`."""
