@@ -153,7 +153,7 @@ class SamplerConfig:
         ),
     )
     slice_steps: int = field(
-        default=16,
+        default=8,
         metadata=flag(
             "--sample-slice-steps",
             help="decode steps of each local sampler call: samples queued meanwhile start at "

@@ -6,8 +6,9 @@ directory, transparently, the next time a request uses it. A `sample` batch that
 distinct adapters than fit is served in several consecutive sub-batches.
 
 `sample_slice` runs generations a slice of decode steps at a time: each call starts the new
-requests (prefilled together, as one `Generation`) and moves every running generation on by at
-most `steps` steps, so a long generation never holds a short one for its whole length. Each
+requests (prefilled together, as one `Generation`) and moves every running generation on a step
+at a time, in turn, for at most `steps` steps, returning as soon as a request finishes (it is
+answered at once), so a long generation never holds a short one for its whole length. Each
 generation decodes in its own batches, exactly as it would have to the end in one call. The
 adapters of running generations stay loaded until they finish (an unload waits for them).
 """
@@ -163,8 +164,11 @@ class LocalSamplingEngine(SamplingEngine):
             try:
                 finished += self._start_waiting()
                 with torch.inference_mode():
-                    for generation in self._running:
-                        finished += self._generator.advance(generation, steps)
+                    for _ in range(steps):  # a step of each in turn, until a request finishes
+                        for generation in self._running:
+                            finished += self._generator.advance(generation, 1)
+                        if finished:
+                            break
             except BaseException:  # the interface's promise: nothing half-run stays behind
                 self._running, self._waiting = [], []
                 raise

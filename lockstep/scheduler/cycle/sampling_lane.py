@@ -44,7 +44,7 @@ from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus
 
 log = logging.getLogger(__name__)
-DEFAULT_SLICE_STEPS = 16
+DEFAULT_SLICE_STEPS = 8
 
 
 class _Running(NamedTuple):
