@@ -142,6 +142,7 @@ async def heavy_tenant(
 
     call_tokens = sum(d.model_input.length for d in batch)
     done = 0
+    finished: list[float] = []  # when each step was answered (perf_counter)
     per_cycle: dict[int, int] = {}  # clock cycle -> heavy pass tokens it ran
     t0 = time.perf_counter()
     inflight: list[tuple[list[Any], Any]] = []
@@ -156,16 +157,28 @@ async def heavy_tenant(
             per_cycle[cycle] = per_cycle.get(cycle, 0) + call_tokens
         await opt.result_async(TIMEOUT_S)
         done += 1
+        finished.append(time.perf_counter())
     elapsed = time.perf_counter() - t0
     return {
         "steps": done,
         "tokens_per_step": calls * call_tokens,
         "elapsed_s": elapsed,
-        "tokens_per_s": done * calls * call_tokens / elapsed,
+        "finished_at": finished,
+        # Between its first and last answers: no start-up, no half-done step at the end.
+        "tokens_per_s": steady_rate(finished, calls * call_tokens, -np.inf, np.inf),
         "max_tokens_per_cycle": max(per_cycle.values(), default=0),
         "cycles_per_step": len(per_cycle) / max(done, 1),
         "tokens_per_cycle": per_cycle,
     }
+
+
+def steady_rate(finished: list[float], tokens: int, start: float, end: float) -> float:
+    """Tokens/s between the first and the last step answered within [start, end] (0.0 when
+    fewer than two were)."""
+    inside = [t for t in finished if start <= t <= end]
+    if len(inside) < 2:
+        return 0.0
+    return (len(inside) - 1) * tokens / (inside[-1] - inside[0])
 
 
 def summarize(steps: list[LightStep]) -> dict[str, Any]:
@@ -184,21 +197,24 @@ def summarize(steps: list[LightStep]) -> dict[str, Any]:
 async def phase(
     metrics_url: str, lights: list[Any], datum: Any, args: argparse.Namespace, heavy: Any | None
 ) -> dict[str, Any]:
-    stop = asyncio.Event()
+    stop, lights_done = asyncio.Event(), asyncio.Event()
     heavy_task = None
-    pace = asyncio.create_task(watch_pace(metrics_url, stop))
     if heavy is not None:
         tc, batch = heavy
         heavy_task = asyncio.create_task(
             heavy_tenant(tc, batch, args.heavy_calls, args.heavy_depth, stop, args.lr)
         )
         await asyncio.sleep(args.heavy_lead_s)  # the heavy tenant's queue fills first
+    pace = asyncio.create_task(watch_pace(metrics_url, lights_done))  # while the lights run
+    started = time.perf_counter()
     runs = await asyncio.gather(
         *(
             light_tenant(i, tc, datum, args.steps, metrics_url, args.lr)
             for i, tc in enumerate(lights)
         )
     )
+    ended = time.perf_counter()
+    lights_done.set()
     stop.set()
     steps = [s for run in runs for s in run if s.step >= args.warmup]
     out: dict[str, Any] = {"light": summarize(steps), "light_steps": [asdict(s) for s in steps]}
@@ -206,6 +222,10 @@ async def phase(
     out["pace_tokens_p50"] = float(np.median(paces)) if paces else 0.0
     if heavy_task is not None:
         done = out["heavy"] = await heavy_task
+        # Only while the light tenants ran beside it (not its lead, not its tail alone).
+        done["tokens_per_s"] = steady_rate(
+            done["finished_at"], done["tokens_per_step"], started, ended
+        )
         first, last = min(s.cycle for s in steps), max(s.cycle for s in steps)
         shared = [n for c, n in done["tokens_per_cycle"].items() if first <= c <= last]
         done["shared_max_tokens_per_cycle"] = max(shared, default=0)  # beside the light tenants
@@ -265,7 +285,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "p99_ratio": beside["light"]["p99_ms"] / alone["light"]["p99_ms"],
         "p50_ratio": beside["light"]["p50_ms"] / alone["light"]["p50_ms"],
         "heavy_fraction": (
-            beside["heavy"]["tokens_per_s"] / heavy_alone["tokens_per_s"] if heavy_alone else None
+            beside["heavy"]["tokens_per_s"] / heavy_alone["tokens_per_s"]
+            if heavy_alone and heavy_alone["tokens_per_s"]
+            else None
         ),
         # How much larger than the clock's pace a heavy request is (the pace beside them).
         "request_over_pace": heavy_tokens / max(beside["pace_tokens_p50"], 1.0),
@@ -316,7 +338,9 @@ def main() -> None:
     p.add_argument(
         "--cycle-target", type=float, default=None, help="default: the server's; 0 = off"
     )
-    p.add_argument("--steps", type=int, default=60, help="steps per light tenant per phase")
+    p.add_argument(
+        "--steps", type=int, default=None, help="steps per light tenant per phase (60; big: 150)"
+    )
     p.add_argument("--warmup", type=int, default=5, help="first steps per tenant not counted")
     p.add_argument("--shape", default="steps", choices=("steps", "big"))
     p.add_argument("--heavy-batch", type=int, default=None, help="datums per heavy call")
@@ -335,6 +359,7 @@ def main() -> None:
         ("heavy_tokens", 128, BIG_TOKENS),
         ("heavy_calls", 8, 1),
         ("heavy_depth", 4, BIG_DEPTH),
+        ("steps", 60, 150),  # big: the heavy tenant answers several requests beside them
     ):
         if getattr(args, key) is None:
             setattr(args, key, big_default if big else steps_default)
