@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lockstep.gateway.errors import bad_request
+from lockstep.gateway.translate.chunks import has_images, wire_chunk
 from lockstep.gateway.validate import check_id, parse_tinker_path
 from lockstep.gateway.wire import requests as rq
 from lockstep.gateway.wire import responses as rs
@@ -90,17 +91,24 @@ def sample(owner: str, body: rq.SampleRequest) -> pb.SubmitRequest:
         raise bad_request("prompt_alt_tokens_k", "not supported by this server")
     # record_stability_info is accepted and records nothing: it only feeds stable_reinforce,
     # which this server refuses with a 400 (lockstep.engine.losses.UNSUPPORTED_LOSSES).
-    tokens = _prompt_tokens(body.prompt)
+    # A prompt with images goes as its chunks: how many tokens an image is, the scheduler says.
+    chunked = has_images(body.prompt.chunks)
+    tokens = [] if chunked else _prompt_tokens(body.prompt)
     want_prompt_logprobs = bool(body.prompt_logprobs)
     if body.prompt_logprobs_last_n is not None:
         if not (want_prompt_logprobs or body.topk_prompt_logprobs):
             raise bad_request("prompt_logprobs_last_n", "requires prompt_logprobs")
-        if body.prompt_logprobs_last_n > len(tokens) - 1:
+        if not chunked and body.prompt_logprobs_last_n > len(tokens) - 1:
             raise bad_request("prompt_logprobs_last_n", "must be <= len(prompt) - 1")
     op = pb.Sample(
         sampling_session_id=body.sampling_session_id,
         seq_id=body.seq_id,
         prompt_tokens=tokens,
+        prompt_chunks=(
+            [wire_chunk(f"prompt.chunks[{i}]", c) for i, c in enumerate(body.prompt.chunks)]
+            if chunked
+            else []
+        ),
         num_samples=body.num_samples,
         params=_params(body.sampling_params),
         prompt_logprobs=want_prompt_logprobs,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
+from lockstep.engine.images import RUN_AGAIN, ImageReader
 from lockstep.engine.interface import EngineDied, TrainingEngine
 from lockstep.engine.types import OptimRequest, PassRequest, PassResult
 from lockstep.observability import metrics
@@ -62,8 +63,11 @@ class Dispatcher:
         max_resident: int = 0,
         snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S,
         decoded: DecodedPasses | None = None,
+        images: ImageReader | None = None,
     ) -> None:
         self.store = store
+        # Payloads' images were judged at submission: a rerun reads their headers only.
+        self.images = images or ImageReader(engine.card().vision, RUN_AGAIN, decode=False)
         # Passes validated and decoded at submission (run as they are); payloads of the rest,
         # read for the whole cycle in one round trip (`begin`).
         self.decoded = decoded or DecodedPasses()
@@ -241,7 +245,9 @@ class Dispatcher:
                     passes = []
                 await self.call(self.engine.optim_step, [rules.request(model_id, req)])
             else:
-                rebuilt = registry.fused_pass(job.kind).decode(self.store, job.request_id, req)
+                rebuilt = registry.fused_pass(job.kind).decode(
+                    self.store, self.images, job.request_id, req
+                )
                 passes.append(await rebuilt)
         if passes:
             await self.call(self.engine.run_passes, passes)
@@ -263,7 +269,7 @@ class Dispatcher:
         if held is not None:
             return held
         return await registry.fused_pass(op.kind).decode(
-            self.store, op.request_id, await self._request(op)
+            self.store, self.images, op.request_id, await self._request(op)
         )
 
     async def _single(self, op: QueuedOp) -> Outcome:
