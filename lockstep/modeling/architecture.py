@@ -66,6 +66,10 @@ PACKED_FAMILIES = {
     "qwen3_5_moe_text": "Gated DeltaNet + gated causal attention, fused and shared experts",
     "gpt_oss": "sliding-window and full attention with sinks, fused experts with biases",
     "deepseek_v3": "multi-head latent attention, dense and fused + shared experts",
+    # Qwen3-VL's language models: Qwen3 / Qwen3-MoE attention with M-RoPE (DeepStack features
+    # enter per token), tested against the ForConditionalGeneration forward.
+    "qwen3_vl_text": "causal attention, M-RoPE",
+    "qwen3_vl_moe_text": "causal attention, M-RoPE, fused experts",
 }
 # Linear-attention modules the per-row wrapper runs exactly (their forward takes the hidden
 # states first and keeps no state between calls without a cache).

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,13 +133,19 @@ def ensure_family(family: str, cache_dir: Path) -> Path:
 def ensure_model(name: str, settings: dict[str, Any], cache_dir: Path) -> Path:
     """Build (once, atomically) a random model from config `settings` (over the zoo's common
     sizes) under `cache_dir`/`name`-<recipe digest>, and return its directory."""
+    return ensure_built(name, lambda directory: build_model(directory, settings), cache_dir)
+
+
+def ensure_built(name: str, build: Callable[[Path], None], cache_dir: Path) -> Path:
+    """Run `build` (once, atomically: into a temporary directory, then renamed) for
+    `cache_dir`/`name`-<recipe digest>, and return that directory."""
     final = Path(cache_dir) / f"{name}-{tiny.recipe_digest()}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
-        build_model(tmp, settings)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:

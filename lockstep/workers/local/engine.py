@@ -27,6 +27,7 @@ same multi-LoRA layers. A feature neither path computes exactly is refused at lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -58,6 +59,7 @@ from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.mixers import run_per_row
 from lockstep.modeling.packing import packed_rows
 from lockstep.modeling.peft_io import save_peft_adapter
+from lockstep.modeling.vision.tower import VisionModel
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
@@ -128,8 +130,13 @@ class LocalTrainingEngine(TrainingEngine):
         if trainer_path is TrainerPath.PACKED and arch.trainer_path is not TrainerPath.PACKED:
             raise UnsupportedModel(f"{arch.model_type}: the packed path is not proven for it")
         self._packed = (trainer_path or arch.trainer_path) is TrainerPath.PACKED
-        if self._packed:
-            model.set_attn_implementation(ROW_ATTENTION)
+        if self._packed:  # the language model's attention only (a vision tower keeps its own)
+            vlm = self._card.vision is not None
+            model.set_attn_implementation({"text_config": ROW_ATTENTION} if vlm else ROW_ATTENTION)
+        # A vision-language model's frozen tower: the images of each micro-batch in one call.
+        self._vision = (
+            None if self._card.vision is None else VisionModel(model, model_dir, self._card.vision)
+        )
         if activation_checkpointing:
             # HF checkpoints decoder layers only in train mode; these models have no active
             # dropout, so train mode changes nothing else. Non-reentrant: base weights are frozen.
@@ -175,6 +182,10 @@ class LocalTrainingEngine(TrainingEngine):
         else:
             found = memory.cpu_budget(memory_budget_bytes)
         self._memory = cost.budget(found[0], self._card.max_context_length, found[1])
+        if self._vision is not None:  # the tower's pass: the largest image it fits
+            element = next(model.parameters()).element_size()
+            patches = self._vision.cost(element).max_patches(found[0], micro_batch_tokens)
+            self._memory = dataclasses.replace(self._memory, max_image_patches=patches)
         log.info(
             "trainer: memory budget %s fits rows of up to %d tokens",
             memory.describe(self._memory),
@@ -341,10 +352,14 @@ class LocalTrainingEngine(TrainingEngine):
             if self._packed
             else contextlib.nullcontext()
         )
+        if self._vision is None:
+            inputs = {"input_ids": input_ids.to(self._device), "position_ids": positions}
+        else:  # the row's images in place, M-RoPE positions per row
+            spans = [(s, r.length, r.datum.images) for r, s in zip(rows, starts, strict=True)]
+            inputs = self._vision.packed(input_ids.to(self._device), positions, spans)
         with self._lora.row_adapters(blocks), layout:
             hidden = self._decoder(
-                input_ids=input_ids.to(self._device),
-                position_ids=positions.to(self._device),
+                **{**inputs, "position_ids": inputs["position_ids"].to(self._device)},
                 use_cache=False,
             ).last_hidden_state[0]
             sums = []
