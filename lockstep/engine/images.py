@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from PIL import Image, UnidentifiedImageError
 
 from lockstep.errors import UserInputError
 
+log = logging.getLogger(__name__)
 TEXT_ONLY = "image chunks are not supported: this server serves a text-only model"
 # Qwen-style processors (qwen2_vl's smart resize, patches merged 2x2): the families whose vision
 # Lockstep computes (each tested against transformers' ForConditionalGeneration forward).
@@ -76,11 +78,17 @@ class VisionSpec:
         path = Path(directory) / "preprocessor_config.json"
         if model_type not in VISION_FAMILIES or not config.get("vision_config"):
             return None
-        if not path.is_file():
-            raise ValueError(
-                f"{directory}: a {model_type} vision-language model needs its image "
-                "processor's preprocessor_config.json beside config.json"
+        vocab = int((config.get("text_config") or config)["vocab_size"])
+        image_token = config.get("image_token_id")
+        if not path.is_file() or not isinstance(image_token, int) or not 0 <= image_token < vocab:
+            log.warning(
+                "%s: a %s vision-language checkpoint without its image processor's "
+                "preprocessor_config.json or an image token in its vocabulary: served as text "
+                "only (image chunks are refused)",
+                directory,
+                model_type,
             )
+            return None
         pre = json.loads(path.read_text())
         size = pre.get("size") or {}
         vision = config["vision_config"]

@@ -1,4 +1,4 @@
-"""What a training pass costs in memory, from the model config, and how much memory there is.
+"""What a training pass costs in memory, from the model's shape, and how much memory there is.
 
 Pure Python (no torch): the engines compute their `MemoryBudget` with it at start-up and the
 tests check the arithmetic without a model. The scheduler only sees the resulting budget.
@@ -6,25 +6,17 @@ tests check the arithmetic without a model. The scheduler only sees the resultin
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from lockstep.engine.shape import LayerShape, ModelShape
 from lockstep.engine.types import MemoryBudget
 
 GIB = 1 << 30
 CPU_SHARE = 0.75  # of the memory the trainer could still take: the rest for everything else
 CUDA_MARGIN = 0.10  # of the device's total memory, kept free beside a pass (allocator, tenants)
-
-
-def text_config(model_dir: Path) -> dict[str, Any]:
-    """The language model's settings in a HF `config.json` (multimodal: its `text_config`)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text: dict[str, Any] = config.get("text_config") or config
-    return text
 
 
 @dataclass(frozen=True)
@@ -33,15 +25,14 @@ class PassCost:
 
         bytes(T) = per_token * max(T, batch_tokens) + scores_per_token_sq * T^2 + fixed
 
-    per_token, e the base dtype's bytes, LoRA inputs cast to fp32 (4 bytes) where e < 4:
-      layer = e * (4H + 4I + d * (7 heads + 4 kv_heads)) + 4 * (5H + heads * d + I) [if e < 4]
-      no checkpointing: (layers + 1) * layer + e * H   (every layer kept, + backward's working set)
-      checkpointing:    layers * e * H + 2 * layer     (layer inputs, + one recomputed layer)
-    (I: the MLP width a token passes, top-k experts and shared experts for MoE; MoE layers add
-    e * k * (5H + 9 I_expert) for each token's k (token, expert) pairs.) Attention that
-    materialises scores (masks, unfused kernels) keeps fp32 scores and probabilities in every
-    layer, 8 * heads * layers * T^2; fused causal SDPA keeps none. fixed: three fp32 copies of
-    one logits chunk.
+    per_token sums what each layer keeps per token (`_layer_bytes`: its input and norms, the
+    token mixer's projections, the feed-forward part's, each routed (token, expert) pair's,
+    and the fp32 copies the adapters take where the base dtype is narrower); without
+    checkpointing every layer is kept plus the last one's backward working set, with
+    checkpointing only each layer's input plus two recomputed layers. Attention that
+    materialises scores (windows, sinks, the model's own masked forward) keeps fp32 scores and
+    probabilities in those layers, 8 * heads * T^2 each; fused causal SDPA keeps none. fixed:
+    three fp32 copies of one logits chunk. The numbers come from the model's `ModelShape`.
     Conservative by design: every activation counted as saved, no reuse between them.
     """
 
@@ -51,45 +42,30 @@ class PassCost:
     batch_tokens: int
 
     @classmethod
-    def from_config(
+    def from_shape(
         cls,
-        config: dict[str, Any],
+        shape: ModelShape,
         element_bytes: int,
         checkpointing: bool,
         batch_tokens: int,
         chunk_tokens: int,
         materialised_scores: bool,
     ) -> PassCost:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        layers = int(config["num_hidden_layers"])
-        width = int(config.get("intermediate_size") or 4 * hidden)
-        if config.get("moe_intermediate_size") and config.get("num_experts_per_tok"):
-            routed = int(config["moe_intermediate_size"]) * int(config["num_experts_per_tok"])
-            shared = int(config.get("shared_expert_intermediate_size") or 0)
-            shared += int(config["moe_intermediate_size"]) * int(
-                config.get("n_shared_experts") or 0
-            )
-            width = max(width, routed + shared)
         e = element_bytes
-        layer = e * (4 * hidden + 4 * width + head_dim * (7 * heads + 4 * kv_heads))
-        if config.get("moe_intermediate_size") and config.get("num_experts_per_tok"):
-            # Per (token, expert) pair: its gathered input, base and LoRA outputs and copies.
-            pair = 5 * hidden + 9 * int(config["moe_intermediate_size"])
-            layer += e * int(config["num_experts_per_tok"]) * pair
-        if e < 4:
-            layer += 4 * (5 * hidden + heads * head_dim + width)
+        layers = [_layer_bytes(shape.hidden, la, e) for la in shape.layers]
         if checkpointing:
-            per_token = layers * e * hidden + 2 * layer
+            per_token = len(layers) * e * shape.hidden + 2 * max(layers)
         else:
-            per_token = (layers + 1) * layer + e * hidden
-        vocab = int(config["vocab_size"])
+            per_token = sum(layers) + max(layers) + e * shape.hidden
+        scored = 0
+        for layer in shape.layers:
+            att = layer.attention
+            if att is not None and (materialised_scores or att.window or att.sinks):
+                scored += 8 * att.heads
         return cls(
             per_token=per_token,
-            scores_per_token_sq=8 * heads * layers if materialised_scores else 0,
-            fixed=3 * 4 * chunk_tokens * vocab,
+            scores_per_token_sq=scored,
+            fixed=3 * 4 * chunk_tokens * shape.vocab,
             batch_tokens=batch_tokens,
         )
 
@@ -160,3 +136,31 @@ def cuda_budget(free: int, total: int, configured: int) -> tuple[int, str]:
 def describe(budget: MemoryBudget) -> str:
     """The budget in words, as messages and logs give it."""
     return f"{budget.budget_bytes / GIB:.2f} GiB ({budget.source})"
+
+
+def _layer_bytes(hidden: int, layer: LayerShape, e: int) -> int:
+    """What one layer keeps per token in a pass (see PassCost)."""
+    h = hidden
+    base = 4 * h  # input, norms, residual sums
+    lora = 5 * h  # fp32 copies of LoRA inputs (where e < 4)
+    if layer.attention is not None:
+        a = layer.attention
+        width = a.heads * (5 * a.head_dim + 2 * a.value_head_dim)
+        width += a.kv_heads * 2 * (a.head_dim + a.value_head_dim)
+        base += width
+        lora += a.heads * a.head_dim
+    if layer.recurrent is not None:
+        r = layer.recurrent
+        base += 2 * r.projected + 3 * r.inner
+        lora += r.inner
+    pairs = 0
+    if layer.ffn is not None:
+        f = layer.ffn
+        dense = f.shared_width if f.routed else f.width
+        base += 4 * dense
+        lora += dense
+        if f.routed:
+            # Per (token, expert) pair: its gathered input, base and LoRA outputs and copies.
+            pairs = f.top_k * (5 * h + 9 * f.width)
+            lora += f.top_k * f.width
+    return e * (base + pairs) + (4 * lora if e < 4 else 0)

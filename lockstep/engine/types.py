@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from lockstep.engine.images import ImageInput, VisionSpec
+from lockstep.engine.shape import TrainerPath
 
 LossConfig = dict[str, float | str]
 StopReason = Literal["stop", "length"]
@@ -51,6 +52,9 @@ class ModelCard:
     max_context_length: int
     eos_token_id: int | None
     vision: VisionSpec | None = None  # None: image chunks are refused by name (text only)
+    # How the training engine runs this model (set by the engine once it has described it):
+    # GENERIC is the slow path, reported to clients and in a metric.
+    trainer_path: TrainerPath = TrainerPath.PACKED
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, served_name: str) -> ModelCard:

@@ -189,6 +189,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
         card.directory,
         memory.describe(trainer.memory_budget()),
     )
+    metrics.TRAINER_PATH.labels(path=card.trainer_path.value).set(1)
     parts = assemble(cfg, store, trainer, sampler)
     clock, lane = parts.clock, parts.lane
 

@@ -517,7 +517,7 @@ class ModelRef(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "base_model", "arch", "tokenizer_id", "lora_rank", "lora_config", "max_tokens_per_datum")
+    __slots__ = ("model_id", "base_model", "arch", "tokenizer_id", "lora_rank", "lora_config", "max_tokens_per_datum", "trainer_path")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
@@ -525,6 +525,7 @@ class ModelInfo(_message.Message):
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_DATUM_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_PATH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     base_model: str
     arch: str
@@ -532,7 +533,8 @@ class ModelInfo(_message.Message):
     lora_rank: int
     lora_config: LoraConfig
     max_tokens_per_datum: int
-    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., arch: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., max_tokens_per_datum: _Optional[int] = ...) -> None: ...
+    trainer_path: str
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., arch: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
 
 class CreateSamplingSessionRequest(_message.Message):
     __slots__ = ("owner", "session_id", "sampling_session_seq_id", "model_path", "base_model")
@@ -577,16 +579,18 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SupportedModel(_message.Message):
-    __slots__ = ("model_name", "max_context_length", "max_tokens_per_datum", "trainer_memory_budget_bytes")
+    __slots__ = ("model_name", "max_context_length", "max_tokens_per_datum", "trainer_memory_budget_bytes", "trainer_path")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_DATUM_FIELD_NUMBER: _ClassVar[int]
     TRAINER_MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_PATH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context_length: int
     max_tokens_per_datum: int
     trainer_memory_budget_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ...) -> None: ...
+    trainer_path: str
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
 
 class ServerCapabilities(_message.Message):
     __slots__ = ("models",)

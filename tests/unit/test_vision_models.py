@@ -173,3 +173,19 @@ def test_sft_on_image_to_label_lowers_the_loss(engine: LocalTrainingEngine) -> N
             scores[label] = forward(engine, "sft", d)[-2]
         assert scores[own] > scores[other], scores
     engine.delete_model("sft")
+
+
+def test_adapters_target_the_language_model_under_the_text_names(
+    engine: LocalTrainingEngine, tmp_path: Path
+) -> None:
+    """LoRA on the language model only, named as the text family names it (tinker-cookbook's
+    merge adds `model.language_model.` back itself): no tower key, no published prefix."""
+    from safetensors.torch import load_file
+
+    engine.create_model("names", LoraSpec(rank=4, seed=5))
+    engine.export_adapter("names", tmp_path)
+    keys = list(load_file(str(tmp_path / "adapter_model.safetensors")))
+    assert keys and all(
+        k.startswith(("base_model.model.model.layers.", "base_model.model.lm_head.")) for k in keys
+    ), keys[:5]
+    engine.delete_model("names")

@@ -229,4 +229,5 @@ def model_info(info: pb.ModelInfo) -> rs.GetInfoResponse:
         lora_rank=rank or None,
         model_name=info.base_model,
         max_tokens_per_datum=info.max_tokens_per_datum or None,
+        trainer_path=optional_str(info.trainer_path),
     )

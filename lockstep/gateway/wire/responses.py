@@ -196,6 +196,9 @@ class GetInfoResponse(WireModel):
     # Lockstep's own: the longest datum a forward_backward may hold (context length,
     # --max-tokens-per-datum and the trainer's memory budget, whichever is least).
     max_tokens_per_datum: int | None = None
+    # Lockstep's own: "packed", or "generic" (a family outside the packed list: each row runs
+    # alone through the model's own forward, exact but slower).
+    trainer_path: str | None = None
 
 
 class CreateSamplingSessionResponse(WireModel):
@@ -223,6 +226,7 @@ class SupportedModel(WireModel):
     # bytes one training pass may use.
     max_tokens_per_datum: int | None = None
     trainer_memory_budget_bytes: int | None = None
+    trainer_path: str | None = None  # "packed", or "generic" (each row alone: slower)
 
 
 class ServerCapabilitiesResponse(WireModel):

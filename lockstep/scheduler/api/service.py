@@ -261,6 +261,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
             lora_rank=model.lora.rank,
             lora_config=lora_pb(model),
             max_tokens_per_datum=self.submissions.max_tokens_per_datum(),
+            trainer_path=card.trainer_path.value,
         )
 
     @grpc_errors
@@ -313,6 +314,7 @@ class SchedulerService(pb_grpc.SchedulerServicer):
                     max_context_length=ctx,
                     max_tokens_per_datum=per_datum,
                     trainer_memory_budget_bytes=budget,
+                    trainer_path=self.catalog.card.trainer_path.value,
                 )
                 for n in self.catalog.served_names
             ]

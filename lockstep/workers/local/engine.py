@@ -52,7 +52,13 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UserInputError
-from lockstep.modeling.architecture import TrainerPath, UnsupportedModel, check_head, describe
+from lockstep.modeling.architecture import (
+    PACKED_FAMILIES,
+    TrainerPath,
+    UnsupportedModel,
+    check_head,
+    describe,
+)
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
@@ -125,18 +131,26 @@ class LocalTrainingEngine(TrainingEngine):
         model, self._card = load_base_model(
             model_dir, served_name, dev, resolve_dtype(dtype, dev), attn_implementation=None
         )
-        arch = describe(model)  # raises UnsupportedModel naming what it cannot compute
+        # Raises UnsupportedModel naming what it cannot compute.
+        arch = describe(model, self._card.vision)
         check_head(model, self._card.vocab_size)
         if trainer_path is TrainerPath.PACKED and arch.trainer_path is not TrainerPath.PACKED:
             raise UnsupportedModel(f"{arch.model_type}: the packed path is not proven for it")
-        self._packed = (trainer_path or arch.trainer_path) is TrainerPath.PACKED
+        path = TrainerPath(trainer_path or arch.trainer_path)
+        self._packed = path is TrainerPath.PACKED
+        self._card = dataclasses.replace(self._card, trainer_path=path)
         if self._packed:  # the language model's attention only (a vision tower keeps its own)
             vlm = self._card.vision is not None
             model.set_attn_implementation({"text_config": ROW_ATTENTION} if vlm else ROW_ATTENTION)
+        elif arch.trainer_path is TrainerPath.GENERIC:
+            log.warning(
+                "trainer: %s is not a packed family (%s): every row runs alone through the "
+                "model's own forward, exact but slower",
+                arch.model_type,
+                ", ".join(sorted(PACKED_FAMILIES)),
+            )
         # A vision-language model's frozen tower: the images of each micro-batch in one call.
-        self._vision = (
-            None if self._card.vision is None else VisionModel(model, model_dir, self._card.vision)
-        )
+        self._vision = None if arch.vision is None else VisionModel(model, model_dir, arch.vision)
         if activation_checkpointing:
             # HF checkpoints decoder layers only in train mode; these models have no active
             # dropout, so train mode changes nothing else. Non-reentrant: base weights are frozen.
@@ -144,9 +158,9 @@ class LocalTrainingEngine(TrainingEngine):
             model.train()
         self._model = model
         self._lora = LoraModel(model, arch)
-        for path in arch.row_mixers if self._packed else ():
-            run_per_row(model.get_submodule(path), self._lora.narrowed)
-        log.info("trainer: %s; runs the %s path", arch.summary(), trainer_path or arch.trainer_path)
+        for mixer in arch.row_mixers if self._packed else ():
+            run_per_row(model.get_submodule(mixer), self._lora.narrowed)
+        log.info("trainer: %s; runs the %s path", arch.summary(), path.value)
         self._decoder = model.get_decoder()
         head = model.get_output_embeddings()
         assert isinstance(head, torch.nn.Module)
@@ -165,16 +179,15 @@ class LocalTrainingEngine(TrainingEngine):
             )
         self._adam: dict[str, AdamState] = {}
         self._snapshots = SnapshotWriter()  # snapshots leave the cycle's critical path
-        # Masked attention (windows, sinks) and the model's own forward build score matrices.
-        scored = not self._packed or "sliding_attention" in arch.layer_types
-        scored |= any(name.endswith(".sinks") for name, _ in model.named_parameters())
-        cost = memory.PassCost.from_config(
-            memory.text_config(model_dir),
+        # The model's own forward (masks, eager attention) builds score matrices in every
+        # attention layer; row attention only where a window or sinks mask it.
+        cost = memory.PassCost.from_shape(
+            arch.shape,
             next(model.parameters()).element_size(),
             activation_checkpointing,
             micro_batch_tokens if self._packed else 1,
             self._chunk,
-            scored,
+            materialised_scores=not self._packed,
         )
         if self._device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self._device)
@@ -445,7 +458,10 @@ class LocalTrainingEngine(TrainingEngine):
 
     def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
         adapter = checkpoint.read_adapter(Path(directory), self._card.name)
-        state = adapter.state
+        try:
+            state = self._lora.tinker_names(adapter.state, adapter.rank)
+        except ValueError as exc:
+            raise UserInputError("path", f"checkpoint does not fit this base model: {exc}") from exc
         spec = adapter.spec or self._lora.spec_of(state, adapter.rank, adapter.alpha)
         try:
             self._lora.check_spec(spec)
