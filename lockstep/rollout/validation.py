@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lockstep.engine.images import refuse_text_only
 from lockstep.engine.types import ModelCard, SampleRequest
 from lockstep.errors import UserInputError
 
@@ -13,6 +14,12 @@ def validate_sample_request(req: SampleRequest, card: ModelCard) -> None:
     """Raise UserInputError naming the first bad field of `req` (adapters are not checked)."""
     vocab, context = card.vocab_size, card.max_context_length
     _check_prompt(req.prompt, vocab)
+    if req.images and card.vision is None:
+        raise refuse_text_only("prompt")
+    for i, image in enumerate(req.images):
+        placeholders = req.prompt[image.position : image.position + image.tokens]
+        if card.vision is not None and placeholders != [card.vision.image_token_id] * image.tokens:
+            raise UserInputError(f"images[{i}]", "does not sit on its placeholder tokens")
     if req.num_samples < 1:
         raise UserInputError("num_samples", f"must be >= 1, got {req.num_samples}")
     _check_params(req, context)

@@ -69,6 +69,17 @@ def datum(
     )
 
 
+def hf_pixels(directory: str, images: tuple[ImageInput, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What transformers' own image processor (its PIL backend) makes of the images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    processor = Qwen2VLImageProcessorPil.from_pretrained(directory)
+    out = processor(images=[Image.open(io.BytesIO(i.data)) for i in images], return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
 def forward(engine: LocalTrainingEngine, model_id: str, d: Datum) -> np.ndarray:
     req = PassRequest("f", model_id, "cross_entropy", {}, True, [d])
     out: np.ndarray = engine.run_passes([req])[0].outputs[0]["logprobs"]
@@ -85,25 +96,18 @@ def test_logprobs_equal_the_models_own_forward(engine: LocalTrainingEngine) -> N
     d = datum(engine, [png(RED), png(BLUE, (96, 64))])
     ours = forward(engine, "base", d)
     model = AutoModelForImageTextToText.from_pretrained(card.directory, dtype=torch.float32)
-    processor_kind = "transformers' PIL processor"
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    processor = Qwen2VLImageProcessorPil.from_pretrained(card.directory)
-    pictures = [Image.open(io.BytesIO(i.data)) for i in d.images]
-    pixels = processor(images=pictures, return_tensors="pt")
+    pixels, grid = hf_pixels(card.directory, d.images)
     ids = torch.as_tensor(d.tokens).unsqueeze(0)
     with torch.no_grad():
         logits = model(
             input_ids=ids,
-            pixel_values=pixels["pixel_values"],
-            image_grid_thw=pixels["image_grid_thw"],
+            pixel_values=pixels,
+            image_grid_thw=grid,
             mm_token_type_ids=(ids == spec.image_token_id).int(),
         ).logits[0]
     targets = torch.as_tensor(d.loss_inputs["target_tokens"]).unsqueeze(-1)
     theirs = torch.log_softmax(logits, -1).gather(-1, targets).squeeze(-1).numpy()
-    assert np.abs(ours - theirs).max() <= 1e-5, processor_kind
+    assert np.abs(ours - theirs).max() <= 1e-5
     # A different image changes every position after it (and none before).
     other = forward(engine, "base", datum(engine, [png(GREEN), png(BLUE, (96, 64))]))
     first = d.images[0].position
@@ -189,3 +193,70 @@ def test_adapters_target_the_language_model_under_the_text_names(
         k.startswith(("base_model.model.model.layers.", "base_model.model.lm_head.")) for k in keys
     ), keys[:5]
     engine.delete_model("names")
+
+
+def test_the_sampler_answers_an_image_prompt_as_the_trainer_scores_it(
+    engine: LocalTrainingEngine,
+) -> None:
+    """Greedy tokens equal HF `generate` with the same pixels; prompt and sampled logprobs
+    equal the trainer's forward; a repeated image prompt reuses its session's prefix cache (the
+    padded path), and the same tokens with another image reuse only the text before it."""
+    from transformers import AutoModelForImageTextToText
+
+    from lockstep.engine.types import SampleParams, SampleRequest
+    from lockstep.rollout.local.engine import LocalSamplingEngine
+
+    card = engine.card()
+    spec = card.vision
+    assert spec is not None
+    sampler = LocalSamplingEngine(Path(card.directory), card.name, device="cpu")
+    d = datum(engine, [png(RED), png(BLUE, (96, 64))])
+    prompt = d.tokens.tolist()
+
+    def request(rid: str, images: tuple[ImageInput, ...], scores: bool = False) -> SampleRequest:
+        params = SampleParams(max_tokens=5, temperature=0.0)
+        return SampleRequest(
+            rid, None, prompt, 1, params, prompt_logprobs=scores, cache_namespace="s", images=images
+        )
+
+    first = sampler.sample([request("a", d.images, scores=True)])[0]
+    tokens = first.sequences[0].tokens
+    model = AutoModelForImageTextToText.from_pretrained(card.directory, dtype=torch.float32)
+    pixels, grid = hf_pixels(card.directory, d.images)
+    ids = torch.as_tensor([prompt])
+    generated = model.generate(
+        input_ids=ids,
+        pixel_values=pixels,
+        image_grid_thw=grid,
+        mm_token_type_ids=(ids == spec.image_token_id).int(),
+        max_new_tokens=5,
+        do_sample=False,
+    )
+    assert generated[0, len(prompt) :].tolist() == tokens
+    engine.create_model("scorer", LoraSpec(rank=4, seed=3))  # B = 0: the base model
+    sequence = prompt + tokens
+    whole = Datum(
+        np.asarray(sequence[:-1]),
+        {
+            "target_tokens": np.asarray(sequence[1:]),
+            "weights": np.ones(len(sequence) - 1, np.float32),
+        },
+        d.images,
+    )
+    trainer = forward(engine, "scorer", whole)
+    assert first.prompt_logprobs is not None
+    assert np.abs(np.asarray(first.prompt_logprobs[1:]) - trainer[: len(prompt) - 1]).max() <= 1e-5
+    sampled = np.asarray(first.sequences[0].logprobs)
+    assert np.abs(sampled - trainer[len(prompt) - 1 :]).max() <= 1e-5
+    engine.delete_model("scorer")
+    if not sampler._lora.arch.padded_sampling:
+        return  # the grouped path keeps no prefix cache
+    sampler.sample([request("b", d.images)])  # cached now (prompt scores are never cached)
+    _, reused = sampler.prefill_counts()
+    again = sampler.sample([request("c", d.images)])[0]
+    assert again.sequences[0].tokens == tokens
+    assert sampler.prefill_counts()[1] - reused == len(prompt) - 1
+    other = datum(engine, [png(GREEN), png(BLUE, (96, 64))])
+    reused = sampler.prefill_counts()[1]
+    sampler.sample([request("d", other.images)])
+    assert sampler.prefill_counts()[1] - reused == other.images[0].position
