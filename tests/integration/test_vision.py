@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -260,3 +262,57 @@ def test_compatible_apis_take_images_as_the_sdk_does(served: tuple[str, Path, Se
             max_tokens=2,
             messages=[{"role": "user", "content": [{"type": "image", "source": source}]}],
         )
+
+
+def test_cookbook_renderers_train_sample_and_merge(
+    served: tuple[str, Path, Server], tmp_path: Path
+) -> None:
+    """tinker-cookbook's own `qwen3_5` renderer and image processing build the datums; they
+    train, sample and score through the SDK; the saved adapter merged by the cookbook's
+    `weights.build_hf_model` gives the trainer's logprobs with the image; vlm_classifier's
+    dataset over a local image folder trains in the cookbook's supervised loop
+    (tests/cookbook/drivers/vision.py, in the cookbook venv)."""
+    if os.environ.get("LOCKSTEP_SKIP_COOKBOOK"):
+        pytest.skip("LOCKSTEP_SKIP_COOKBOOK is set")
+    from tests.cookbook.conftest import DRIVERS, ensure_cookbook_venv, offline_env, read_jsonl
+
+    name, _, server = served
+    images = tmp_path / "images"
+    rng = np.random.default_rng(0)
+    for colour, rgb in {**COLOURS, "green": (30, 200, 30), "yellow": (230, 220, 30)}.items():
+        (images / colour).mkdir(parents=True)
+        for k in range(4):
+            noise = rng.integers(-20, 20, (64, 64, 3))
+            pixels = np.clip(np.asarray(rgb) + noise, 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(images / colour / f"{k}.png")
+    home = tmp_path / "home"
+    home.mkdir()
+    out = tmp_path / "results.json"
+    config = {
+        "model": name,
+        "images": str(images),
+        "data_dir": str(server.data_dir),
+        "log_dir": str(tmp_path / "run"),
+        "out": str(out),
+    }
+    env = {**offline_env(home, server.base_url), "TINKER_API_KEY": API_KEY}
+    proc = subprocess.run(
+        [str(ensure_cookbook_venv()), str(DRIVERS / "vision.py"), json.dumps(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=home,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    got = json.loads(out.read_text())
+    assert got["expected_tokens"] == [4]  # the cookbook's own count for a 64x64 image
+    assert got["losses"][-1] < 0.5 * got["losses"][0], got["losses"]
+    assert got["answer_tokens"]
+    forward = np.asarray(got["forward_logprobs"])
+    scored = np.asarray(got["compute_logprobs"])[got["same_target"]]
+    assert len(got["same_target"]) > 10
+    assert np.abs(scored - forward[got["same_target"]]).max() <= 1e-4
+    assert np.abs(np.asarray(got["merged_logprobs"]) - forward).max() <= 1e-4
+    nll = [row["train_mean_nll"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert len(nll) >= 3 and nll[-1] < 0.7 * nll[0], nll
