@@ -19,7 +19,9 @@ EXAMPLES = {
     "mistral": "Mistral-7B (sliding window)",
     "qwen3_moe": "Qwen3-30B-A3B, Qwen3-235B-A22B",
     "qwen3_5": "Qwen3.5 / 3.6 dense (published as ForConditionalGeneration; text)",
-    "qwen3_5_moe": "Qwen3.5-397B-A17B, Qwen3.6-35B-A3B (published as ForConditionalGeneration; text)",
+    "qwen3_5_moe": (
+        "Qwen3.5-397B-A17B, Qwen3.6-35B-A3B (published as ForConditionalGeneration; text)"
+    ),
     "qwen3_next": "Qwen3-Next-80B-A3B",
     "gpt_oss": "gpt-oss-20b, gpt-oss-120b",
     "deepseek_v3": "DeepSeek-V3.1, Kimi-K2 (same architecture)",
