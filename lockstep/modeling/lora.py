@@ -4,10 +4,11 @@
 name) for a multi-adapter layer: an `nn.Linear` becomes a `MultiLoRALinear`, which computes
 `base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row; a fused experts
 module becomes a `MultiLoRAExperts` (`experts.py`: a LoRA on every expert's w1 / w3 / w2, held
-as 3-D tensors). Rows are grouped by adapter (sorted segments): each adapter's rows take one GEMM
-pair with that adapter's own A / B, so a row's output does not depend on which other rows or
-adapters share the batch, and K adapters cost K small GEMM pairs per layer (no per-row copies of
-adapter weights).
+as 3-D tensors). Rows are grouped by adapter (sorted segments): each adapter's rows go through
+that adapter's own A / B, so a row's output does not depend on which other rows or adapters
+share the batch (beyond float rounding), and no row copies adapter weights. When the segments
+lie side by side (the trainer orders rows by adapter) the K adapters of a layer take ONE grouped
+GEMM pair over their runs of tokens; otherwise each adapter takes one GEMM pair of its own.
 
 A "row" of the routing is a batch row, or a fixed-size block of one packed sequence (the trainer
 concatenates a micro-batch's rows, each padded to whole blocks, so every block has one adapter).
@@ -18,6 +19,7 @@ keeps its HF key names, and the engines reach adapters through `adapter_paramete
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,7 +34,7 @@ from transformers import PreTrainedModel
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling import packing
 from lockstep.modeling.architecture import Architecture, Role, describe
-from lockstep.modeling.experts import MultiLoRAExperts
+from lockstep.modeling.experts import MultiLoRAExperts, grouped_mm
 from lockstep.modeling.routing import Routing, RoutingSlot, Segment
 
 # The dense layout's leaf names (Llama / Qwen3), which the Megatron engine converts.
@@ -187,6 +189,10 @@ class MultiLoRALinear(nn.Module):
         rows = len(routing.adapter_ids)  # batch rows, or blocks of one packed sequence
         x3 = x.reshape(rows, -1, self.in_features)
         per_row = x3.shape[1]
+        run = contiguous_run(segments)
+        if run is not None and len(segments) > 1 and self._groupable():
+            delta = self._grouped(x3[run], segments, per_row)
+            return y + self._assemble_run(delta, run, rows, per_row).to(y.dtype).view(y.shape)
         deltas = []
         for seg in segments:
             a, b = self.lora_A[seg.adapter_id], self.lora_B[seg.adapter_id]
@@ -200,6 +206,48 @@ class MultiLoRALinear(nn.Module):
             h = h * scale if seg.mask is None else h * (seg.mask.view(n * per_row, 1) * scale)
             deltas.append((h @ b.t()).view(n, per_row, -1))
         return y + self._assemble(segments, deltas, rows, per_row).to(y.dtype).view(y.shape)
+
+    def _grouped(self, xs: torch.Tensor, segments: list[Segment], per_row: int) -> torch.Tensor:
+        """Every segment's LoRA in ONE grouped GEMM pair: xs [n, per_row, in] holds the
+        segments' rows back to back, adapter after adapter. Ranks differ between adapters, so A
+        and B are zero-padded to the largest (exact: the padded rank columns add zeros); each
+        group's product is its adapter's own, so a tenant's numbers do not depend on who else
+        is in the batch beyond float rounding. [n, per_row, out]."""
+        ids = [s.adapter_id for s in segments]
+        # Rows of 16 bytes: what the grouped kernel (and its backward) needs of every operand.
+        rank = -(-max(self.lora_A[i].shape[0] for i in ids) // _ALIGN) * _ALIGN
+        a = torch.stack([_pad(self.lora_A[i], 0, rank) for i in ids])  # [G, r, in]
+        b = torch.stack([_pad(self.lora_B[i], 1, rank) for i in ids])  # [G, out, r]
+        counts = [(s.stop - s.start) * per_row for s in segments]
+        ends = torch.tensor(counts).cumsum(0).to(xs.device, torch.int32)
+        scale = torch.tensor([self.scale[i] for i in ids], dtype=a.dtype)
+        token_scale = scale.repeat_interleave(torch.tensor(counts)).to(xs.device)
+        masks = [s.mask for s in segments]
+        if any(m is not None for m in masks):
+            token_scale = token_scale * torch.cat(
+                [
+                    m if m is not None else token_scale.new_ones(c)
+                    for m, c in zip(masks, counts, strict=True)
+                ]
+            )
+        flat = xs.reshape(-1, self.in_features).to(a.dtype)
+        h = grouped_mm(flat, a.mT, ends) * token_scale.unsqueeze(1)
+        return grouped_mm(h, b.mT, ends).view(xs.shape[0], per_row, self.out_features)
+
+    def _groupable(self) -> bool:
+        """Whether the grouped kernel takes this layer's sizes in the adapters' dtype (fp32):
+        both feature dims whole 16-byte rows (real models' are; else one GEMM pair each)."""
+        return self.in_features % _ALIGN == 0 and self.out_features % _ALIGN == 0
+
+    def _assemble_run(
+        self, delta: torch.Tensor, run: slice, rows: int, per_row: int
+    ) -> torch.Tensor:
+        """[rows, per_row, out] from the deltas of rows `run`; the rows outside get zeros."""
+        if run.start == 0 and run.stop == rows:
+            return delta
+        before = delta.new_zeros(run.start, per_row, self.out_features)
+        after = delta.new_zeros(rows - run.stop, per_row, self.out_features)
+        return torch.cat([before, delta, after])
 
     def _assemble(
         self, segments: list[Segment], deltas: list[torch.Tensor], rows: int, per_row: int
@@ -228,6 +276,30 @@ class MultiLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
+
+
+_ALIGN = 4  # fp32 elements in 16 bytes
+
+
+def contiguous_run(segments: list[Segment]) -> slice | None:
+    """The rows the segments cover when they are plain slices back to back (the trainer orders
+    rows by adapter), else None."""
+    if any(s.index is not None for s in segments):
+        return None
+    for before, after in itertools.pairwise(segments):
+        if before.stop != after.start:
+            return None
+    return slice(segments[0].start, segments[-1].stop)
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`t` zero-padded along `dim` (A: rank rows; B: rank columns) to `size`."""
+    missing = size - t.shape[dim]
+    return t if missing == 0 else torch.cat([t, t.new_zeros(*_with(t.shape, dim, missing))], dim)
+
+
+def _with(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:
+    return tuple(size if d == dim else n for d, n in enumerate(shape))
 
 
 class _Slot(Protocol):

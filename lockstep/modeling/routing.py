@@ -28,8 +28,9 @@ class Segment:
 class Routing:
     """Which adapter each batch row uses, grouped into per-adapter segments once per layout.
 
-    Rows of one adapter go through that adapter's matmuls together ([n * tokens, in] @ A.T), so a
-    layer costs one small GEMM pair per adapter present, never a per-row copy of the weights.
+    Rows of one adapter go through that adapter's matmuls together ([n * tokens, in] @ A.T), never
+    a per-row copy of the weights; when the segments lie side by side, one grouped GEMM pair
+    covers every adapter of a layer (`lora.MultiLoRALinear`).
     Callers that can (the training engine) order rows by adapter, so segments are plain slices.
     """
 

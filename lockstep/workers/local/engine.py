@@ -10,7 +10,7 @@ attention run row by row on each row's own span (`modeling.attention`): no row i
 another's length. Each micro-batch runs forward then backward at once (gradients accumulate in
 the adapters' .grad), so activations live for one micro-batch. Inside a micro-batch rows are
 ordered by adapter and the LoRA routing names the adapter of each 8-token block, so each LoRA
-layer takes one GEMM pair per adapter (`modeling.lora`). Target logprobs come from the final
+layer takes one grouped GEMM pair over every adapter's run (`modeling.lora`). Target logprobs come from the final
 hidden states in token chunks (`training.logprobs`): full-vocabulary logits never exist beyond
 one chunk.
 
