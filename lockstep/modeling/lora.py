@@ -178,6 +178,12 @@ class MultiLoRALinear(nn.Module):
     def device(self) -> torch.device:
         return self.weight.device
 
+    def adapter(self, adapter_id: str) -> tuple[nn.Parameter, nn.Parameter, float] | None:
+        """(A, B, scale) of `adapter_id` on this layer; None when it does not train it."""
+        if adapter_id not in self.lora_A:
+            return None
+        return self.lora_A[adapter_id], self.lora_B[adapter_id], self.scale[adapter_id]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         routing = self._slot.current

@@ -10,9 +10,9 @@ attention run row by row on each row's own span (`modeling.attention`): no row i
 another's length. Each micro-batch runs forward then backward at once (gradients accumulate in
 the adapters' .grad), so activations live for one micro-batch. Inside a micro-batch rows are
 ordered by adapter and the LoRA routing names the adapter of each 8-token block, so each LoRA
-layer takes one grouped GEMM pair over every adapter's run (`modeling.lora`). Target logprobs come from the final
-hidden states in token chunks (`training.logprobs`): full-vocabulary logits never exist beyond
-one chunk.
+layer takes one grouped GEMM pair over every adapter's run (`modeling.lora`). Target logprobs
+come from the final hidden states in token chunks through the fused LM head and log-softmax
+(`training.logprobs`): full-vocabulary logits never exist beyond one chunk.
 
 Packing never changes a tenant's numbers beyond float rounding (fp32 <= 1e-5): every op is per
 row, per adapter or per token, block padding lies outside every attention span, and every matmul
@@ -54,12 +54,12 @@ from lockstep.errors import UserInputError
 from lockstep.modeling.architecture import TrainerPath, UnsupportedModel, check_head, describe
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
-from lockstep.modeling.lora import LoraModel
+from lockstep.modeling.lora import LoraModel, MultiLoRALinear
 from lockstep.modeling.mixers import run_per_row
 from lockstep.modeling.packing import packed_rows
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
-from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
+from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, Head, LinearHead, chunk_tokens
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
 from lockstep.training.pass_result import RowLoss, pass_result, row_loss
 from lockstep.workers.local import host_memory
@@ -349,13 +349,12 @@ class LocalTrainingEngine(TrainingEngine):
             ).last_hidden_state[0]
             sums = []
             for row, start in zip(rows, starts, strict=True):
-                head = functools.partial(self._row_head, row.model_id)
                 out = row_loss(
                     hidden[start : start + row.length],
                     row.datum,
                     requests[row.request],
                     configs[row.request],
-                    head,
+                    self._row_head(row.model_id),
                     self._chunk,
                 )
                 outs[(row.request, row.index)] = out.detached()
@@ -366,7 +365,17 @@ class LocalTrainingEngine(TrainingEngine):
                 # routing: activation checkpointing recomputes LoRA layers during backward.
                 torch.stack(sums).sum().backward()
 
-    def _row_head(self, model_id: str, hidden: torch.Tensor) -> torch.Tensor:
+    def _row_head(self, model_id: str) -> Head | LinearHead:
+        """The LM head with `model_id`'s adapter: by its parts where it is a linear layer (the
+        fused logprob path, `training.logprobs`), else as a callable."""
+        head = self._head
+        if isinstance(head, MultiLoRALinear):
+            return LinearHead(head.weight, head.bias, head.adapter(model_id))
+        if isinstance(head, torch.nn.Linear):
+            return LinearHead(head.weight, head.bias)
+        return functools.partial(self._call_head, model_id)
+
+    def _call_head(self, model_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (with `model_id`'s adapter) on one row's hidden states [c, H]."""
         with self._lora.row_adapters([model_id]):
             logits: torch.Tensor = self._head(hidden.unsqueeze(0))
