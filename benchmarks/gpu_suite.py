@@ -224,6 +224,10 @@ def _measure_trainer(
         table = profile_cycle(engine, per, run.device)
         size = f"{run.tenants} tenants x {run.datums} x {run.length} tokens"
         run.profiles.append(f"== {family}: one packed cycle, {size}\n{table}")
+    snapshot = run.tmp / f"{family}-snapshot"
+    start = time.perf_counter()
+    out["snapshot_bytes_per_tenant"] = engine.save_state("t0", snapshot, include_optimizer=True)
+    out["snapshot_s_per_tenant"] = time.perf_counter() - start  # adapter + Adam moments
     adapter = run.tmp / f"{family}-adapter"
     engine.export_adapter("t0", adapter)
     run.adapters[family] = adapter
