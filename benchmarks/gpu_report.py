@@ -66,6 +66,7 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             ("chunked_head", "fused head speed-up", False),
             ("varlen_attention", "varlen attention speed-up", True),
             ("per_group_expert_matmul", "grouped experts speed-up", False),
+            ("lora_gemms_in_base_dtype", "bf16 grouped LoRA speed-up", True),
         ):
             v = variants.get(name, {})
             if base and "packed_tokens_per_s" in v:

@@ -15,7 +15,8 @@ after every section):
                    and without attention FLOPs, peak memory, the admission formula vs the measured
                    peak; 8 tenants x 256 tokens packed vs ONE tenant with the same tokens vs one
                    tenant per cycle; the kernel variants (fused head off, varlen attention on,
-                   per-group expert matmuls) in the same run: tokens/s and logprob difference
+                   bf16 grouped LoRA GEMMs, per-group expert matmuls) in the same run: tokens/s
+                   and logprob difference
   *_sampler        today's local sampler on the same model (fp32, an adapter from the trainer):
                    generated tokens/s beside the trainer's
   head, attention  single kernels at production shape (`gpu_kernels.py`)
@@ -64,7 +65,7 @@ from gpu_sampler import sample_throughput
 from rich.console import Console
 
 from lockstep.engine.types import LoraSpec
-from lockstep.modeling import attention, experts
+from lockstep.modeling import attention, experts, lora
 from lockstep.training import logprobs
 from lockstep.workers.local.engine import LocalTrainingEngine
 
@@ -238,44 +239,52 @@ def _measure_trainer(
     return out
 
 
+def _switches(
+    run: Run, family: str, engine: LocalTrainingEngine
+) -> dict[str, Callable[[bool], None]]:
+    """The kernel switches that change something for this family on this device."""
+    switches: dict[str, Callable[[bool], None]] = {
+        "chunked_head": lambda on: setattr(logprobs, "FUSED_HEAD", not on),
+    }
+    if varlen_runs(run.device, engine._model.dtype):
+        switches["varlen_attention"] = lambda on: setattr(attention, "VARLEN", on)
+    if engine._model.dtype != torch.float32:  # the grouped LoRA GEMMs in bf16, as the experts'
+        switches["lora_gemms_in_base_dtype"] = lambda on: setattr(lora, "GROUPED_IN_BASE_DTYPE", on)
+    if family == "moe" and not run.quick:  # (the hybrid's own layers dominate its time)
+        switches["per_group_expert_matmul"] = lambda on: setattr(experts, "GROUPED_KERNEL", not on)
+    return switches
+
+
 def _variants(
     run: Run, family: str, engine: LocalTrainingEngine, per: dict[str, Any]
 ) -> dict[str, Any]:
     """Each kernel switch against the default path in the same run: packed tokens/s (cycles
     interleaved rep by rep) and the largest logprob difference of one forward-only pass."""
-    switches: dict[str, Callable[[bool], None]] = {
-        "chunked_head": lambda on: setattr(logprobs, "FUSED_HEAD", not on),
-    }
-    if varlen_runs(run.device, engine._model.dtype):  # else the switch would change nothing
-        switches["varlen_attention"] = lambda on: setattr(attention, "VARLEN", on)
-    if family == "moe" and not run.quick:  # (the hybrid's own layers dominate its time)
-        switches["per_group_expert_matmul"] = lambda on: setattr(experts, "GROUPED_KERNEL", not on)
+    switches = _switches(run, family, engine)
     reference = forward_logprobs(engine, per)
     out: dict[str, Any] = {}
     for name, switch in switches.items():
         switch(True)
         try:
-            out[name] = {
-                "max_abs_logprob_diff": float(
-                    np.abs(forward_logprobs(engine, per) - reference).max()
-                )
-            }
+            diff = np.abs(forward_logprobs(engine, per) - reference).max()
+            out[name] = {"max_abs_logprob_diff": float(diff)}
         except Exception as exc:  # a kernel this device lacks: recorded, not fatal
             out[name] = {"error": repr(exc)}
         finally:
             switch(False)
-    timed = ["default", *(n for n in switches if "error" not in out[n])]
+    timed = {
+        "default": lambda on: None,
+        **{n: f for n, f in switches.items() if "error" not in out[n]},
+    }
     times: dict[str, list[float]] = {n: [] for n in timed}
     reps = 1 if family == "moe" and not run.smoke else run.reps  # the slow variant bounds it
     for rep in range(reps + run.warm):
-        for name in timed:
-            if name != "default":
-                switches[name](True)
+        for name, switch in timed.items():
+            switch(True)
             try:
                 seconds = cycle(engine, per, run.device)
             finally:
-                if name != "default":
-                    switches[name](False)
+                switch(False)
             if rep >= run.warm:
                 times[name].append(seconds)
         if run.out_of_time() and times["default"]:
@@ -284,10 +293,8 @@ def _variants(
     for name in timed:
         out.setdefault(name, {})["packed_tokens_per_s"] = tokens / statistics.median(times[name])
         out[name]["packed_s"] = times[name]
-    console.log(
-        f"{family} variants: "
-        + ", ".join(f"{n} {out[n]['packed_tokens_per_s']:.0f} tok/s" for n in timed)
-    )
+    rates = ", ".join(f"{n} {out[n]['packed_tokens_per_s']:.0f} tok/s" for n in timed)
+    console.log(f"{family} variants: {rates}")
     return out
 
 

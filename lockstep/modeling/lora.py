@@ -196,8 +196,8 @@ class MultiLoRALinear(nn.Module):
         x3 = x.reshape(rows, -1, self.in_features)
         per_row = x3.shape[1]
         run = contiguous_run(segments)
-        if run is not None and len(segments) > 1 and self._groupable():
-            delta = self._grouped(x3[run], segments, per_row)
+        if run is not None and len(segments) > 1 and self._groupable(x.dtype):
+            delta = self._grouped(x3[run], segments, per_row, routing)
             return y + self._assemble_run(delta, run, rows, per_row).to(y.dtype).view(y.shape)
         deltas = []
         for seg in segments:
@@ -213,37 +213,60 @@ class MultiLoRALinear(nn.Module):
             deltas.append((h @ b.t()).view(n, per_row, -1))
         return y + self._assemble(segments, deltas, rows, per_row).to(y.dtype).view(y.shape)
 
-    def _grouped(self, xs: torch.Tensor, segments: list[Segment], per_row: int) -> torch.Tensor:
+    def _grouped(
+        self, xs: torch.Tensor, segments: list[Segment], per_row: int, routing: Routing
+    ) -> torch.Tensor:
         """Every segment's LoRA in ONE grouped GEMM pair: xs [n, per_row, in] holds the
         segments' rows back to back, adapter after adapter. Ranks differ between adapters, so A
         and B are zero-padded to the largest (exact: the padded rank columns add zeros); each
         group's product is its adapter's own, so a tenant's numbers do not depend on who else
         is in the batch beyond float rounding. [n, per_row, out]."""
         ids = [s.adapter_id for s in segments]
+        # The GEMMs' dtype: the adapters' (fp32), or the base weights' where GROUPED_IN_BASE_DTYPE
+        # says so (bf16 is the CUDA grouped kernel's fast path; A and B stay fp32 parameters).
+        dtype = xs.dtype if GROUPED_IN_BASE_DTYPE else self.lora_A[ids[0]].dtype
         # Rows of 16 bytes: what the grouped kernel (and its backward) needs of every operand.
-        rank = -(-max(self.lora_A[i].shape[0] for i in ids) // _ALIGN) * _ALIGN
-        a = torch.stack([_pad(self.lora_A[i], 0, rank) for i in ids])  # [G, r, in]
-        b = torch.stack([_pad(self.lora_B[i], 1, rank) for i in ids])  # [G, out, r]
-        counts = [(s.stop - s.start) * per_row for s in segments]
-        ends = torch.tensor(counts).cumsum(0).to(xs.device, torch.int32)
-        scale = torch.tensor([self.scale[i] for i in ids], dtype=a.dtype)
-        token_scale = scale.repeat_interleave(torch.tensor(counts)).to(xs.device)
+        align = 16 // dtype.itemsize
+        rank = -(-max(self.lora_A[i].shape[0] for i in ids) // align) * align
+        a = torch.stack([_pad(self.lora_A[i], 0, rank) for i in ids]).to(dtype)  # [G, r, in]
+        b = torch.stack([_pad(self.lora_B[i], 1, rank) for i in ids]).to(dtype)  # [G, out, r]
+        ends, token_scale = self._group_layout(segments, per_row, routing, xs.device)
+        flat = xs.reshape(-1, self.in_features).to(dtype)
+        h = grouped_mm(flat, a.mT, ends) * token_scale.unsqueeze(1).to(dtype)
+        return grouped_mm(h, b.mT, ends).view(xs.shape[0], per_row, self.out_features)
+
+    def _group_layout(
+        self, segments: list[Segment], per_row: int, routing: Routing, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 group ends, fp32 per-token scale) of the segments on `device`. Built once per
+        routing and kept in it: every layer of a forward (and its backward) with the same
+        adapters shares them, so a layer call copies nothing from the host."""
+        scales = tuple(self.scale[s.adapter_id] for s in segments)
+        key = ("grouped", per_row, device, scales, *((s.start, s.stop) for s in segments))
+        cached = routing.constants.get(key)
+        if cached is not None:
+            return cached
+        counts = torch.tensor([(s.stop - s.start) * per_row for s in segments])
+        ends = counts.cumsum(0).to(device, torch.int32)
+        token_scale = torch.tensor(scales, dtype=torch.float32).repeat_interleave(counts)
+        token_scale = token_scale.to(device)
         masks = [s.mask for s in segments]
         if any(m is not None for m in masks):
             token_scale = token_scale * torch.cat(
                 [
-                    m if m is not None else token_scale.new_ones(c)
-                    for m, c in zip(masks, counts, strict=True)
+                    m if m is not None else token_scale.new_ones(int(c))
+                    for m, c in zip(masks, counts.tolist(), strict=True)
                 ]
             )
-        flat = xs.reshape(-1, self.in_features).to(a.dtype)
-        h = grouped_mm(flat, a.mT, ends) * token_scale.unsqueeze(1)
-        return grouped_mm(h, b.mT, ends).view(xs.shape[0], per_row, self.out_features)
+        routing.constants[key] = (ends, token_scale)
+        return ends, token_scale
 
-    def _groupable(self) -> bool:
-        """Whether the grouped kernel takes this layer's sizes in the adapters' dtype (fp32):
-        both feature dims whole 16-byte rows (real models' are; else one GEMM pair each)."""
-        return self.in_features % _ALIGN == 0 and self.out_features % _ALIGN == 0
+    def _groupable(self, base: torch.dtype) -> bool:
+        """Whether the grouped kernel takes this layer's sizes in the GEMMs' dtype (fp32, or
+        `base` under GROUPED_IN_BASE_DTYPE): both feature dims whole 16-byte rows (real
+        models' are; else one GEMM pair each)."""
+        align = 16 // (base.itemsize if GROUPED_IN_BASE_DTYPE else 4)
+        return self.in_features % align == 0 and self.out_features % align == 0
 
     def _assemble_run(
         self, delta: torch.Tensor, run: slice, rows: int, per_row: int
@@ -284,7 +307,9 @@ class MultiLoRALinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
 
 
-_ALIGN = 4  # fp32 elements in 16 bytes
+# Run the grouped LoRA GEMMs in the base weights' dtype (bf16 on CUDA) instead of the adapters'
+# fp32, as the experts do; off until benchmarks/gpu_suite.py shows what it buys on a GPU.
+GROUPED_IN_BASE_DTYPE = False
 
 
 def contiguous_run(segments: list[Segment]) -> slice | None:

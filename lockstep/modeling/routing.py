@@ -39,6 +39,9 @@ class Routing:
         self.valid = valid
         self._valid_cpu = None if valid is None else valid.detach().to("cpu", torch.bool)
         self._segments: dict[tuple[int, torch.device], list[Segment]] = {}
+        # Device tensors the layers derive from this layout (group ends, per-token scales),
+        # built by the first layer that needs one and shared by every later layer and the backward.
+        self.constants: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._tokens: dict[tuple[int, torch.device], tuple[list[str], torch.Tensor]] = {}
 
     def token_adapters(self, tokens: int, device: torch.device) -> tuple[list[str], torch.Tensor]:
