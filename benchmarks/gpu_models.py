@@ -26,7 +26,7 @@ from torch import nn
 from lockstep.engine.types import AdamConfig, Datum, OptimRequest, PassRequest
 from lockstep.modeling import tiny
 from lockstep.modeling.experts import MultiLoRAExperts
-from lockstep.modeling.lora import MultiLoRALinear
+from lockstep.modeling.linear_lora import MultiLoRALinear
 from lockstep.workers.local.engine import LocalTrainingEngine
 
 RANK = 32  # every tenant's LoRA rank (attention, MLP / every expert, head)
@@ -253,20 +253,15 @@ def forward_logprobs(engine: LocalTrainingEngine, per: dict[str, list[Datum]]) -
 
 
 def admission(
-    engine: LocalTrainingEngine,
-    per: dict[str, list[Datum]],
-    directory: Path,
-    length: int,
-    device: str,
+    engine: LocalTrainingEngine, per: dict[str, list[Datum]], length: int, device: str
 ) -> dict[str, Any]:
     """The admission formula's cost of one packed pass vs the peak it really takes (CUDA)."""
     from lockstep.engine import memory
 
     budget = engine.memory_budget()
     element = next(engine._model.parameters()).element_size()
-    cost = memory.PassCost.from_config(
-        memory.text_config(directory), element, False, engine._budget, engine._chunk, False
-    )
+    shape = engine._lora.arch.shape
+    cost = memory.PassCost.from_shape(shape, element, False, engine._budget, engine._chunk, False)
     out: dict[str, Any] = {
         "budget_bytes": budget.budget_bytes,
         "max_row_tokens": budget.max_row_tokens,

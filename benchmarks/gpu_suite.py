@@ -65,7 +65,7 @@ from gpu_sampler import sample_throughput
 from rich.console import Console
 
 from lockstep.engine.types import LoraSpec
-from lockstep.modeling import attention, experts, lora
+from lockstep.modeling import attention, experts, linear_lora
 from lockstep.training import logprobs
 from lockstep.workers.local.engine import LocalTrainingEngine
 
@@ -223,8 +223,7 @@ def _measure_trainer(
         out["lora_mfu"] = tokens / tp * out["flops_per_token"] / rate
         out["lora_mfu_no_attention"] = tokens / tp * out["flops_per_token_no_attention"] / rate
     out["small_rows"] = _small_rows(run, family, engine, names, shape)
-    directory = run.model(family)
-    out["admission"] = _guarded(lambda: admission(engine, per, directory, run.length, run.device))
+    out["admission"] = _guarded(lambda: admission(engine, per, run.length, run.device))
     if run.args.profile:
         table = profile_cycle(engine, per, run.device)
         size = f"{run.tenants} tenants x {run.datums} x {run.length} tokens"
@@ -249,7 +248,9 @@ def _switches(
     if varlen_runs(run.device, engine._model.dtype):
         switches["varlen_attention"] = lambda on: setattr(attention, "VARLEN", on)
     if engine._model.dtype != torch.float32:  # the grouped LoRA GEMMs in bf16, as the experts'
-        switches["lora_gemms_in_base_dtype"] = lambda on: setattr(lora, "GROUPED_IN_BASE_DTYPE", on)
+        switches["lora_gemms_in_base_dtype"] = lambda on: setattr(
+            linear_lora, "GROUPED_IN_BASE_DTYPE", on
+        )
     if family == "moe" and not run.quick:  # (the hybrid's own layers dominate its time)
         switches["per_group_expert_matmul"] = lambda on: setattr(experts, "GROUPED_KERNEL", not on)
     return switches

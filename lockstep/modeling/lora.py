@@ -1,14 +1,15 @@
 """Multi-tenant LoRA: many adapters live in one base model; each batch ROW picks its own adapter.
 
 `LoraModel` swaps every LoRA target of a HF model (`architecture.py` says which: by role, not by
-name) for a multi-adapter layer: an `nn.Linear` becomes a `MultiLoRALinear`, which computes
-`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row; a fused experts
-module becomes a `MultiLoRAExperts` (`experts.py`: a LoRA on every expert's w1 / w3 / w2, held
-as 3-D tensors). Rows are grouped by adapter (sorted segments): each adapter's rows go through
-that adapter's own A / B, so a row's output does not depend on which other rows or adapters
-share the batch (beyond float rounding), and no row copies adapter weights. When the segments
-lie side by side (the trainer orders rows by adapter) the K adapters of a layer take ONE grouped
-GEMM pair over their runs of tokens; otherwise each adapter takes one GEMM pair of its own.
+name) for a multi-adapter layer: an `nn.Linear` becomes a `MultiLoRALinear` (`linear_lora.py`),
+which computes `base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row; a
+fused experts module becomes a `MultiLoRAExperts` (`experts.py`: a LoRA on every expert's w1 /
+w3 / w2, held as 3-D tensors). Rows are grouped by adapter (sorted segments): each adapter's
+rows go through that adapter's own A / B, so a row's output does not depend on which other rows
+or adapters share the batch (beyond float rounding), and no row copies adapter weights. When the
+segments lie side by side (the trainer orders rows by adapter) the K adapters of a layer take
+ONE grouped GEMM pair over their runs of tokens; otherwise each adapter takes one GEMM pair of
+its own.
 
 A "row" of the routing is a batch row, or a fixed-size block of one packed sequence (the trainer
 concatenates a micro-batch's rows, each padded to whole blocks, so every block has one adapter).
@@ -19,7 +20,6 @@ keeps its HF key names, and the engines reach adapters through `adapter_paramete
 
 from __future__ import annotations
 
-import itertools
 import math
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,15 +27,15 @@ from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling import packing
 from lockstep.modeling.architecture import Architecture, Role, describe
-from lockstep.modeling.experts import MultiLoRAExperts, grouped_mm
-from lockstep.modeling.routing import Routing, RoutingSlot, Segment
+from lockstep.modeling.experts import MultiLoRAExperts
+from lockstep.modeling.linear_lora import MultiLoRALinear
+from lockstep.modeling.routing import Routing, RoutingSlot
 
 # The dense layout's leaf names (Llama / Qwen3), which the Megatron engine converts.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -43,6 +43,8 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_TARGETS = ("w1", "w3", "w2")  # Tinker's names of every expert's gate / up / down
 UNEMBED_TARGETS = ("lm_head",)
 PEFT_PREFIX = "base_model.model."
+# Published vision-language checkpoints keep the text model under this prefix; adapters do not.
+LANGUAGE_MODEL = "model.language_model."
 
 
 def spec_targets(spec: LoraSpec) -> tuple[str, ...]:
@@ -155,184 +157,6 @@ def check_adapter_state(
     return paths
 
 
-class MultiLoRALinear(nn.Module):
-    """A frozen linear layer plus any number of LoRA adapters, applied per batch row.
-
-    Keeps the wrapped layer's `weight` / `bias` as its own parameters so base state-dict keys do
-    not change. Different adapters may have different ranks; an adapter may skip this layer.
-    The base matmul runs in the model's dtype; the adapter path in fp32 (the adapters' dtype).
-    """
-
-    def __init__(self, base: nn.Linear, slot: RoutingSlot) -> None:
-        super().__init__()
-        self.in_features = base.in_features
-        self.out_features = base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        self._slot = slot
-        self.lora_A: dict[str, nn.Parameter] = {}
-        self.lora_B: dict[str, nn.Parameter] = {}
-        self.scale: dict[str, float] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    def adapter(self, adapter_id: str) -> tuple[nn.Parameter, nn.Parameter, float] | None:
-        """(A, B, scale) of `adapter_id` on this layer; None when it does not train it."""
-        if adapter_id not in self.lora_A:
-            return None
-        return self.lora_A[adapter_id], self.lora_B[adapter_id], self.scale[adapter_id]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        routing = self._slot.current
-        if routing is None or not self.lora_A:
-            return y
-        segments = [s for s in routing.segments(x, self.in_features) if s.adapter_id in self.lora_A]
-        if not segments:
-            return y
-        rows = len(routing.adapter_ids)  # batch rows, or blocks of one packed sequence
-        x3 = x.reshape(rows, -1, self.in_features)
-        per_row = x3.shape[1]
-        run = contiguous_run(segments)
-        if run is not None and len(segments) > 1 and self._groupable(x.dtype):
-            delta = self._grouped(x3[run], segments, per_row, routing)
-            return y + self._assemble_run(delta, run, rows, per_row).to(y.dtype).view(y.shape)
-        deltas = []
-        for seg in segments:
-            a, b = self.lora_A[seg.adapter_id], self.lora_B[seg.adapter_id]
-            xs = x3[seg.start : seg.stop] if seg.index is None else x3.index_select(0, seg.index)
-            n = xs.shape[0]
-            # One GEMM pair over the segment's tokens with the adapter's own weights (no copies).
-            # M = its tokens, a multiple of 8 in the trainer: the kernel class a tenant's tokens
-            # take does not depend on what they are packed with, as for the base matmul.
-            h = xs.reshape(n * per_row, -1).to(a.dtype) @ a.t()
-            scale = self.scale[seg.adapter_id]
-            h = h * scale if seg.mask is None else h * (seg.mask.view(n * per_row, 1) * scale)
-            deltas.append((h @ b.t()).view(n, per_row, -1))
-        return y + self._assemble(segments, deltas, rows, per_row).to(y.dtype).view(y.shape)
-
-    def _grouped(
-        self, xs: torch.Tensor, segments: list[Segment], per_row: int, routing: Routing
-    ) -> torch.Tensor:
-        """Every segment's LoRA in ONE grouped GEMM pair: xs [n, per_row, in] holds the
-        segments' rows back to back, adapter after adapter. Ranks differ between adapters, so A
-        and B are zero-padded to the largest (exact: the padded rank columns add zeros); each
-        group's product is its adapter's own, so a tenant's numbers do not depend on who else
-        is in the batch beyond float rounding. [n, per_row, out]."""
-        ids = [s.adapter_id for s in segments]
-        # The GEMMs' dtype: the adapters' (fp32), or the base weights' where GROUPED_IN_BASE_DTYPE
-        # says so (bf16 is the CUDA grouped kernel's fast path; A and B stay fp32 parameters).
-        dtype = xs.dtype if GROUPED_IN_BASE_DTYPE else self.lora_A[ids[0]].dtype
-        # Rows of 16 bytes: what the grouped kernel (and its backward) needs of every operand.
-        align = 16 // dtype.itemsize
-        rank = -(-max(self.lora_A[i].shape[0] for i in ids) // align) * align
-        a = torch.stack([_pad(self.lora_A[i], 0, rank) for i in ids]).to(dtype)  # [G, r, in]
-        b = torch.stack([_pad(self.lora_B[i], 1, rank) for i in ids]).to(dtype)  # [G, out, r]
-        ends, token_scale = self._group_layout(segments, per_row, routing, xs.device)
-        flat = xs.reshape(-1, self.in_features).to(dtype)
-        h = grouped_mm(flat, a.mT, ends) * token_scale.unsqueeze(1).to(dtype)
-        return grouped_mm(h, b.mT, ends).view(xs.shape[0], per_row, self.out_features)
-
-    def _group_layout(
-        self, segments: list[Segment], per_row: int, routing: Routing, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int32 group ends, fp32 per-token scale) of the segments on `device`. Built once per
-        routing and kept in it: every layer of a forward (and its backward) with the same
-        adapters shares them, so a layer call copies nothing from the host."""
-        scales = tuple(self.scale[s.adapter_id] for s in segments)
-        key = ("grouped", per_row, device, scales, *((s.start, s.stop) for s in segments))
-        cached = routing.constants.get(key)
-        if cached is not None:
-            return cached
-        counts = torch.tensor([(s.stop - s.start) * per_row for s in segments])
-        ends = counts.cumsum(0).to(device, torch.int32)
-        token_scale = torch.tensor(scales, dtype=torch.float32).repeat_interleave(counts)
-        token_scale = token_scale.to(device)
-        masks = [s.mask for s in segments]
-        if any(m is not None for m in masks):
-            token_scale = token_scale * torch.cat(
-                [
-                    m if m is not None else token_scale.new_ones(int(c))
-                    for m, c in zip(masks, counts.tolist(), strict=True)
-                ]
-            )
-        routing.constants[key] = (ends, token_scale)
-        return ends, token_scale
-
-    def _groupable(self, base: torch.dtype) -> bool:
-        """Whether the grouped kernel takes this layer's sizes in the GEMMs' dtype (fp32, or
-        `base` under GROUPED_IN_BASE_DTYPE): both feature dims whole 16-byte rows (real
-        models' are; else one GEMM pair each)."""
-        align = 16 // (base.itemsize if GROUPED_IN_BASE_DTYPE else 4)
-        return self.in_features % align == 0 and self.out_features % align == 0
-
-    def _assemble_run(
-        self, delta: torch.Tensor, run: slice, rows: int, per_row: int
-    ) -> torch.Tensor:
-        """[rows, per_row, out] from the deltas of rows `run`; the rows outside get zeros."""
-        if run.start == 0 and run.stop == rows:
-            return delta
-        before = delta.new_zeros(run.start, per_row, self.out_features)
-        after = delta.new_zeros(rows - run.stop, per_row, self.out_features)
-        return torch.cat([before, delta, after])
-
-    def _assemble(
-        self, segments: list[Segment], deltas: list[torch.Tensor], rows: int, per_row: int
-    ) -> torch.Tensor:
-        """[rows, per_row, out] from per-segment deltas; rows without an adapter get zeros."""
-        first = deltas[0]
-        if len(segments) == 1 and segments[0].index is None and first.shape[0] == rows:
-            return first
-        if all(s.index is None for s in segments):
-            parts, at = [], 0
-            for seg, d in zip(segments, deltas, strict=True):
-                if seg.start > at:
-                    parts.append(first.new_zeros(seg.start - at, per_row, self.out_features))
-                parts.append(d)
-                at = seg.stop
-            if at < rows:
-                parts.append(first.new_zeros(rows - at, per_row, self.out_features))
-            return torch.cat(parts)
-        out = first.new_zeros(rows, per_row, self.out_features)
-        for seg, d in zip(segments, deltas, strict=True):
-            index = seg.index
-            if index is None:
-                index = torch.arange(seg.start, seg.stop, device=d.device)
-            out = out.index_add(0, index, d)
-        return out
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
-
-
-# Run the grouped LoRA GEMMs in the base weights' dtype (bf16 on CUDA) instead of the adapters'
-# fp32, as the experts do; off until benchmarks/gpu_suite.py shows what it buys on a GPU.
-GROUPED_IN_BASE_DTYPE = False
-
-
-def contiguous_run(segments: list[Segment]) -> slice | None:
-    """The rows the segments cover when they are plain slices back to back (the trainer orders
-    rows by adapter), else None."""
-    if any(s.index is not None for s in segments):
-        return None
-    for before, after in itertools.pairwise(segments):
-        if before.stop != after.start:
-            return None
-    return slice(segments[0].start, segments[-1].stop)
-
-
-def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """`t` zero-padded along `dim` (A: rank rows; B: rank columns) to `size`."""
-    missing = size - t.shape[dim]
-    return t if missing == 0 else torch.cat([t, t.new_zeros(*_with(t.shape, dim, missing))], dim)
-
-
-def _with(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:
-    return tuple(size if d == dim else n for d, n in enumerate(shape))
-
-
 class _Slot(Protocol):
     """One LoRA target's adapters: a MultiLoRALinear, or one projection of fused experts."""
 
@@ -353,24 +177,39 @@ class LoraModel:
         self.base = base
         self.arch = describe(base) if arch is None else arch
         self._slot = RoutingSlot()
-        self._layers: dict[str, _Slot] = {}  # LoRA path -> slot, model order
+        self._layers: dict[str, _Slot] = {}  # adapter path (Tinker's name) -> slot, model order
         self._shapes: dict[str, LoraShape] = {}
         self._roles: dict[str, Role] = {}
         self._specs: dict[str, LoraSpec] = {}
+        # Gate-less experts' empty w3 in Tinker's files: placeholder path -> the path it sits by.
+        self._placeholders: dict[str, str] = {}
+        # A module path whose adapter file name differs (gpt-oss `self_attn`; fused projections
+        # trained as parts) -> its names, for adapters written in transformers' names.
+        self._aliases: dict[str, tuple[str, ...]] = {}
         for target in self.arch.targets:
             parent_path, _, leaf = target.path.rpartition(".")
             parent = base.get_submodule(parent_path) if parent_path else base
             if isinstance(target.module, nn.Linear):
-                layer = MultiLoRALinear(target.module, self._slot)
+                ranges = [(p.start, p.stop) for p in target.parts]
+                layer = MultiLoRALinear(target.module, self._slot, ranges)
                 setattr(parent, leaf, layer)
-                shape = LoraShape(layer.in_features, layer.out_features)
-                self._add(target.path, target.role, layer, shape)
+                names = [p.name for p in target.parts] or [target.name]
+                for name, slot in zip(names, layer.slots, strict=True):
+                    shape = LoraShape(slot.in_features, slot.out_features)
+                    self._add(name, target.role, slot, shape)
+                if names != [target.path]:
+                    self._aliases[target.path] = tuple(names)
             else:
                 experts = MultiLoRAExperts(target.module, self._slot)
                 setattr(parent, leaf, experts)
-                for which, slot in experts.slots.items():
-                    shape = LoraShape(slot.in_features, slot.out_features, slot.experts)
-                    self._add(f"{target.path}.{which}", target.role, slot, shape)
+                for which, expert_slot in experts.slots.items():
+                    shape = LoraShape(
+                        expert_slot.in_features, expert_slot.out_features, expert_slot.experts
+                    )
+                    self._add(f"{target.name}.{which}", target.role, expert_slot, shape)
+                first = f"{target.name}.{next(iter(experts.slots))}"
+                for which in experts.placeholders:
+                    self._placeholders[f"{target.name}.{which}"] = first
         if not self._layers:
             raise ValueError(f"{type(base).__name__} has no LoRA-targetable layers")
 
@@ -468,7 +307,8 @@ class LoraModel:
         ]
 
     def adapter_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
-        """Detached CPU copies under PEFT key names (experts: 3-D, Tinker's layout)."""
+        """Detached CPU copies under PEFT key names (experts: 3-D, Tinker's layout; gate-less
+        experts with Tinker's empty w3 placeholder)."""
         if adapter_id not in self._specs:
             raise KeyError(adapter_id)
         state: dict[str, torch.Tensor] = {}
@@ -477,7 +317,61 @@ class LoraModel:
                 a, b = layer.lora_A[adapter_id], layer.lora_B[adapter_id]
                 state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a.detach().to("cpu", copy=True)
                 state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = b.detach().to("cpu", copy=True)
+        for placeholder, beside in self._placeholders.items():
+            if adapter_id in self._layers[beside].lora_A:
+                for ab in ("A", "B"):
+                    state[f"{PEFT_PREFIX}{placeholder}.lora_{ab}.weight"] = torch.empty(0)
         return state
+
+    def tinker_names(self, state: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """An adapter written in transformers' module names (a PEFT adapter made by
+        tinker-cookbook's `build_lora_adapter`, or a published-layout prefix) in this model's
+        adapter names: `model.language_model.` -> `model.`, gpt-oss's `self_attn` -> `attn`, and
+        a fused projection's LoRA (rank k*r, block-diagonal) split back into its k parts.
+
+        Raises:
+            ValueError: a fused LoRA that is not block-diagonal over the parts (the parts'
+                separate LoRA cannot represent it).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in state.items():
+            if not key.startswith(PEFT_PREFIX) or tensor.numel() == 0:
+                out[key] = tensor
+                continue
+            path, ab = key[len(PEFT_PREFIX) :].rsplit(".", 2)[0], key.rsplit(".", 2)[-2]
+            if path not in self._layers and path.startswith(LANGUAGE_MODEL):
+                path = "model." + path[len(LANGUAGE_MODEL) :]
+            names = self._aliases.get(path, (path,))
+            if len(names) == 1:
+                out[f"{PEFT_PREFIX}{names[0]}.{ab}.weight"] = tensor
+                continue
+            for name, part in zip(names, self._split(path, names, tensor, ab, rank), strict=True):
+                out[f"{PEFT_PREFIX}{name}.{ab}.weight"] = part
+        return out
+
+    def _split(
+        self, path: str, names: tuple[str, ...], tensor: torch.Tensor, ab: str, rank: int
+    ) -> list[torch.Tensor]:
+        """One fused projection's lora_A [k*r, in] or lora_B [out, k*r] cut into its parts."""
+        k = len(names)
+        if tensor.shape[0 if ab == "lora_A" else 1] != k * rank:
+            raise ValueError(f"{path}: {ab} {tuple(tensor.shape)} is not {k} parts of rank {rank}")
+        if ab == "lora_A":
+            return [tensor[i * rank : (i + 1) * rank] for i in range(k)]
+        parts, covered = [], torch.zeros_like(tensor, dtype=torch.bool)
+        start = 0
+        for i, name in enumerate(names):
+            width = self._shapes[name].fan_out
+            cols = slice(i * rank, (i + 1) * rank)
+            parts.append(tensor[start : start + width, cols])
+            covered[start : start + width, cols] = True
+            start += width
+        if bool(tensor[~covered].ne(0).any()):
+            raise ValueError(
+                f"{path}: its LoRA is not block-diagonal over {', '.join(names)} (Tinker trains "
+                "those as separate LoRA; this one cannot be split into them)"
+            )
+        return parts
 
     def load_adapter_state(
         self,

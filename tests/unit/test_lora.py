@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lockstep.engine.shape import ModelShape
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling.architecture import Architecture, Role, Target, TrainerPath
 from lockstep.modeling.loader import load_base_model
@@ -35,9 +36,7 @@ def _toy_lora() -> tuple[Toy, LoraModel]:
         p.requires_grad_(False)
     # Not a HF model: its LoRA targets are named by hand (q_proj attention, lm_head unembed).
     arch = Architecture(
-        model_type="toy",
-        layer_types=(),
-        trainer_path=TrainerPath.GENERIC,
+        shape=ModelShape("toy", hidden=16, vocab=32, layers=(), trainer_path=TrainerPath.GENERIC),
         padded_sampling=True,
         targets=(
             Target("q_proj", Role.ATTN, toy.q_proj),
@@ -243,7 +242,7 @@ def test_grouped_layout_is_built_once_per_routing() -> None:
 def test_grouped_gemms_in_the_base_dtype_stay_close(monkeypatch: pytest.MonkeyPatch) -> None:
     """GROUPED_IN_BASE_DTYPE (bf16 GEMMs for the grouped LoRA, fp32 parameters and gradients)
     stays within bf16 rounding of the fp32 computation."""
-    from lockstep.modeling import lora as lora_module
+    from lockstep.modeling import linear_lora
 
     toy, lora = _toy_lora()
     ids: list[str | None] = [None, "r8", "r8", "r4", "r4", "head", None]
@@ -251,7 +250,7 @@ def test_grouped_gemms_in_the_base_dtype_stay_close(monkeypatch: pytest.MonkeyPa
     with lora.row_adapters(ids):
         ref = toy(x)
     toy.to(torch.bfloat16)  # the base weights; adapters are held apart and stay fp32
-    monkeypatch.setattr(lora_module, "GROUPED_IN_BASE_DTYPE", True)
+    monkeypatch.setattr(linear_lora, "GROUPED_IN_BASE_DTYPE", True)
     with lora.row_adapters(ids):
         low = toy(x.to(torch.bfloat16))
         low.float().square().sum().backward()
