@@ -6,12 +6,14 @@ tests check the arithmetic without a model. The scheduler only sees the resultin
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from lockstep.engine.shape import LayerShape, ModelShape
+from lockstep.engine.shape import LayerShape, Mixer, ModelShape
 from lockstep.engine.types import MemoryBudget
 
 GIB = 1 << 30
@@ -19,26 +21,45 @@ CPU_SHARE = 0.75  # of the memory the trainer could still take: the rest for eve
 CUDA_MARGIN = 0.10  # of the device's total memory, kept free beside a pass (allocator, tenants)
 
 
+def text_config(model_dir: Path) -> dict[str, Any]:
+    """The language model's settings in a HF `config.json` (multimodal: its `text_config`)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text: dict[str, Any] = config.get("text_config") or config
+    return text
+
+
+# The LoRA rank the pass cost assumes (Tinker's default): each LoRA slot a token passes keeps
+# two fp32 rank-wide vectors, 8 * rank bytes.
+LORA_RANK = 32
+
+
 @dataclass(frozen=True)
 class PassCost:
-    """Bytes one micro-batch of a fused pass holds, for a batch whose longest row has T tokens:
+    """Bytes one micro-batch of a fused pass holds, for a batch whose longest row has T tokens
+    and N = max(T, batch_tokens) tokens in all:
 
-        bytes(T) = per_token * max(T, batch_tokens) + scores_per_token_sq * T^2 + fixed
+        bytes(T) = per_token * N + scores_per_token_sq * T^2 + logits_per_token * min(N, chunk)
 
-    per_token sums what each layer keeps per token (`_layer_bytes`: its input and norms, the
-    token mixer's projections, the feed-forward part's, each routed (token, expert) pair's,
-    and the fp32 copies the adapters take where the base dtype is narrower); without
-    checkpointing every layer is kept plus the last one's backward working set, with
-    checkpointing only each layer's input plus two recomputed layers. Attention that
-    materialises scores (windows, sinks, the model's own masked forward) keeps fp32 scores and
-    probabilities in those layers, 8 * heads * T^2 each; fused causal SDPA keeps none. fixed:
-    three fp32 copies of one logits chunk. The numbers come from the model's `ModelShape`.
-    Conservative by design: every activation counted as saved, no reuse between them.
+    per_token sums what each layer keeps per token (`_layer_bytes`), in the base dtype's e bytes
+    per value: its input (H), 3x its attention projections' widths, 12x a Gated DeltaNet's and
+    2x a Mamba-2 mixer's projections (their chunked scans keep more or less per token), 2x the
+    dense (or shared-expert) width, 5x each routed (token, expert) pair's input and width; plus
+    8 * rank bytes per LoRA slot the token passes (adapters are fp32), plus fp32 copies of the
+    LoRA inputs where e < 4. With checkpointing only each layer's input is kept, plus two
+    recomputed layers. Attention that materialises scores keeps them in those layers: on the
+    packed path (windows, sinks, a value head narrower than q/k) 6 * heads * T^2 bytes each, on
+    the generic path (the model's own masked attention) 3 * heads * T^2 in every attention
+    layer; fused causal SDPA keeps none. The logits: 2 fp32 copies of one chunk of at most
+    `chunk` positions (the fused head's logits and its logsumexp's exponentials,
+    `training/logprobs.py`). The numbers come from the model's `ModelShape`; the coefficients are
+    measured (tests/unit/test_pass_cost.py checks the formula against the peak a pass really
+    takes on the CPU, for every family of the zoo: never under, at most 25 % over).
     """
 
     per_token: int
     scores_per_token_sq: int
-    fixed: int
+    logits_per_token: int
+    chunk: int
     batch_tokens: int
 
     @classmethod
@@ -49,29 +70,36 @@ class PassCost:
         checkpointing: bool,
         batch_tokens: int,
         chunk_tokens: int,
-        materialised_scores: bool,
+        generic: bool,
     ) -> PassCost:
         e = element_bytes
         layers = [_layer_bytes(shape.hidden, la, e) for la in shape.layers]
+        head = 8 * LORA_RANK * shape.head_slots
         if checkpointing:
-            per_token = len(layers) * e * shape.hidden + 2 * max(layers)
+            per_token = len(layers) * e * shape.hidden + 2 * max(layers) + head
         else:
-            per_token = sum(layers) + max(layers) + e * shape.hidden
+            per_token = sum(layers) + head
         scored = 0
         for layer in shape.layers:
             att = layer.attention
-            if att is not None and (materialised_scores or att.window or att.sinks):
-                scored += 8 * att.heads
+            if att is None:
+                continue
+            if generic:
+                scored += 3 * att.heads
+            elif att.window or att.sinks or att.head_dim != att.value_head_dim:
+                scored += 6 * att.heads
         return cls(
             per_token=per_token,
             scores_per_token_sq=scored,
-            fixed=3 * 4 * chunk_tokens * shape.vocab,
+            logits_per_token=8 * shape.vocab,
+            chunk=chunk_tokens,
             batch_tokens=batch_tokens,
         )
 
     def pass_bytes(self, longest_row: int) -> int:
         tokens = max(longest_row, self.batch_tokens)
-        return self.per_token * tokens + self.scores_per_token_sq * longest_row**2 + self.fixed
+        logits = self.logits_per_token * min(tokens, self.chunk)
+        return self.per_token * tokens + self.scores_per_token_sq * longest_row**2 + logits
 
     def budget(self, budget_bytes: int, context: int, source: str) -> MemoryBudget:
         """The longest row (<= context) whose pass fits in `budget_bytes`."""
@@ -140,27 +168,23 @@ def describe(budget: MemoryBudget) -> str:
 
 def _layer_bytes(hidden: int, layer: LayerShape, e: int) -> int:
     """What one layer keeps per token in a pass (see PassCost)."""
-    h = hidden
-    base = 4 * h  # input, norms, residual sums
-    lora = 5 * h  # fp32 copies of LoRA inputs (where e < 4)
+    values = hidden
+    narrow = 5 * hidden  # LoRA inputs cast to fp32 (where e < 4)
     if layer.attention is not None:
         a = layer.attention
-        width = a.heads * (5 * a.head_dim + 2 * a.value_head_dim)
-        width += a.kv_heads * 2 * (a.head_dim + a.value_head_dim)
-        base += width
-        lora += a.heads * a.head_dim
+        values += 3 * (a.heads + a.kv_heads) * (a.head_dim + a.value_head_dim)
+        narrow += a.heads * a.head_dim
     if layer.recurrent is not None:
         r = layer.recurrent
-        base += 2 * r.projected + 3 * r.inner
-        lora += r.inner
-    pairs = 0
+        values += (2 if layer.mixer is Mixer.MAMBA else 12) * (r.projected + r.inner)
+        narrow += r.inner
     if layer.ffn is not None:
         f = layer.ffn
         dense = f.shared_width if f.routed else f.width
-        base += 4 * dense
-        lora += dense
+        values += 2 * dense
+        narrow += dense
         if f.routed:
-            # Per (token, expert) pair: its gathered input, base and LoRA outputs and copies.
-            pairs = f.top_k * (5 * h + 9 * f.width)
-            lora += f.top_k * f.width
-    return e * (base + pairs) + (4 * lora if e < 4 else 0)
+            values += 5 * f.top_k * (hidden + f.width)
+            narrow += f.top_k * f.width
+    lora = 8 * LORA_RANK * layer.lora_slots
+    return e * values + lora + (4 * narrow if e < 4 else 0)

@@ -77,6 +77,7 @@ class LayerShape:
     attention: AttentionShape | None = None
     recurrent: RecurrentShape | None = None
     ffn: FeedForwardShape | None = None
+    lora_slots: int = 0  # LoRA projections a token passes in this layer (each routed pair's too)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class ModelShape:
     trainer_path: TrainerPath
     tied_embeddings: bool = False
     rope: str = "default"  # rotary embedding type ("default": plain RoPE)
+    head_slots: int = 0  # LoRA slots of the LM head (1 when it is a target)
 
     def attention(self) -> list[AttentionShape]:
         return [la.attention for la in self.layers if la.attention is not None]

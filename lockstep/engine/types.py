@@ -132,7 +132,7 @@ class CustomLossNode:
 
 @dataclass(frozen=True)
 class CustomLoss:
-    """A stored custom loss, validated at creation (`lockstep.engine.custom_loss`)."""
+    """A stored custom loss, checked at creation (`lockstep.custom_loss`)."""
 
     loss_id: str
     name: str
@@ -158,6 +158,13 @@ class PassResult:
     request_id: str
     outputs: list[dict[str, np.ndarray]]  # per datum: "logprobs" (shape of target_tokens), ...
     metrics: dict[str, float]  # keys "name:reduction"; always "loss:sum"
+    # This request failed alone (its own data: a NaN loss, an op error in its custom loss, a
+    # row that runs out of memory even alone), a user error; nothing of it was applied.
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, request_id: str, error: str) -> PassResult:
+        return cls(request_id, [], {}, error)
 
 
 @dataclass(frozen=True)

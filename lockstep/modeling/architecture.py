@@ -45,9 +45,8 @@ the text decoder is described as above, the vision tower beside it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -160,8 +159,12 @@ class Target:
     path: str  # module path in the HF model
     role: Role
     module: nn.Module  # nn.Linear or a fused experts module
-    name: str  # Tinker's adapter path (what adapter files hold)
+    name: str = ""  # Tinker's adapter path (what adapter files hold); "": the module path
     parts: tuple[LoraPart, ...] = ()  # non-empty: LoRA per row slice, under the parts' names
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.path)
 
 
 @dataclass(frozen=True)
@@ -423,6 +426,10 @@ def describe(model: PreTrainedModel, vision: VisionSpec | None = None) -> Archit
     prefix = _module_path(model, layers, "decoder layers")
     shapes = tuple(_layer(layer, config, f"{prefix}.{i}", i) for i, layer in enumerate(layers))
     targets = _targets(model, family)
+    shapes = tuple(
+        replace(shape, lora_slots=_slots(targets, f"{prefix}.{i}.", shape))
+        for i, shape in enumerate(shapes)
+    )
     mixers = tuple(
         f"{prefix}.{i}.{name}"
         for i, layer in enumerate(layers)
@@ -440,6 +447,7 @@ def describe(model: PreTrainedModel, vision: VisionSpec | None = None) -> Archit
         trainer_path=TrainerPath.PACKED if packed else TrainerPath.GENERIC,
         tied_embeddings=isinstance(head, nn.Module) and head.weight is embeddings.weight,
         rope=_rope_type(config),
+        head_slots=sum(1 for t in targets if t.role is Role.UNEMBED),
     )
     return Architecture(
         shape=shape,
@@ -451,6 +459,20 @@ def describe(model: PreTrainedModel, vision: VisionSpec | None = None) -> Archit
     )
 
 
+def _slots(targets: list[Target], prefix: str, shape: LayerShape) -> int:
+    """LoRA projections one token passes in a layer: each linear target (or part of one), and
+    each routed (token, expert) pair's expert projections."""
+    slots = 0
+    for t in targets:
+        if not t.path.startswith(prefix):
+            continue
+        if isinstance(t.module, nn.Linear):
+            slots += len(t.parts) or 1
+        elif shape.ffn is not None:
+            slots += shape.ffn.top_k * (3 if shape.ffn.gated else 2)
+    return slots
+
+
 def describe_dir(model_dir: Path) -> Architecture:
     """The Architecture of a model directory without its weights (a meta-device instance of its
     config): what processes that never load the model (Megatron, configuration checks) use."""
@@ -460,13 +482,6 @@ def describe_dir(model_dir: Path) -> Architecture:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return describe(model)
-
-
-def config_json(model_dir: Path) -> dict[str, object]:
-    """The language model's settings in a HF `config.json` (multimodal: its `text_config`)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text: dict[str, object] = config.get("text_config") or config
-    return text
 
 
 def _rope_type(config: object) -> str:

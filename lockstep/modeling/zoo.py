@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -256,7 +257,35 @@ def build_model(directory: Path, settings: dict[str, Any]) -> None:
     model.generation_config.do_sample = True
     model.save_pretrained(str(directory), safe_serialization=True)
     _published_config(directory)
+    if model_type in FUSED_EXPERTS:
+        _fuse_experts(directory / "model.safetensors")
     tiny.finish_directory(directory)
+
+
+# Published with each MoE layer's experts fused (`experts.gate_up_proj` [E, 2I, H] = gate | up,
+# `experts.down_proj` [E, H, I]), where transformers 5.24 writes one tensor per expert: the
+# cookbook's transformers reads only the fused layout for these.
+FUSED_EXPERTS = frozenset({"qwen3_5_moe"})
+_PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fuse_experts(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        m = _PER_EXPERT.match(key)
+        if m is None:
+            out[key] = tensor
+        else:
+            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = tensor
+    for experts, parts in groups.items():
+        stack = {name: torch.stack([t[e] for e in sorted(t)]) for name, t in parts.items()}
+        out[f"{experts}.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        out[f"{experts}.down_proj"] = stack["down"]
+    save_file({k: v.contiguous() for k, v in out.items()}, str(path), metadata={"format": "pt"})
 
 
 def _published_config(directory: Path) -> None:

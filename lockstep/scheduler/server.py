@@ -165,6 +165,9 @@ def assemble(
         memory_budget=trainer.memory_budget(),
         decoded=decoded,
         image_dir=cfg.image_dir,
+        custom_loss_created=lambda rec: accounting.custom_loss_created(
+            rec.owner, rec.session_id, card.name, rec.loss_id, rec.name
+        ),
     )
     return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
 
@@ -238,6 +241,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
             await asyncio.wait_for(task, timeout=30)
     trainer.close()
     sampler.close()
+    parts.submissions.custom_losses.pricer.close()
     await store.close()
     if ops is not None:
         ops.close()

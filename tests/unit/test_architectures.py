@@ -179,8 +179,11 @@ def _logprobs(model: PreTrainedModel, datum: Datum) -> np.ndarray:
 def test_trainer_path_is_the_familys(trained: Trained) -> None:
     arch = trained.engine._lora.arch
     assert (arch.model_type in PACKED_FAMILIES) == trained.engine._packed
+    # What get_info / capabilities report (the card travels to the scheduler).
+    assert trained.engine.card().trainer_path is arch.trainer_path
     if trained.family == "mistral":  # not a packed family: its own forward, row by row
         assert not trained.engine._packed
+        assert trained.engine.card().trainer_path is TrainerPath.GENERIC
     if trained.family in MOE:
         assert arch.experts, "fused experts are LoRA targets"
 

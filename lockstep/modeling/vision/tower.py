@@ -13,6 +13,7 @@ trains the language model only, so nothing flows back into it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lockstep.engine.images import ImageInput, VisionSpec
+from lockstep.engine.types import MemoryBudget
 from lockstep.modeling.vision.positions import mrope_positions
 from lockstep.modeling.vision.processing import ImageProcessing
 
@@ -100,7 +102,7 @@ class VisionModel:
         for start, length, images in rows:
             if images:
                 row = mrope_positions(length, images, self.spec.merge_size)
-                mrope[:, start : start + length] = row
+                mrope[:, start : start + length] = row.to(mrope.device)
                 placed += [Placed(0, start + i.position, i) for i in images]
         out = self.inputs(input_ids, placed)
         out["position_ids"] = torch.cat([positions, mrope]).unsqueeze(1).to(input_ids.device)
@@ -108,6 +110,25 @@ class VisionModel:
 
     def cost(self, element_bytes: int) -> VisionCost:
         return VisionCost.of(self.config, element_bytes, self.spec.merge_size)
+
+    def budget(self, memory: MemoryBudget, budget_bytes: int, batch_tokens: int) -> MemoryBudget:
+        """The trainer's budget with the largest image the tower's pass fits in it."""
+        element = torch.finfo(self.dtype).bits // 8
+        patches = self.cost(element).max_patches(budget_bytes, batch_tokens)
+        return dataclasses.replace(memory, max_image_patches=patches)
+
+
+def decoder_inputs(
+    vision: VisionModel | None,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rows: Sequence[tuple[int, int, Sequence[ImageInput]]],
+) -> dict[str, Any]:
+    """The language model's input for a packed micro-batch: ids and positions for a text
+    model; a vision-language model's embeddings and M-RoPE (`VisionModel.packed`)."""
+    if vision is None:
+        return {"input_ids": input_ids, "position_ids": positions}
+    return vision.packed(input_ids, positions, rows)
 
 
 @dataclass(frozen=True)

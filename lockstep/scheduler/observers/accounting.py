@@ -35,6 +35,7 @@ class Counter(StrEnum):
     SAMPLES = "samples"
     CYCLE_SECONDS = "cycle_seconds"
     CHECKPOINTS = "checkpoints"
+    CUSTOM_LOSSES = "custom_losses"
 
 
 class AuditEvent(StrEnum):
@@ -52,6 +53,7 @@ class AuditEvent(StrEnum):
     CHECKPOINT_PUBLISHED = "checkpoint_published"
     CHECKPOINT_UNPUBLISHED = "checkpoint_unpublished"
     CHECKPOINT_COPIED = "checkpoint_copied"
+    CUSTOM_LOSS_CREATED = "custom_loss_created"
 
 
 class Accounting:
@@ -133,6 +135,22 @@ class Accounting:
                         size_bytes=ckpt.size_bytes,
                         session_id=who[1],
                     )
+            await pipe.execute()
+
+    async def custom_loss_created(
+        self, owner: str, session_id: str, base_model: str, loss_id: str, name: str
+    ) -> None:
+        """A session stored a custom loss (it leaves with the session): counted and audited."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self._add(pipe, owner, session_id, base_model, {Counter.CUSTOM_LOSSES: 1})
+            self._audit(
+                pipe,
+                owner,
+                AuditEvent.CUSTOM_LOSS_CREATED,
+                session_id=session_id,
+                loss_id=loss_id,
+                name=name,
+            )
             await pipe.execute()
 
     async def on_sampled(

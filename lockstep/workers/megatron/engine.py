@@ -26,7 +26,7 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UserInputError
-from lockstep.modeling.architecture import config_json, describe_dir
+from lockstep.modeling.architecture import describe_dir
 from lockstep.modeling.lora import (
     PEFT_PREFIX,
     check_adapter_state,
@@ -60,7 +60,7 @@ class MegatronTrainingEngine(TrainingEngine):
         memory_budget_bytes: int = 0,
     ) -> None:
         self._shape = describe_dir(Path(model_dir)).shape  # the one description of the model
-        self._arch = arch = HFArch.from_shape(self._shape, config_json(Path(model_dir)))
+        self._arch = arch = HFArch.from_shape(self._shape, memory.text_config(Path(model_dir)))
         parallel.check_model(
             arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate, arch.experts
         )

@@ -54,9 +54,10 @@ class HFArch:
 
     @staticmethod
     def from_dir(model_dir: Path) -> HFArch:
-        from lockstep.modeling.architecture import config_json, describe_dir
+        from lockstep.engine.memory import text_config
+        from lockstep.modeling.architecture import describe_dir
 
-        return HFArch.from_shape(describe_dir(Path(model_dir)).shape, config_json(Path(model_dir)))
+        return HFArch.from_shape(describe_dir(Path(model_dir)).shape, text_config(Path(model_dir)))
 
     @staticmethod
     def from_shape(shape: ModelShape, cfg: dict[str, Any]) -> HFArch:
