@@ -258,7 +258,7 @@ def build_model(directory: Path, settings: dict[str, Any]) -> None:
     model.save_pretrained(str(directory), safe_serialization=True)
     _published_config(directory)
     if model_type in FUSED_EXPERTS:
-        _fuse_experts(directory / "model.safetensors")
+        fuse_experts(directory / "model.safetensors")
     tiny.finish_directory(directory)
 
 
@@ -269,7 +269,7 @@ FUSED_EXPERTS = frozenset({"qwen3_5_moe"})
 _PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _fuse_experts(path: Path) -> None:
+def fuse_experts(path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(path))

@@ -164,6 +164,8 @@ def build_vlm(directory: Path, recipe: dict[str, Any]) -> None:
     tiny.init_weights(model, std=0.02)
     model.generation_config.do_sample = True
     model.save_pretrained(str(directory), safe_serialization=True)
+    if recipe["model_type"] in zoo.FUSED_EXPERTS:  # as published (zoo.py says why)
+        zoo.fuse_experts(directory / "model.safetensors")
     (directory / "preprocessor_config.json").write_text(
         json.dumps(PREPROCESSOR, indent=2, sort_keys=True) + "\n"
     )
