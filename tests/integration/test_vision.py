@@ -1,7 +1,8 @@
 """Images through the real SDK and the compatible APIs against one real `lockstep serve` of a
 tiny Qwen3.5 vision-language model in its published layout (lockstep/modeling/vision/zoo.py).
 
-- two tenants with images and a text tenant train in shared clock cycles; the loss falls;
+- two tenants with images and a text tenant train in shared clock cycles; the loss falls; a
+  server-side custom loss takes the same image datums;
 - a wrong `expected_tokens` and each bad image are a 400 naming the chunk, and the tenant keeps
   training right after;
 - a sampler answers an image prompt; compute_logprobs with the image equals the trainer's
@@ -117,8 +118,15 @@ def test_images_train_packed_refuse_bad_input_and_sample(served: tuple[str, Path
     for tenant in range(3):
         assert losses[-1][tenant] < 0.7 * losses[0][tenant], losses
 
-    # Each bad image is a 400 naming its chunk; the tenant trains on right after each.
+    # A server-side custom loss takes the same image datums (the custom loss path).
     trainer = images[0]
+    handle = service.create_custom_loss(weighted_nll, {"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is not None  # uploaded: it runs on the server
+    plain = trainer.forward(batch, "cross_entropy").result().metrics["loss:sum"]
+    custom = trainer.forward_backward_custom(batch, handle).result().metrics["loss:sum"]
+    assert custom == pytest.approx(plain, abs=1e-4)
+
+    # Each bad image is a 400 naming its chunk; the tenant trains on right after each.
     bad = {
         "expected_tokens: is 5 but this image is 4 tokens": _image_datum(tok, "red", expected=5),
         "data: is a truncated or corrupt png": _image_datum(tok, "red", data=png((1, 2, 3))[:-30]),
@@ -159,6 +167,10 @@ def test_images_train_packed_refuse_bad_input_and_sample(served: tuple[str, Path
     theirs = np.asarray(forward["logprobs"].tolist()[:-1])
     assert len(scored) == len(expanded) and scored[0] is None
     assert np.abs(np.asarray(scored[1:]) - theirs).max() <= 1e-4
+
+
+def weighted_nll(logprobs, weights):  # type: ignore[no-untyped-def]
+    return -(logprobs * weights).sum(), {}
 
 
 def _bomb() -> bytes:
