@@ -77,3 +77,20 @@ class SamplerKind(StrEnum):
     LOCAL = "local"
     VLLM = "vllm"
     SGLANG = "sglang"
+
+
+class AuditEvent(StrEnum):
+    """`<resource>_<action>`, the SDK's AuditLogEntry.event convention."""
+
+    SESSION_CREATED = "session_created"
+    SESSION_FINISHED = "session_finished"
+    SESSION_EXPIRED = "session_expired"
+    TRAINING_RUN_CREATED = "training_run_created"
+    MODEL_UNLOADED = "model_unloaded"
+    CHECKPOINT_CREATED = "checkpoint_created"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_READ = "checkpoint_read"
+    CHECKPOINT_DELETED = "checkpoint_deleted"
+    CHECKPOINT_PUBLISHED = "checkpoint_published"
+    CHECKPOINT_UNPUBLISHED = "checkpoint_unpublished"
+    CHECKPOINT_COPIED = "checkpoint_copied"

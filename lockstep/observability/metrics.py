@@ -335,6 +335,7 @@ ERROR_CATEGORIES = frozenset(
         "engine",
         "sampling",
         "redis",
+        "audit",
     }
 )
 SCHEDULER_ERRORS = Counter(

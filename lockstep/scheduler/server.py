@@ -32,7 +32,10 @@ from lockstep.observability.ops_server import start_ops_server
 from lockstep.scheduler.admission.decoded import DecodedPasses
 from lockstep.scheduler.admission.submissions import Submissions
 from lockstep.scheduler.api import tenancy as tenancy_mod
-from lockstep.scheduler.api.tenancy_service import TenancyService
+from lockstep.scheduler.api.futures import FutureRpcs
+from lockstep.scheduler.api.reads import CatalogReads
+from lockstep.scheduler.api.servicer import servicer
+from lockstep.scheduler.api.tenancy_rpcs import TenancyRpcs
 from lockstep.scheduler.cycle.clock import Clock
 from lockstep.scheduler.cycle.dispatch import Dispatcher
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
@@ -110,15 +113,19 @@ class Assembly:
     submissions: Submissions
     tenancy: tenancy_mod.Tenancy
 
-    def service(self, health: Callable[[], Awaitable[dict[str, str]]]) -> TenancyService:
-        return TenancyService(
-            self.store,
-            self.catalog,
-            self.submissions,
-            self.board,
-            health,
-            self.clock.queue_state,
-            tenancy=self.tenancy,
+    def service(self, health: Callable[[], Awaitable[dict[str, str]]]) -> pb_grpc.SchedulerServicer:
+        """The gRPC servicer: one role object per part of the API, one error mapping."""
+        return servicer(
+            FutureRpcs(
+                self.store,
+                self.catalog,
+                self.submissions,
+                self.board,
+                self.tenancy.trail,
+                self.clock.queue_state,
+            ),
+            CatalogReads(self.store, self.catalog, self.submissions, health),
+            TenancyRpcs(self.tenancy),
         )
 
 

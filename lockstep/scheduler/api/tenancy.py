@@ -1,7 +1,7 @@
 """Tenancy: the end of a session frees its models' engine state; accounting answers per key.
 
-`Tenancy` holds the settings and the logic; `TenancyRpcs` is the slice of the gRPC service that
-serves it (mixed into SchedulerService). A session ends when its client closes it, when it sends
+`Tenancy` holds the settings and the logic; `tenancy_rpcs.TenancyRpcs` is the role of the gRPC
+servicer that serves it. A session ends when its client closes it, when it sends
 no heartbeat for `session_expiry_s`, or (for one run) on `unload_model`; its durable state
 (snapshots, replay log, checkpoints) stays, so an unloaded run of a live session is restored on
 its next request, while requests for an ended session get a 400.
@@ -21,14 +21,15 @@ from typing import Any
 from lockstep.config import TenancyConfig
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
-from lockstep.scheduler.observers.accounting import Accounting, AuditEvent
+from lockstep.scheduler.api.audit import AuditTrail
+from lockstep.scheduler.observers.accounting import Accounting
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.catalog import Catalog
 from lockstep.scheduler.state.records import CheckpointRecord, SessionRecord
 from lockstep.scheduler.state.residency import Residency
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import AuditEvent, OpKind
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,14 @@ class Tenancy:
         self.catalog = catalog
         self.residency = residency
         self.accounting = accounting
+        self.trail = AuditTrail(accounting)  # entries after the action: best effort
         self.wake_clock = wake_clock
         self.unload_adapters = unload_adapters  # the sampling lane's
 
     # ---------------------------------------------------------------- lifecycle
     async def session_started(self, rec: SessionRecord) -> None:
         await self.store.redis.zadd(keys.SESSION_BEATS, {rec.session_id: rec.created})
-        await self.accounting.audit(
-            rec.owner, AuditEvent.SESSION_CREATED, session_id=rec.session_id
-        )
+        await self.trail.record(rec.owner, AuditEvent.SESSION_CREATED, session_id=rec.session_id)
 
     async def heartbeat(self, session_id: str) -> None:
         await self.store.redis.zadd(keys.SESSION_BEATS, {session_id: time.time()}, xx=True)
@@ -77,7 +77,7 @@ class Tenancy:
             if sampler is not None and sampler.adapter_id is not None:
                 adapters.append(sampler.adapter_id)
         await self.unload_adapters(adapters)
-        await self.accounting.audit(rec.owner, event, session_id=rec.session_id, models=models)
+        await self.trail.record(rec.owner, event, session_id=rec.session_id, models=models)
 
     async def unload_model(self, owner: str, model_id: str) -> pb.SubmitReply:
         """Free one run's engine state; answered as an already finished future (older SDKs
@@ -87,7 +87,7 @@ class Tenancy:
         self.wake_clock()
         result = pb.JobResult(unload_model=pb.UnloadModelResult(model_id=model.model_id))
         rid = await self.store.finished_job(OpKind.UNLOAD_MODEL, owner, result, model.model_id)
-        await self.accounting.audit(owner, AuditEvent.MODEL_UNLOADED, model_id=model.model_id)
+        await self.trail.record(owner, AuditEvent.MODEL_UNLOADED, model_id=model.model_id)
         return pb.SubmitReply(request_id=rid, model_id=model.model_id)
 
     async def expire_silent(self) -> int:
@@ -209,7 +209,7 @@ class Tenancy:
             user_metadata=dict(src.user_metadata),
         )
         await self.store.put_checkpoint(dest_id, rec)
-        await self.accounting.audit(
+        await self.trail.record(
             req.owner, AuditEvent.CHECKPOINT_COPIED, source=req.source_path, tinker_path=str(dest)
         )
         return pb.CopyWeightsReply(tinker_path=str(dest))

@@ -19,6 +19,7 @@ from lockstep.scheduler.ops import registry
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.store import Job, Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import AuditEvent
 
 if TYPE_CHECKING:
     from lockstep.scheduler.planner import CyclePlan
@@ -35,23 +36,6 @@ class Counter(StrEnum):
     SAMPLES = "samples"
     CYCLE_SECONDS = "cycle_seconds"
     CHECKPOINTS = "checkpoints"
-
-
-class AuditEvent(StrEnum):
-    """`<resource>_<action>`, the SDK's AuditLogEntry.event convention."""
-
-    SESSION_CREATED = "session_created"
-    SESSION_FINISHED = "session_finished"
-    SESSION_EXPIRED = "session_expired"
-    TRAINING_RUN_CREATED = "training_run_created"
-    MODEL_UNLOADED = "model_unloaded"
-    CHECKPOINT_CREATED = "checkpoint_created"
-    CHECKPOINT_LOADED = "checkpoint_loaded"
-    CHECKPOINT_READ = "checkpoint_read"
-    CHECKPOINT_DELETED = "checkpoint_deleted"
-    CHECKPOINT_PUBLISHED = "checkpoint_published"
-    CHECKPOINT_UNPUBLISHED = "checkpoint_unpublished"
-    CHECKPOINT_COPIED = "checkpoint_copied"
 
 
 class Accounting:

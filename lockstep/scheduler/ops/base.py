@@ -42,7 +42,7 @@ from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.scheduler.state.residency import Residency
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import AuditEvent, OpKind
 
 R = TypeVar("R")
 
@@ -106,6 +106,13 @@ class Hold(NamedTuple):
 
 
 Admission = Claim | SampleClaim | Hold
+
+
+class AuditEntry(NamedTuple):
+    """What an accepted submission leaves in its owner's audit log."""
+
+    event: AuditEvent
+    details: dict[str, str]
 
 
 def finite(value: float, field: str, minimum: float | None = None) -> None:
@@ -187,6 +194,10 @@ class Op(ABC):
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Admission:
         """Validate the request (a UserInputError or NotFound refuses it) and say what to
         queue."""
+
+    def audit(self, req: pb.SubmitRequest, reply: pb.SubmitReply) -> AuditEntry | None:
+        """The audit entry its accepted submission leaves (None: none)."""
+        return None
 
     def phase(self, current: Phase) -> Phase | None:
         """The phase it runs in, given its model's current phase; None = next cycle."""

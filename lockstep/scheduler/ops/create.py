@@ -11,11 +11,19 @@ from typing import ClassVar
 
 from lockstep.engine.types import LoraSpec
 from lockstep.errors import UserInputError
-from lockstep.scheduler.ops.base import Claim, Phase, RunContext, SingleOp, SubmitContext, new_run
+from lockstep.scheduler.ops.base import (
+    AuditEntry,
+    Claim,
+    Phase,
+    RunContext,
+    SingleOp,
+    SubmitContext,
+    new_run,
+)
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import LoraRecord, QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import AuditEvent, OpKind
 
 
 def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
@@ -61,6 +69,9 @@ class CreateModel(SingleOp):
             c.user_metadata,
         )
         return Claim(record.model_id, 0, OpKind.CREATE_MODEL, 0, record)
+
+    def audit(self, req: pb.SubmitRequest, reply: pb.SubmitReply) -> AuditEntry:
+        return AuditEntry(AuditEvent.TRAINING_RUN_CREATED, {"model_id": reply.model_id})
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PRE if current == Phase.PRE else None

@@ -106,11 +106,6 @@ class Catalog:
         await self.store.put_session(rec)
         return rec.finished
 
-    async def finish_session(self, owner: str, session_id: str) -> None:
-        rec = await self.owned_session(owner, session_id)
-        rec.finished = True
-        await self.store.put_session(rec)
-
     # ------------------------------------------------------------------ models and samplers
     async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
         rec = await self.store.model(model_id)
