@@ -1,7 +1,7 @@
 """Internal types exchanged between the scheduler and the engines.
 
 These are deliberately separate from the wire types (what the SDK sends, in `lockstep.wire`) and
-from the storage types (Redis records, in `lockstep.scheduler.state.store`): the scheduler
+from the storage types (Redis records, in `lockstep.scheduler.state`): the scheduler
 decodes a wire request into these, an engine never sees protobuf or JSON.
 """
 

@@ -182,7 +182,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
-    tracing.configure(store.redis, cfg.trace_retention_s)
+    tracing.configure(store.traces, cfg.trace_retention_s)
     trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()
     log.info(

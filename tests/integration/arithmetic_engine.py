@@ -90,6 +90,7 @@ class ArithmeticTrainingEngine(TrainingEngine):
         self.poison_token: int | None = None
         self.dead = False  # like a dead process: every call fails until restart()
         self.restarts = 0
+        self.passes_run = 0  # calls of run_passes that returned
         self.in_flight: list[tuple[str, Path]] = []  # background snapshots being written
         self.ready: list[tuple[str, Path]] = []  # written; reported at the next call
         self._lock = threading.Lock()
@@ -130,6 +131,7 @@ class ArithmeticTrainingEngine(TrainingEngine):
                 state.g = state.g + f
             outputs = [{"logprobs": np.zeros(len(d.tokens), np.float32)} for d in r.data]
             results.append(PassResult(r.request_id, outputs, {"loss:sum": float(state.w @ f)}))
+        self.passes_run += 1
         return results
 
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:

@@ -71,7 +71,7 @@ def _crash_and_check(
     sched.close()
     started.remove(sched)
     fresh = _start(started, url, data, NEVER)
-    seq = fresh.run(fresh.store.progress(model))[0]
+    seq = fresh.run(fresh.store.cycles.progress(model))[0]
     rid = fresh.stub.Submit(_save(model, seq, "after-crash")).request_id
     assert _result(fresh, rid).WhichOneof("state") == "result"
     expected = initial_weights(seed) - 2 * LR * features([TOKENS])
@@ -87,23 +87,23 @@ def test_steps_between_snapshots_replay_and_an_idle_run_is_snapshotted(
     model = _create(sched, session, 0, seed=3)  # durable snapshot at seq 0
     first = _train(sched, model, 1)
     _durable(sched)
-    assert sched.run(sched.store.progress(model)) == (3, 0), "a step within the interval"
-    log = sched.run(sched.store.replay_log(model, 0))
+    assert sched.run(sched.store.cycles.progress(model)) == (3, 0), "a step within the interval"
+    log = sched.run(sched.store.cycles.replay_log(model, 0))
     assert [j.seq_id for j in log] == [1, 2]
     raw = redis.Redis.from_url(url)
     assert raw.ttl(keys.job(first[1])) == -1, "a step no snapshot holds keeps its result"
 
     sched.clock.dispatcher.cadence.interval_s = 0.0  # the interval has passed; no new step
     _durable(sched)  # the idle clock snapshots the pending step, then records it
-    assert sched.run(sched.store.progress(model)) == (3, 2)
-    assert sched.run(sched.store.replay_log(model, 0)) == []
+    assert sched.run(sched.store.cycles.progress(model)) == (3, 2)
+    assert sched.run(sched.store.cycles.replay_log(model, 0)) == []
     assert raw.ttl(keys.job(first[1])) > 0, "snapshotted: the result now expires"
     assert sorted(p.name for p in (tmp_path / "state" / model).iterdir()) == ["seq-2"]
 
     sched.clock.dispatcher.cadence.interval_s = NEVER
     _train(sched, model, 3)  # in the log again, on top of the snapshot at seq 2
     _durable(sched)
-    assert sched.run(sched.store.progress(model)) == (5, 2)
+    assert sched.run(sched.store.cycles.progress(model)) == (5, 2)
     _crash_and_check(started, sched, url, tmp_path, model, seed=3)
 
 
@@ -120,8 +120,8 @@ def test_a_run_leaving_the_engine_takes_its_snapshot_with_it(
     sched.tick()
     assert not sched.trainer.has_model(model)
     _durable(sched)
-    assert sched.run(sched.store.progress(model)) == (5, 4)  # the last step is durable
-    assert sched.run(sched.store.replay_log(model, 0)) == []
+    assert sched.run(sched.store.cycles.progress(model)) == (5, 4)  # the last step is durable
+    assert sched.run(sched.store.cycles.replay_log(model, 0)) == []
     _crash_and_check(started, sched, url, tmp_path, model, seed=4)
 
 

@@ -114,7 +114,7 @@ class Submissions:
             max_runs=self.limits.max_tenants,
         )
         try:
-            rid, created = await self.store.claim_training(claim)
+            rid, created = await self.store.jobs.claim_training(claim)
         except QueueFull as exc:
             raise OverCapacity(
                 f"model {model_id} has {exc.queued} requests queued; retry later"
@@ -140,11 +140,11 @@ class Submissions:
         model_id, seq_id = self._addressed(req)
         if not model_id or seq_id < 1:
             return
-        model = await self.store.model(model_id)
+        model = await self.store.runs.get(model_id)
         if model is None or model.owner != req.owner:
             return
         try:
-            await self.store.claim_training(
+            await self.store.jobs.claim_training(
                 TrainingClaim(
                     owner=req.owner,
                     model_id=model_id,
@@ -164,7 +164,7 @@ class Submissions:
     ) -> pb.SubmitReply:
         """Queue a validated sample for the sampling lane."""
         try:
-            rid, created = await self.store.claim_sample(
+            rid, created = await self.store.jobs.claim_sample(
                 owner=req.owner,
                 sampler_id=s.sampler_id,
                 seq_id=s.seq_id,
@@ -194,7 +194,7 @@ class Submissions:
 
     @staticmethod
     def _tenant_error(exc: TenantLimitReached) -> UserInputError:
-        """The tenant quotas are checked atomically with the run's creation (Store.claim_training);
+        """The tenant quotas are checked atomically with the run's creation (Jobs.claim_training);
         a retried create_model (its run already exists) passes."""
         if exc.limit == "max_tenants_per_key":
             return UserInputError(

@@ -101,7 +101,7 @@ class FutureRpcs:
         return pb.RetrieveFuturesReply(completions=found.entries, cursor=found.cursor)
 
     async def cancel_future(self, request: pb.CancelFutureRequest) -> pb.CancelFutureReply:
-        job = await self.store.job(request.request_id, payload=False)
+        job = await self.store.jobs.get(request.request_id, payload=False)
         if job is None or job.owner != request.owner:
             raise NotFound(f"request {request.request_id} does not exist")
         if job.kind != OpKind.SAMPLE:

@@ -84,7 +84,7 @@ class CatalogReads:
     # ---------------------------------------------------------------- sessions
     async def get_session(self, request: pb.SessionRef) -> pb.SessionInfo:
         rec = await self.catalog.owned_session(request.owner, request.session_id)
-        models, samplers = await self.store.session_members(rec.session_id)
+        models, samplers = await self.store.sessions.members(rec.session_id)
         info = pb.SessionInfo(
             training_run_ids=models, sampler_ids=samplers, user_metadata=rec.user_metadata
         )
@@ -98,7 +98,7 @@ class CatalogReads:
         return pb.SessionTrace(trace_json=json.dumps(trace).encode())
 
     async def list_sessions(self, request: pb.ListRequest) -> pb.SessionList:
-        ids, total = await self.store.owner_sessions(
+        ids, total = await self.store.sessions.of_owner(
             request.owner, request.offset, request.limit or 20
         )
         return pb.SessionList(session_ids=ids, total_count=total)
@@ -155,7 +155,7 @@ class CatalogReads:
 
     # ---------------------------------------------------------------- runs and checkpoints
     async def _run(self, model: ModelRecord) -> pb.TrainingRun:
-        last = await self.store.last_request_time(model.model_id) or model.last_request_time
+        last = await self.store.runs.last_request_time(model.model_id) or model.last_request_time
         run = pb.TrainingRun(
             training_run_id=model.model_id,
             base_model=model.base_model,
@@ -169,13 +169,14 @@ class CatalogReads:
             (model.last_checkpoint, run.last_checkpoint),
             (model.last_sampler_checkpoint, run.last_sampler_checkpoint),
         ):
-            rec = await self.store.checkpoint(model.model_id, cid) if cid else None
+            rec = await self.store.checkpoints.get(model.model_id, cid) if cid else None
             if rec is not None:
                 slot.CopyFrom(checkpoint_pb(rec))
         return run
 
     async def list_training_runs(self, request: pb.ListRequest) -> pb.TrainingRunList:
-        ids, total = await self.store.owner_runs(request.owner, request.offset, request.limit or 20)
+        of_owner = self.store.runs.of_owner
+        ids, total = await of_owner(request.owner, request.offset, request.limit or 20)
         runs = [await self._run(await self.catalog.owned_model(request.owner, i)) for i in ids]
         return pb.TrainingRunList(runs=runs, total_count=total)
 
@@ -194,7 +195,7 @@ class CatalogReads:
     async def get_weights_info(self, request: pb.CheckpointRef) -> pb.WeightsInfo:
         path = TinkerPath.parse(request.tinker_path, "tinker_path")
         await self.catalog.readable_checkpoint(request.owner, path, field="tinker_path")
-        model = await self.store.model(path.model_id)
+        model = await self.store.runs.get(path.model_id)
         if model is None:
             raise NotFound(f"training run {path.model_id} does not exist")
         return pb.WeightsInfo(base_model=model.base_model, is_lora=True, lora_config=lora_pb(model))

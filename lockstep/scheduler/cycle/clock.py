@@ -64,7 +64,7 @@ class Clock:
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
         # Who watches each cycle (observers.py): traces, the caller's (accounting), then the
         # metrics last, so the cycle time they report covers the other observers' writes.
-        meter = MeterObserver(ClockMeter(config.token_budget, store.model))
+        meter = MeterObserver(ClockMeter(config.token_budget, store.runs.get))
         self.observers = Observers([TraceObserver(), *observers, meter])
         # Pass tokens per cycle: what the engine does in --cycle-target seconds (pace.py).
         self.pace = CyclePace(config.token_budget, config.cycle_target_s)
@@ -135,9 +135,9 @@ class Clock:
 
     async def plan(self) -> tuple[CyclePlan, dict[str, list[QueuedOp]]]:
         """Read the queues and plan the cycle (pure `plan_cycle`); keeps the fairness debts."""
-        queues, next_seq = await self.store.queued_ops()
+        queues, next_seq = await self.store.cycles.queued_ops()
         ready = self.dispatcher.resident.admit(queues, next_seq)  # paging: what fits the engine
-        owners = await self.store.owners(list(ready)) if self.key_token_cap else None
+        owners = await self.store.runs.owners(list(ready)) if self.key_token_cap else None
         plan = plan_cycle(
             ready,
             next_seq,
@@ -164,7 +164,7 @@ class Clock:
         pairs = [
             (op, outcomes.get(op.request_id, NO_OUTCOME)) for w in plan.models for op in w.ops()
         ]
-        recorded = await self.store.commit_cycle(pairs)
+        recorded = await self.store.cycles.commit(pairs)
         return [
             (op, o if now and op.kind != OpKind.REJECTED else None)
             for (op, o), now in zip(pairs, recorded, strict=True)

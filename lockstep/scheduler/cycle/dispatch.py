@@ -38,10 +38,11 @@ from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import StepOp
 from lockstep.scheduler.planner import CyclePlan
 from lockstep.scheduler.state import storage
+from lockstep.scheduler.state.jobs import Job
 from lockstep.scheduler.state.outcome import Outcome, failure
 from lockstep.scheduler.state.records import QueuedOp
 from lockstep.scheduler.state.residency import Residency
-from lockstep.scheduler.state.store import Job, Store
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory
 
@@ -88,7 +89,7 @@ class Dispatcher:
         trip."""
         ops = [*plan.pre, *plan.passes, *plan.optims, *plan.post]
         unread = [op.request_id for op in ops if op.request_id not in self.decoded]
-        cycle, self._payloads = await self.store.begin_cycle(unread)
+        cycle, self._payloads = await self.store.cycles.begin(unread)
         return cycle
 
     async def run(self, plan: CyclePlan, cycle: int) -> dict[str, Outcome]:
@@ -175,7 +176,7 @@ class Dispatcher:
             self.cadence.failed(model_id)
             return
         if durable:
-            kept = await self.store.mark_snapshot(model_id, seq)
+            kept = await self.store.cycles.mark_snapshot(model_id, seq)
             await asyncio.to_thread(self.prune_snapshots, model_id, kept)
 
     async def record_durable(self) -> None:
@@ -187,7 +188,7 @@ class Dispatcher:
             await self._snapshot_pending(model_id)
         for model_id, directory in await self.call(self.engine.durable_snapshots):
             seq = int(directory.name.removeprefix("seq-"))
-            kept = await self.store.mark_snapshot(model_id, seq)
+            kept = await self.store.cycles.mark_snapshot(model_id, seq)
             await asyncio.to_thread(self.prune_snapshots, model_id, kept)
 
     async def prune(self, plan: CyclePlan, outcomes: dict[str, Outcome]) -> None:
@@ -210,14 +211,14 @@ class Dispatcher:
     async def ensure_resident(self, model_id: str) -> None:
         if model_id in self.resident:
             return
-        _, snapshot_seq = await self.store.progress(model_id)
+        _, snapshot_seq = await self.store.cycles.progress(model_id)
         if snapshot_seq is None:
             return  # not created yet: its create/load is in this cycle
         started = time.monotonic()  # tenancy: page-in latency
         await self.call(
             self.engine.load_state, model_id, self.snapshot_dir(model_id, snapshot_seq), True
         )
-        replay = await self.store.replay_log(model_id, snapshot_seq)
+        replay = await self.store.cycles.replay_log(model_id, snapshot_seq)
         await self._replay(model_id, replay)
         self.resident.paged_in(model_id, time.monotonic() - started)
         log.info(
@@ -249,7 +250,7 @@ class Dispatcher:
     async def _request(self, op: QueuedOp) -> pb.SubmitRequest:
         payload = self._payloads.pop(op.request_id, None)
         if payload is None:  # not read with its cycle (a re-run after an abort)
-            job = await self.store.job(op.request_id)
+            job = await self.store.jobs.get(op.request_id)
             if job is None:
                 raise RuntimeError(f"job {op.request_id} vanished from the store")
             payload = job.payload

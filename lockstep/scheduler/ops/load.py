@@ -56,7 +56,7 @@ class Load(SingleOp):
             return Claim(load.model_id, load.seq_id, OpKind.LOAD, 0)
         # create-via-load: a new model whose id the SDK computes itself
         session = await ctx.catalog.live_session(owner, load.session_id)
-        source = await ctx.store.model(path.model_id)
+        source = await ctx.store.runs.get(path.model_id)
         if source is None:
             raise NotFound(f"training run {path.model_id} does not exist")
         record = new_run(

@@ -78,7 +78,7 @@ class Save(SingleOp):
         return Phase.PRE if current == Phase.PRE else Phase.POST
 
     async def run(self, ctx: RunContext, op: QueuedOp, req: pb.SubmitRequest) -> Outcome:
-        model = await ctx.store.model(op.model_id)
+        model = await ctx.store.runs.get(op.model_id)
         if model is None:
             raise RuntimeError(f"model {op.model_id} has no record")
         await ctx.ensure_resident(op.model_id)  # after a failed snapshot earlier this cycle
@@ -124,7 +124,7 @@ async def _checkpoint(ctx: RunContext, op: QueuedOp, save: pb.SaveWeights) -> Ou
     """A named checkpoint: training state, sampler or external weights."""
     now = time.time()
     path = TinkerPath(op.model_id, _SEGMENTS[save.kind], save.name)
-    existing = await ctx.store.checkpoint(op.model_id, path.checkpoint_id)
+    existing = await ctx.store.checkpoints.get(op.model_id, path.checkpoint_id)
     if existing is not None and not save.overwrite:
         raise UserInputError("path", f"checkpoint {path} already exists (pass overwrite)")
     directory = checkpoint_dir(ctx.data_dir, path)

@@ -125,7 +125,7 @@ class CustomLosses:
             )
 
     async def _finished(self, owner: str, result: pb.JobResult) -> pb.SubmitReply:
-        rid = await self.store.finished_job(OpKind.CREATE_CUSTOM_LOSS, owner, result)
+        rid = await self.store.jobs.finished(OpKind.CREATE_CUSTOM_LOSS, owner, result)
         return pb.SubmitReply(request_id=rid)
 
     async def _record(self, loss_id: str) -> CustomLossRecord | None:
