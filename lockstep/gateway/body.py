@@ -18,7 +18,7 @@ from typing import Any
 
 import zstandard
 
-from lockstep.observability import metrics
+from lockstep.observability import gateway_metrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -69,7 +69,7 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
         raise BodyError(400, f"body: not valid {encoding} data ({e})") from e
     if len(out) > limit:
         raise BodyError(413, f"body: larger than {limit} bytes once decompressed", out)
-    metrics.compressed_body(encoding, len(body), len(out))
+    gateway_metrics.compressed_body(encoding, len(body), len(out))
     return out
 
 

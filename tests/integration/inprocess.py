@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from lockstep.config import ClockConfig, EngineConfig
-from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
+from lockstep.config.training import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
 from lockstep.engine.interface import TrainingEngine
 from lockstep.scheduler.server import SchedulerConfig, assemble
 from lockstep.scheduler.state.store import Store

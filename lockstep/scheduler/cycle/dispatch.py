@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S
+from lockstep.config.training import DEFAULT_SNAPSHOT_INTERVAL_S
 from lockstep.engine.interface import EngineDied, TrainingEngine
 from lockstep.engine.types import OptimRequest, PassRequest, PassResult
 from lockstep.observability import metrics

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lockstep.config.sections import DEFAULT_MICRO_BATCH_TOKENS
+from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine import memory
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.losses import resolve_loss_config, validate_pass_request
