@@ -28,7 +28,7 @@ import torch
 from common import environment, figure_path, print_table, write_json
 
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "engine_gpu"
 TENANTS, DATUMS, LENGTH, RANK = 8, 4, 512, 32

@@ -34,7 +34,7 @@ from common import environment, figure_path, print_table, write_json
 from lockstep.engine import memory
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling import experts
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "moe_gpu"
 TENANTS, DATUMS, RANK = 8, 4, 32

@@ -28,7 +28,7 @@ from common import environment, figure_path, print_table, write_json
 from moe_gpu import QWEN3_30B_A3B, RANK, TENANTS, build_model, data
 
 from lockstep.engine.types import AdamConfig, LoraSpec, OptimRequest, PassRequest
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "oom_retry_gpu"
 

@@ -20,9 +20,9 @@ from lockstep.gateway.inference.lane import new_sessions
 from lockstep.gateway.openapi import install_openapi
 from lockstep.gateway.refusals import RefusalMiddleware
 from lockstep.gateway.routes import api_router
+from lockstep.gateway.schema.requests import ForwardBackwardJsonRequest
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.gateway.stub import TimedStub
-from lockstep.gateway.wire.requests import ForwardBackwardJsonRequest
 from lockstep.keyring import KeyRing
 from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
 from lockstep.v1 import scheduler_pb2_grpc

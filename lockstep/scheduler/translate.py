@@ -1,4 +1,5 @@
-"""Translate between the gRPC/wire messages the scheduler stores and the engines' internal types."""
+"""Translate between the gRPC contract messages the scheduler stores (`lockstep.v1`, with the SDK's
+protobuf `lockstep.wire` inside) and the engines' internal types."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.rollout.local import LocalSamplingEngine
 from lockstep.rollout.remote import ServerError
 from lockstep.rollout.sglang import SglangSamplingEngine
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from tests.rollout.sglang_standin import StandinServer, StandinState
 
 PROMPT = [5, 6, 7, 8, 9]

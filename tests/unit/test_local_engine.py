@@ -13,7 +13,7 @@ from lockstep.errors import UserInputError
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.tiny import ensure_default_model
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 V = 1024  # tiny model vocab
 ADAM = AdamConfig(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=0.0)

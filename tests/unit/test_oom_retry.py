@@ -15,7 +15,7 @@ import torch
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.errors import UserInputError
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine, _Row, padded
+from lockstep.workers.local.trainer import LocalTrainingEngine, _Row, padded
 
 MICRO_BATCH_TOKENS = 256
 # Cut at 256 tokens: [200] [120, 104] [64, 56, 32, 24]; over 200 tokens fails, so the first

@@ -11,10 +11,10 @@ import httpx
 
 from lockstep.engine.types import SampleParams, SampleRequest, SampleResult
 from lockstep.rollout.remote import server_message
-from lockstep.rollout.sglang.engine import SglangLaunchConfig
-from lockstep.rollout.sglang.engine import _prompt_logprobs as sglang_prompt
-from lockstep.rollout.vllm.engine import VllmLaunchConfig
-from lockstep.rollout.vllm.engine import _prompt_logprobs as vllm_prompt
+from lockstep.rollout.sglang.sampler import SglangLaunchConfig
+from lockstep.rollout.sglang.sampler import _prompt_logprobs as sglang_prompt
+from lockstep.rollout.vllm.sampler import VllmLaunchConfig
+from lockstep.rollout.vllm.sampler import _prompt_logprobs as vllm_prompt
 
 
 def _pairs(argv: list[str]) -> dict[str, str]:

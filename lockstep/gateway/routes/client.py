@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse
 
 from lockstep.gateway.deps import Owner, Scheduler
 from lockstep.gateway.errors import ApiError
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate.futures import json_response
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 HEALTH_TIMEOUT_S = 3.0

@@ -10,10 +10,10 @@ import grpc
 from fastapi import APIRouter, Header, Response
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler, Settings
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate import futures as tr
 from lockstep.gateway.validate import check_id
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["futures"])

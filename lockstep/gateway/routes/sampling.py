@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate import sampling as tr
 from lockstep.gateway.validate import check_id
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["sampling"])

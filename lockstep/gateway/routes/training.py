@@ -16,10 +16,10 @@ from pydantic import ValidationError
 from lockstep.gateway.deps import CALL_TIMEOUT_S, KeyQuota, Owner, Scheduler
 from lockstep.gateway.openapi import body_ref
 from lockstep.gateway.refusals import is_json
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate import training as tr
 from lockstep.gateway.validate import check_id
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["training"])

@@ -16,8 +16,8 @@ from fastapi import Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate.common import optional_str
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 PROTOBUF = "application/x-protobuf"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from lockstep.gateway.errors import bad_request
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.validate import check_id, parse_tinker_path
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 _INT32_MAX = 2**31 - 1

@@ -9,6 +9,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from lockstep.gateway.errors import bad_request
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate.common import optional_str, str_map
 from lockstep.gateway.validate import (
     check_addressed,
@@ -17,8 +19,6 @@ from lockstep.gateway.validate import (
     check_seq_id,
     parse_tinker_path,
 )
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.wire.v1 import tinker_pb2
 

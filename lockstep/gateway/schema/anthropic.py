@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from lockstep.gateway.wire.requests import WireModel
+from lockstep.gateway.schema.requests import WireModel
 
 
 class TextBlock(BaseModel):

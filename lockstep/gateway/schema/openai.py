@@ -16,7 +16,7 @@ from pydantic import (
     field_validator,
 )
 
-from lockstep.gateway.wire.requests import Int64, WireModel
+from lockstep.gateway.schema.requests import Int64, WireModel
 
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
