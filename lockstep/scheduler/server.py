@@ -32,8 +32,8 @@ from lockstep.observability.ops_server import start_ops_server
 from lockstep.scheduler.admission.decoded import DecodedPasses
 from lockstep.scheduler.admission.submissions import Submissions
 from lockstep.scheduler.api import tenancy as tenancy_mod
-from lockstep.scheduler.api.futures import FutureRpcs
-from lockstep.scheduler.api.reads import CatalogReads
+from lockstep.scheduler.api.catalog_rpcs import CatalogRpcs
+from lockstep.scheduler.api.future_rpcs import FutureRpcs
 from lockstep.scheduler.api.servicer import servicer
 from lockstep.scheduler.api.tenancy_rpcs import TenancyRpcs
 from lockstep.scheduler.cycle.clock import Clock
@@ -124,7 +124,7 @@ class Assembly:
                 self.tenancy.trail,
                 self.clock.queue_state,
             ),
-            CatalogReads(self.store, self.catalog, self.submissions, health),
+            CatalogRpcs(self.store, self.catalog, self.submissions, health),
             TenancyRpcs(self.tenancy),
         )
 

@@ -1,5 +1,6 @@
-"""The gRPC servicer, composed: each role object (`futures`, `reads`, `tenancy_rpcs`) serves a
-table of RPCs, and every handler runs under the ONE error mapping below.
+"""The gRPC servicer, composed: each role object (`future_rpcs`, `catalog_rpcs`,
+`tenancy_rpcs`) serves a table of RPCs, and every handler runs under the ONE error mapping
+below.
 
 A role's handler takes the request and returns the reply; it raises domain errors
 (`UserInputError`, `NotFound`, `OverCapacity`, Redis unreachable) and never sees the gRPC

@@ -51,7 +51,7 @@ def sampler_info(rec: SamplerRecord) -> pb.SamplerInfo:
     return info
 
 
-class CatalogReads:
+class CatalogRpcs:
     def __init__(
         self,
         store: Store,
