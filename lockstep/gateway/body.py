@@ -33,6 +33,11 @@ PREFIX_BYTES = 64 * 1024
 _BODY = "lockstep.body"
 
 
+def is_json(content_type: str | None) -> bool:
+    """A forward_backward body is JSON when its Content-Type says so, else protobuf."""
+    return "json" in (content_type or "")
+
+
 def request_body(scope: Scope) -> bytes:
     """The decompressed body of this request as the app saw it, or the first bytes of a body
     this middleware refused (empty if it could not read one)."""
