@@ -191,6 +191,12 @@ class SampleRequest:
     # within one namespace. None: no reuse.
     cache_namespace: str | None = None
 
+    @property
+    def prompt_logprob_start(self) -> int:
+        """The first prompt position whose logprob is reported (position 0 never is)."""
+        last_n = self.prompt_logprobs_last_n
+        return 1 if last_n is None else max(1, len(self.prompt) - last_n)
+
 
 @dataclass
 class SampledSequence:

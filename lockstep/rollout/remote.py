@@ -2,7 +2,6 @@
 
 `RemoteSamplingEngine` keeps what vLLM and SGLang engines have in common:
 
-* validation (the same 4xx messages as the local sampler, before anything reaches the server);
 * adapter paging (`rollout/pager.py`, shared with the local sampler): at most `max_adapters`
   loaded on the server, least recently used out, reloaded on demand;
 * batching: each chunk's requests (at most `max_adapters` distinct adapters) are sent
@@ -34,7 +33,6 @@ from lockstep.engine.types import ModelCard, SampleParams, SampleRequest, Sample
 from lockstep.errors import UserInputError
 from lockstep.rollout.launcher import LaunchConfig, ServerProcess
 from lockstep.rollout.pager import AdapterPager
-from lockstep.rollout.validation import prompt_logprob_start, validate_sample_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,7 +94,7 @@ def fill_prompt_logprobs(
     """Set `result`'s prompt logprobs (NaN where none) and top-k per prompt position from the
     server's first `positions` rows (`logprob(pos)`, `top(pos)`: None where it has none)."""
     n = len(req.prompt)
-    span = range(prompt_logprob_start(req), min(n, positions))
+    span = range(req.prompt_logprob_start, min(n, positions))
     if req.prompt_logprobs:
         result.prompt_logprobs = [math.nan] * n
         for pos in span:
@@ -277,20 +275,16 @@ class RemoteSamplingEngine(SamplingEngine):
     async def _sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
         results: list[SampleResult | None] = [None] * len(requests)
         valid: list[int] = []
-        for i, req in enumerate(requests):
-            try:
-                validate_sample_request(req, self._card)
-                if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
-                    raise UserInputError(
-                        "adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)"
-                    )
+        for i, req in enumerate(requests):  # admitted requests: only the adapter may be gone
+            if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
+                unknown = f"adapter_id: unknown adapter {req.adapter_id!r} (not loaded)"
+                results[i] = SampleResult(req.request_id, [], error=unknown)
+            else:
                 valid.append(i)
-            except UserInputError as exc:
-                results[i] = SampleResult(req.request_id, [], error=str(exc))
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
             for chunk in self._pager.chunks(requests, valid):
                 adapters = sorted({a for i in chunk if (a := requests[i].adapter_id) is not None})
-                runnable = []
+                runnable: list[int] = []
                 failed: dict[str, str] = {}
                 self._pager.touch(adapters)  # the chunk's loaded adapters must stay
                 for adapter_id in adapters:

@@ -171,11 +171,16 @@ def adam_config(p: pb.AdamParams) -> AdamConfig:
     )
 
 
+def max_tokens(p: pb.SamplingParams) -> int:
+    """What a sample generates at most: as asked, or the SDK's default when unset."""
+    return p.max_tokens if p.HasField("max_tokens") else SampleParams.max_tokens
+
+
 def sample_request(request_id: str, s: pb.Sample, adapter_id: str | None) -> SampleRequest:
     p = s.params
     stop_at_eos = not p.has_stop
     params = SampleParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        max_tokens=max_tokens(p),
         seed=p.seed if p.HasField("seed") else None,
         temperature=p.temperature,
         top_k=p.top_k,

@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Any, ClassVar
 
 from fastapi import Response
-from pydantic import Field
 
-from lockstep.gateway.errors import bad_request
 from lockstep.gateway.ops.base import GatewayOp
 from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.schema.requests import (
+    Int32,
     Int64,
-    NonNegInt,
     OptimizerConfig,
-    PosInt,
     SchemaModel,
 )
-from lockstep.gateway.translate.common import check_optimizer_family, str_map
+from lockstep.gateway.translate.common import str_map
 from lockstep.gateway.translate.futures import json_response
 from lockstep.gateway.validate import check_id
 from lockstep.v1 import scheduler_pb2 as pb
 
 
 class LoraConfig(SchemaModel):
-    rank: PosInt
+    rank: Int32
     seed: Int64 | None = None
     train_unembed: bool = True
     train_mlp: bool = True
@@ -33,8 +30,8 @@ class LoraConfig(SchemaModel):
 
 class CreateModelRequest(SchemaModel):
     session_id: str
-    model_seq_id: NonNegInt
-    base_model: Annotated[str, Field(min_length=1)]
+    model_seq_id: Int32
+    base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig | None = None
@@ -52,22 +49,16 @@ class CreateModel(GatewayOp):
 
     async def submit_request(self, owner: str, body: CreateModelRequest) -> pb.SubmitRequest:
         check_id("session_id", body.session_id)
-        if body.optimizer_config is not None:
-            check_optimizer_family("optimizer_config.type", body.optimizer_config.type)
+        optimizer = body.optimizer_config
         op = pb.CreateModel(
             session_id=body.session_id,
             model_seq_id=body.model_seq_id,
             base_model=body.base_model,
             user_metadata=str_map(body.user_metadata),
-            optimizer_type="adamw",
+            optimizer_type="" if optimizer is None else optimizer.type,
         )
         lora = body.lora_config
         if lora is not None:
-            if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
-                raise bad_request(
-                    "lora_config",
-                    "at least one of train_mlp, train_attn, train_unembed must be true",
-                )
             op.lora_config.CopyFrom(
                 pb.LoraConfig(
                     rank=lora.rank,

@@ -10,18 +10,19 @@ from fastapi import Response
 from lockstep.gateway.errors import bad_request
 from lockstep.gateway.ops.base import GatewayOp
 from lockstep.gateway.schema import responses as rs
-from lockstep.gateway.schema.requests import NonNegInt, OptimizerConfig, SchemaModel
-from lockstep.gateway.translate.common import check_optimizer_family, optional_str, str_map
+from lockstep.gateway.schema.requests import Int32, OptimizerConfig, SchemaModel
+from lockstep.gateway.translate.common import optional_str, str_map
 from lockstep.gateway.translate.futures import json_response
-from lockstep.gateway.validate import check_id, check_seq_id, parse_tinker_path
+from lockstep.gateway.validate import as_bad_request, check_id, check_seq_id
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import Optimizer
 
 
 class LoadWeightsRequest(SchemaModel):
     model_id: str | None = None
     seq_id: int | None = None
     session_id: str | None = None
-    model_seq_id: NonNegInt | None = None
+    model_seq_id: Int32 | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     path: str
@@ -41,11 +42,11 @@ class LoadWeights(GatewayOp):
     creates_run = True  # create-via-load makes a run too
 
     async def submit_request(self, owner: str, body: LoadWeightsRequest) -> pb.SubmitRequest:
-        path = parse_tinker_path("path", body.path)
-        if body.optimizer_config is not None:
-            check_optimizer_family("optimizer_config.type", body.optimizer_config.type)
+        if body.optimizer_config is not None:  # the contract carries AdamW state only
+            with as_bad_request():
+                Optimizer.named("optimizer_config.type", body.optimizer_config.type)
         op = pb.LoadWeights(
-            path=str(path),
+            path=body.path,
             optimizer=body.optimizer,
             user_metadata=str_map(body.user_metadata),
             base_model=body.base_model or None,

@@ -7,26 +7,25 @@ from typing import ClassVar
 
 from fastapi import Response
 
-from lockstep.gateway.errors import bad_request
 from lockstep.gateway.ops.base import GatewayOp
 from lockstep.gateway.schema import responses as rs
-from lockstep.gateway.schema.requests import Beta, Finite, FiniteNonNeg, SchemaModel
-from lockstep.gateway.translate.common import check_optimizer_family
+from lockstep.gateway.schema.requests import SchemaModel
 from lockstep.gateway.translate.futures import json_response
-from lockstep.gateway.validate import check_id, check_seq_id
+from lockstep.gateway.validate import as_bad_request, check_id, check_seq_id
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import Optimizer
 
 
 class OptimParams(SchemaModel):
     """AdamParams (`adam_params`) or a family-tagged `optimizer_params` / `optim_params`."""
 
     type: str | None = None
-    learning_rate: FiniteNonNeg = 1e-4
-    beta1: Beta = 0.9
-    beta2: Beta = 0.95
-    eps: FiniteNonNeg = 1e-12
-    weight_decay: FiniteNonNeg = 0.0
-    grad_clip_norm: Finite = 0.0
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
 
 
 class OptimStepRequest(SchemaModel):
@@ -47,25 +46,26 @@ class OptimStep(GatewayOp):
     body: ClassVar[type[OptimStepRequest]] = OptimStepRequest
 
     async def submit_request(self, owner: str, body: OptimStepRequest) -> pb.SubmitRequest:
-        check_id("model_id", body.model_id)
-        seq_id = check_seq_id(body.seq_id)
+        step = pb.OptimStep(
+            model_id=check_id("model_id", body.model_id), seq_id=check_seq_id(body.seq_id)
+        )
         for field in ("adam_params", "optimizer_params", "optim_params"):
             params: OptimParams | None = getattr(body, field)
             if params is not None:
+                if params.type is not None:  # the contract carries AdamW steps only
+                    with as_bad_request():
+                        Optimizer.named(f"{field}.type", params.type)
+                step.adam.CopyFrom(
+                    pb.AdamParams(
+                        learning_rate=params.learning_rate,
+                        beta1=params.beta1,
+                        beta2=params.beta2,
+                        eps=params.eps,
+                        weight_decay=params.weight_decay,
+                        grad_clip_norm=params.grad_clip_norm,
+                    )
+                )
                 break
-        else:
-            raise bad_request("adam_params", "field required")
-        # Ranges and finiteness of the numbers were checked by the request model (OptimParams).
-        check_optimizer_family(f"{field}.type", params.type)
-        adam = pb.AdamParams(
-            learning_rate=params.learning_rate,
-            beta1=params.beta1,
-            beta2=params.beta2,
-            eps=params.eps,
-            weight_decay=params.weight_decay,
-            grad_clip_norm=params.grad_clip_norm,
-        )
-        step = pb.OptimStep(model_id=body.model_id, seq_id=seq_id, adam=adam)
         return pb.SubmitRequest(owner=owner, optim_step=step)
 
     def answer(self, result: pb.JobResult, request_type: str | None) -> Response:

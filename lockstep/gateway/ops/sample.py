@@ -1,6 +1,11 @@
 """asample: samples from a sampling session's weights (no model's seq_id order: the sampling
 lane batches every tenant's samples beside the clock). Answered with one sequence id per
-sample (the SDK asserts it)."""
+sample (the SDK asserts it).
+
+The gateway checks the address and refuses what the contract cannot carry (a prompt of other
+chunks than token ids, target_prompt_logprobs, prompt_alt_tokens_k, a seed wider than 64 bits);
+the rules of everything it carries are the scheduler's (`scheduler/ops/sample.py`).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +21,9 @@ from lockstep.gateway.schema.requests import (
     INT32_MAX,
     INT64_MAX,
     EncodedTextChunk,
-    FiniteNonNeg,
+    Int32,
     ModelInput,
     NonNegInt,
-    PosInt,
     SchemaModel,
     TensorData,
 )
@@ -30,16 +34,16 @@ _UINT64 = 2**64
 
 
 class SamplingParams(SchemaModel):
-    max_tokens: PosInt | None = None
+    max_tokens: Int32 | None = None
     seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
-    temperature: FiniteNonNeg = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = -1
-    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    stop: str | list[str] | list[Int32] | None = None
+    temperature: float = 1.0
+    top_k: Int32 = -1
+    top_p: float = 1.0
 
 
 class SampleRequest(SchemaModel):
-    num_samples: PosInt = 1
+    num_samples: Int32 = 1
     prompt: ModelInput
     sampling_params: SamplingParams
     base_model: str | None = None
@@ -47,15 +51,17 @@ class SampleRequest(SchemaModel):
     sampling_session_id: str | None = None
     seq_id: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: NonNegInt = 0
-    topk_sample_logprobs: NonNegInt = 0
+    topk_prompt_logprobs: Int32 = 0
+    topk_sample_logprobs: Int32 = 0
     target_prompt_logprobs: TensorData | None = None
     prompt_alt_tokens_k: NonNegInt = 0
-    prompt_logprobs_last_n: PosInt | None = None
+    prompt_logprobs_last_n: Int32 | None = None
     record_stability_info: bool | None = None
 
 
 def _prompt_tokens(prompt: ModelInput) -> list[int]:
+    """The contract carries a sample's prompt as int32 token ids (which ids the model takes is
+    the scheduler's to judge)."""
     tokens: list[int] = []
     for i, chunk in enumerate(prompt.chunks):
         if not isinstance(chunk, EncodedTextChunk):
@@ -64,10 +70,8 @@ def _prompt_tokens(prompt: ModelInput) -> list[int]:
                 f"chunk type {chunk.type!r} is not supported for sampling (encoded_text only)",
             )
         tokens.extend(chunk.tokens)
-    if not tokens:
-        raise bad_request("prompt", "must contain at least one token")
-    if min(tokens) < 0 or max(tokens) > INT32_MAX:
-        raise bad_request("prompt", "token ids must be in [0, 2^31)")
+    if tokens and (min(tokens) < -INT32_MAX - 1 or max(tokens) > INT32_MAX):
+        raise bad_request("prompt", "token ids must fit int32")
     return tokens
 
 
@@ -88,10 +92,8 @@ def _params(p: SamplingParams) -> pb.SamplingParams:
         for value in stops:
             if isinstance(value, str):
                 out.stop_strings.append(value)
-            elif 0 <= value <= INT32_MAX:
-                out.stop_tokens.append(value)
             else:
-                raise bad_request("sampling_params.stop", "stop token ids must be in [0, 2^31)")
+                out.stop_tokens.append(value)
     return out
 
 
@@ -119,20 +121,13 @@ class Sample(GatewayOp):
             raise bad_request("prompt_alt_tokens_k", "not supported by this server")
         # record_stability_info is accepted and records nothing: it only feeds stable_reinforce,
         # which this server refuses with a 400 (lockstep.engine.losses.UNSUPPORTED_LOSSES).
-        tokens = _prompt_tokens(body.prompt)
-        want_prompt_logprobs = bool(body.prompt_logprobs)
-        if body.prompt_logprobs_last_n is not None:
-            if not (want_prompt_logprobs or body.topk_prompt_logprobs):
-                raise bad_request("prompt_logprobs_last_n", "requires prompt_logprobs")
-            if body.prompt_logprobs_last_n > len(tokens) - 1:
-                raise bad_request("prompt_logprobs_last_n", "must be <= len(prompt) - 1")
         op = pb.Sample(
             sampling_session_id=body.sampling_session_id,
             seq_id=body.seq_id,
-            prompt_tokens=tokens,
+            prompt_tokens=_prompt_tokens(body.prompt),
             num_samples=body.num_samples,
             params=_params(body.sampling_params),
-            prompt_logprobs=want_prompt_logprobs,
+            prompt_logprobs=bool(body.prompt_logprobs),
             topk_prompt_logprobs=body.topk_prompt_logprobs,
             topk_sample_logprobs=body.topk_sample_logprobs,
             prompt_logprobs_last_n=body.prompt_logprobs_last_n,

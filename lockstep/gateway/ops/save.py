@@ -10,10 +10,10 @@ from fastapi import Response
 from lockstep.gateway.errors import bad_request
 from lockstep.gateway.ops.base import GatewayOp
 from lockstep.gateway.schema import responses as rs
-from lockstep.gateway.schema.requests import NonNegInt, PosInt64, SchemaModel
+from lockstep.gateway.schema.requests import Int32, Int64, SchemaModel
 from lockstep.gateway.translate.common import str_map
 from lockstep.gateway.translate.futures import json_response
-from lockstep.gateway.validate import check_id, check_name, check_seq_id
+from lockstep.gateway.validate import check_id, check_seq_id
 from lockstep.v1 import scheduler_pb2 as pb
 
 
@@ -21,7 +21,7 @@ class SaveWeightsRequest(SchemaModel):
     model_id: str
     path: str | None = None
     seq_id: int | None = None
-    ttl_seconds: PosInt64 | None = None
+    ttl_seconds: Int64 | None = None
     overwrite: bool = False
     user_metadata: dict[str, Any] | None = None
 
@@ -29,10 +29,10 @@ class SaveWeightsRequest(SchemaModel):
 class SaveWeightsForSamplerRequest(SchemaModel):
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: NonNegInt | None = None
+    sampling_session_seq_id: Int32 | None = None
     kind: str = "snapshot"
     seq_id: int | None = None
-    ttl_seconds: PosInt64 | None = None
+    ttl_seconds: Int64 | None = None
     user_metadata: dict[str, Any] | None = None
 
 
@@ -40,7 +40,7 @@ class SaveWeightsExternalRequest(SchemaModel):
     model_id: str
     path: str
     seq_id: int | None = None
-    ttl_seconds: PosInt64 | None = None
+    ttl_seconds: Int64 | None = None
     age_encryption_recipients: list[str] | None = None
 
 
@@ -102,7 +102,7 @@ class SaveWeights(_Save):
             model_id=check_id("model_id", body.model_id),
             seq_id=check_seq_id(body.seq_id),
             kind=pb.CHECKPOINT_KIND_TRAINING,
-            name=check_name("path", body.path),
+            name=body.path,
             ttl_seconds=body.ttl_seconds,
             overwrite=body.overwrite,
             user_metadata=str_map(body.user_metadata),
@@ -125,7 +125,7 @@ class SaveWeightsForSampler(_Save):
     async def submit_request(
         self, owner: str, body: SaveWeightsForSamplerRequest
     ) -> pb.SubmitRequest:
-        if body.kind not in ("snapshot", "inflight"):
+        if body.kind not in ("snapshot", "inflight"):  # the contract's SamplerKind
             raise bad_request("kind", "must be 'snapshot' or 'inflight'")
         op = pb.SaveWeights(
             model_id=check_id("model_id", body.model_id),
@@ -135,13 +135,11 @@ class SaveWeightsForSampler(_Save):
             user_metadata=str_map(body.user_metadata),
         )
         if body.path is not None:
-            op.name = check_name("path", body.path)
+            op.name = body.path
         elif body.sampling_session_seq_id is not None:
             op.sampling_session_seq_id = body.sampling_session_seq_id
             if body.kind == "inflight":
                 op.sampler_kind = pb.SAMPLER_KIND_INFLIGHT
-        else:
-            raise bad_request("path", "give a name (path) or a sampling_session_seq_id")
         return pb.SubmitRequest(owner=owner, save_weights=op)
 
 
@@ -161,7 +159,7 @@ class SaveWeightsExternal(_Save):
             model_id=check_id("model_id", body.model_id),
             seq_id=check_seq_id(body.seq_id),
             kind=pb.CHECKPOINT_KIND_EXTERNAL,
-            name=check_name("path", body.path),
+            name=body.path,
             ttl_seconds=body.ttl_seconds,
             age_recipients=body.age_encryption_recipients or [],
         )

@@ -1,4 +1,8 @@
-"""JSON request bodies sent by the tinker SDK 0.38 (unknown fields are ignored)."""
+"""JSON request bodies sent by the tinker SDK 0.38 (unknown fields are ignored).
+
+The types bound what the contract can carry (an int32 field takes an int32), not what a value
+may be: that is each op's rule, judged by the scheduler (`scheduler/ops/`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 NonNegInt = Annotated[int, Field(ge=0, le=INT32_MAX)]
 PosInt = Annotated[int, Field(ge=1, le=INT32_MAX)]
 PosInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
@@ -144,7 +149,7 @@ class CreateCustomLossRequest(SchemaModel):
 # ---------------------------------------------------------------- sampling
 class CreateSamplingSessionRequest(SchemaModel):
     session_id: str
-    sampling_session_seq_id: NonNegInt
+    sampling_session_seq_id: Int32
     base_model: str | None = None
     model_path: str | None = None
 

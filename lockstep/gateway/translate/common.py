@@ -7,10 +7,6 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from lockstep.gateway.errors import bad_request
-
-_ADAMW = ("adamw", "adam")
-
 
 def str_map(values: Mapping[str, Any] | None) -> dict[str, str]:
     """SDK metadata (`dict[str, Any]`) as the contract's `map<string, string>`.
@@ -30,9 +26,3 @@ def utc(unix_seconds: float) -> datetime:
 def optional_str(value: str) -> str | None:
     """proto3 strings are '' when unset; the SDK wants null."""
     return value or None
-
-
-def check_optimizer_family(field: str, family: str | None) -> None:
-    """The contract carries AdamW steps only (its AdamParams)."""
-    if family is not None and family.lower() not in _ADAMW:
-        raise bad_request(field, f"optimizer {family!r} is not supported; this server has adamw")

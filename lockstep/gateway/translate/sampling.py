@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-from lockstep.gateway.errors import bad_request
 from lockstep.gateway.schema import requests as rq
 from lockstep.gateway.schema import responses as rs
-from lockstep.gateway.validate import check_id, parse_tinker_path
+from lockstep.gateway.validate import check_id
 from lockstep.v1 import scheduler_pb2 as pb
 
 
 def create_sampling_session(
     owner: str, body: rq.CreateSamplingSessionRequest
 ) -> pb.CreateSamplingSessionRequest:
-    check_id("session_id", body.session_id)
-    if body.model_path is None and not body.base_model:
-        raise bad_request("model_path", "give a model_path or a base_model")
-    model_path = None
-    if body.model_path is not None:
-        model_path = str(parse_tinker_path("model_path", body.model_path))
+    """The address (the session) is the gateway's to check; what the sampler samples from is
+    the scheduler's (`Catalog.create_sampler`)."""
     return pb.CreateSamplingSessionRequest(
         owner=owner,
-        session_id=body.session_id,
+        session_id=check_id("session_id", body.session_id),
         sampling_session_seq_id=body.sampling_session_seq_id,
-        model_path=model_path,
+        model_path=body.model_path,
         base_model=body.base_model or None,
     )
 

@@ -23,7 +23,6 @@ from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.rollout.local.generate import GenerateConfig, Generator
 from lockstep.rollout.pager import AdapterPager
-from lockstep.rollout.validation import validate_sample_request
 
 
 def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> frozenset[int]:
@@ -114,7 +113,7 @@ class LocalSamplingEngine(SamplingEngine):
             valid: list[int] = []
             for i, req in enumerate(requests):
                 try:
-                    self._validate(req)
+                    self._check_adapter(req)
                     valid.append(i)
                 except UserInputError as exc:
                     results[i] = SampleResult(req.request_id, [], error=str(exc))
@@ -201,8 +200,8 @@ class LocalSamplingEngine(SamplingEngine):
             )
         )
 
-    def _validate(self, req: SampleRequest) -> None:
-        """Raise UserInputError naming the first bad field of `req`."""
-        validate_sample_request(req, self._card)  # shared with the vLLM / SGLang engines
+    def _check_adapter(self, req: SampleRequest) -> None:
+        """Its adapter must be known (the rest of an admitted request was judged by the
+        scheduler's admission: engines trust it)."""
         if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
             raise UserInputError("adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)")

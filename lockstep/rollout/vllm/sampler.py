@@ -178,10 +178,6 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         return results
 
     async def _generate(self, client: httpx.AsyncClient, req: SampleRequest) -> SampleResult:
-        if req.params.max_tokens == 0:  # prompt scoring only (vLLM needs >= 1 new token)
-            return SampleResult(
-                req.request_id, [SampledSequence([], [], "length") for _ in range(req.num_samples)]
-            )
         responses = await asyncio.gather(
             *(
                 client.post("/v1/completions", json=self._body(req, i))

@@ -56,6 +56,8 @@ class Load(SingleOp):
             return Claim(load.model_id, load.seq_id, OpKind.LOAD, 0)
         # create-via-load: a new model whose id the SDK computes itself
         session = await ctx.catalog.live_session(owner, load.session_id)
+        if load.model_seq_id < 0:
+            raise UserInputError("model_seq_id", f"must be >= 0, got {load.model_seq_id}")
         source = await ctx.store.runs.get(path.model_id)
         if source is None:
             raise NotFound(f"training run {path.model_id} does not exist")

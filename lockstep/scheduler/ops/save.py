@@ -65,9 +65,15 @@ class Save(SingleOp):
         await ctx.owned_model(req.owner, s.model_id)
         check_seq(s.seq_id)
         if s.HasField("name"):
-            validate_name(s.name)
-            if s.HasField("ttl_seconds") and s.ttl_seconds <= 0:
-                raise UserInputError("ttl_seconds", "must be positive")
+            validate_name(s.name, "path")
+        elif s.kind != pb.CHECKPOINT_KIND_SAMPLER:
+            raise UserInputError("path", "field required")
+        elif not s.HasField("sampling_session_seq_id"):
+            raise UserInputError("path", "give a name (path) or a sampling_session_seq_id")
+        elif s.sampling_session_seq_id < 0:
+            raise UserInputError("sampling_session_seq_id", "must be >= 0")
+        if s.HasField("ttl_seconds") and s.ttl_seconds <= 0:
+            raise UserInputError("ttl_seconds", "must be positive")
         if s.age_recipients:
             if s.kind != pb.CHECKPOINT_KIND_EXTERNAL:
                 raise UserInputError(encryption.FIELD, "only save_weights_external encrypts")

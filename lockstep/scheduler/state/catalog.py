@@ -128,6 +128,8 @@ class Catalog:
         base_model: str | None,
     ) -> SamplerRecord:
         session = await self.owned_session(owner, session_id)
+        if seq < 0:
+            raise UserInputError("sampling_session_seq_id", f"must be >= 0, got {seq}")
         sampler_id = f"{session.session_id}:sample:{seq}"
         existing = await self.store.samplers.get(sampler_id)
         if existing is not None:  # a retried create: same answer

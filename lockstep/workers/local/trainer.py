@@ -40,7 +40,7 @@ import torch
 from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine import memory
 from lockstep.engine.interface import TrainingEngine
-from lockstep.engine.losses import resolve_loss_config, validate_pass_request
+from lockstep.engine.losses import resolve_loss_config
 from lockstep.engine.types import (
     Datum,
     LoraSpec,
@@ -60,7 +60,7 @@ from lockstep.modeling.packing import packed_rows
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
-from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
+from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
 from lockstep.training.pass_result import RowLoss, pass_result, row_loss
 from lockstep.workers.local import host_memory
 from lockstep.workers.snapshots import SnapshotWriter
@@ -213,11 +213,9 @@ class LocalTrainingEngine(TrainingEngine):
     # -- forward / backward ---------------------------------------------------------------
 
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
-        card = self._card
         configs = []
         for req in requests:
-            self._require(req.model_id)
-            validate_pass_request(req, card.vocab_size, card.max_context_length)
+            self._require(req.model_id)  # the request itself was judged at admission
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
         outs: dict[tuple[int, int], RowLoss] = {}
         train = [i for i, r in enumerate(requests) if not r.forward_only]
@@ -378,7 +376,6 @@ class LocalTrainingEngine(TrainingEngine):
         groups = []
         for req in requests:
             self._require(req.model_id)
-            validate_adam(req.adam)
             params = self._lora.adapter_parameters(req.model_id)
             groups.append(AdamGroup(params, self._adam[req.model_id], req.adam))
         norms = batched_adamw_step(groups)

@@ -16,7 +16,7 @@ import torch
 
 from lockstep.engine import memory
 from lockstep.engine.interface import TrainingEngine
-from lockstep.engine.losses import CUSTOM, resolve_loss_config, validate_pass_request
+from lockstep.engine.losses import CUSTOM, resolve_loss_config
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -36,7 +36,7 @@ from lockstep.modeling.lora import (
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import chunk_tokens
-from lockstep.training.optim import AdamState, validate_adam
+from lockstep.training.optim import AdamState
 from lockstep.workers.megatron.group import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from lockstep.workers.megatron.lora import MegatronLora
 from lockstep.workers.megatron.model import HFArch
@@ -151,8 +151,7 @@ class MegatronTrainingEngine(TrainingEngine):
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
         configs = []
         for req in requests:
-            self._require(req.model_id)
-            validate_pass_request(req, self._card.vocab_size, self._card.max_context_length)
+            self._require(req.model_id)  # the request itself was judged at admission
             if req.loss_fn == CUSTOM:  # its pipeline schedule carries no per-datum metrics yet
                 raise UserInputError(
                     "loss_fn",
@@ -166,7 +165,6 @@ class MegatronTrainingEngine(TrainingEngine):
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         for req in requests:
             self._require(req.model_id)
-            validate_adam(req.adam)
         metrics: dict[str, dict[str, float]] = self._group.call("optim_step", requests)[0]
         return metrics
 
