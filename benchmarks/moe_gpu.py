@@ -172,9 +172,8 @@ def pass_memory(
 ) -> dict[str, Any]:
     """The admission formula's cost of one packed pass vs the CUDA peak it really takes."""
     budget = engine.memory_budget()
-    cost = memory.PassCost.from_config(
-        memory.text_config(model_dir), 2, False, engine._budget, engine._chunk, False
-    )
+    shape = engine._lora.arch.shape
+    cost = memory.PassCost.from_shape(shape, 2, False, engine._budget, engine._chunk, False)
     out: dict[str, Any] = {
         "budget_bytes": budget.budget_bytes,
         "budget_source": budget.source,

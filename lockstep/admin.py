@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser, default_data_dir: Path) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sub = p.add_subparsers(dest="admin_command", required=True)
     for name, text in (
-        ("usage", "tokens, steps, samples, cycle seconds and checkpoints per key"),
+        ("usage", "tokens, steps, samples, cycle seconds, checkpoints and custom losses per key"),
         ("audit", "the audit log (who created, deleted, published, loaded what)"),
         ("keys", "every key that has sessions: name, sessions, runs, checkpoint storage"),
     ):

@@ -111,3 +111,4 @@ class AuditEvent(StrEnum):
     CHECKPOINT_PUBLISHED = "checkpoint_published"
     CHECKPOINT_UNPUBLISHED = "checkpoint_unpublished"
     CHECKPOINT_COPIED = "checkpoint_copied"
+    CUSTOM_LOSS_CREATED = "custom_loss_created"

@@ -41,6 +41,23 @@ class EngineDied(RuntimeError):
     restarts the engine and runs the same work again from its recorded state."""
 
 
+# What torch says when a device error has poisoned the CUDA context (a device-side assert, an
+# illegal memory access, a failed launch): every later call on that context fails too.
+_DEVICE_ERROR_MARKS = ("CUDA error", "CUDA driver error", "device-side assert")
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """Whether `exc` is a device error that leaves the engine's accelerator context unusable:
+    torch's `AcceleratorError`, or a RuntimeError whose message says "CUDA error". Out of memory
+    is not one (the allocator recovers; the pass retries in smaller pieces). An engine whose
+    call raised one is dead: its host ends the process and raises `EngineDied`."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return False
+    if any(cls.__name__ == "AcceleratorError" for cls in type(exc).__mro__):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_ERROR_MARKS)
+
+
 class TrainingEngine(ABC):
     """Holds the base model and every tenant's LoRA adapter and optimizer state."""
 
@@ -78,14 +95,19 @@ class TrainingEngine(ABC):
         accumulate into each model's adapter until its next `optim_step`. A model's numbers do not
         depend on the other requests in the batch.
 
-        Atomic: if the call raises, no request of it has left any gradient behind (every model's
-        accumulated gradients are as they were before the call), so the caller may run the same
-        requests again, together or one by one. An engine that runs out of accelerator memory
-        retries the pass in smaller pieces itself before it raises (numbers unchanged).
+        Failures cost only their request: a request that fails on its own data (its custom loss
+        fails or is refused, its loss or gradient is NaN or inf, one of its rows does not fit in
+        memory even alone) gets a result with `error` set and leaves no gradient behind, and
+        every other request of the call completes with the numbers it would have had without
+        it. An engine that cannot tell which request failed raises instead: then the call is
+        atomic (every model's accumulated gradients are as they were before it), so the caller
+        may run the same requests again, together or one by one. An engine that runs out of
+        accelerator memory retries the pass in smaller pieces itself first (numbers unchanged).
+        A device error (`is_device_error`) is never a request's failure: the engine is dead.
 
         Returns:
             One result per request, in order: per-datum "logprobs" and "elementwise_loss", and
-            metrics including "loss:sum".
+            metrics including "loss:sum"; or its `error`.
         Raises:
             UserInputError: a request is malformed (token out of range, shape mismatch, ...).
         """

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lockstep.engine import custom_loss
 from lockstep.engine.types import Datum, LossConfig, PassRequest
 from lockstep.errors import UserInputError
 
@@ -66,8 +65,8 @@ LOSSES: dict[str, LossDef] = {
 }
 
 
-# A custom loss reads target_tokens like cross_entropy; its other inputs are its own
-# (`lockstep.engine.custom_loss.check_datum`).
+# A custom loss reads target_tokens like cross_entropy; its other inputs are its own, checked
+# against the loss at admission (`lockstep.custom_loss.graph.check_datum`).
 _CUSTOM_DEF = LossDef(CUSTOM, ("target_tokens",), allows_2d_targets=True)
 
 
@@ -191,8 +190,6 @@ def validate_pass_request(req: PassRequest, vocab_size: int, max_context: int) -
         raise UserInputError("data", "no datums")
     for i, datum in enumerate(req.data):
         validate_datum(datum, i, ldef, vocab_size, max_context)
-        if req.custom_loss is not None:
-            custom_loss.check_datum(req.custom_loss, datum, i)
 
 
 def custom_loss_id(config: LossConfig) -> str:

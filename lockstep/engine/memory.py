@@ -1,4 +1,4 @@
-"""What a training pass costs in memory, from the model config, and how much memory there is.
+"""What a training pass costs in memory, from the model's shape, and how much memory there is.
 
 Pure Python (no torch): the engines compute their `MemoryBudget` with it at start-up and the
 tests check the arithmetic without a model. The scheduler only sees the resulting budget.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lockstep.engine.shape import LayerShape, Mixer, ModelShape
 from lockstep.engine.types import MemoryBudget
 
 GIB = 1 << 30
@@ -27,75 +28,77 @@ def text_config(model_dir: Path) -> dict[str, Any]:
     return text
 
 
+# The LoRA rank the pass cost assumes (Tinker's default): each LoRA slot a token passes keeps
+# two fp32 rank-wide vectors, 8 * rank bytes.
+LORA_RANK = 32
+
+
 @dataclass(frozen=True)
 class PassCost:
-    """Bytes one micro-batch of a fused pass holds, for a batch whose longest row has T tokens:
+    """Bytes one micro-batch of a fused pass holds, for a batch whose longest row has T tokens
+    and N = max(T, batch_tokens) tokens in all:
 
-        bytes(T) = per_token * max(T, batch_tokens) + scores_per_token_sq * T^2 + fixed
+        bytes(T) = per_token * N + scores_per_token_sq * T^2 + logits_per_token * min(N, chunk)
 
-    per_token, e the base dtype's bytes, LoRA inputs cast to fp32 (4 bytes) where e < 4:
-      layer = e * (4H + 4I + d * (7 heads + 4 kv_heads)) + 4 * (5H + heads * d + I) [if e < 4]
-      no checkpointing: (layers + 1) * layer + e * H   (every layer kept, + backward's working set)
-      checkpointing:    layers * e * H + 2 * layer     (layer inputs, + one recomputed layer)
-    (I: the MLP width a token passes, top-k experts and shared experts for MoE; MoE layers add
-    e * k * (5H + 9 I_expert) for each token's k (token, expert) pairs.) Attention that
-    materialises scores (masks, unfused kernels) keeps fp32 scores and probabilities in every
-    layer, 8 * heads * layers * T^2; fused causal SDPA keeps none. fixed: three fp32 copies of
-    one logits chunk.
-    Conservative by design: every activation counted as saved, no reuse between them.
+    per_token sums what each layer keeps per token (`_layer_bytes`), in the base dtype's e bytes
+    per value: its input (H), 3x its attention projections' widths, 12x a Gated DeltaNet's and
+    2x a Mamba-2 mixer's projections (their chunked scans keep more or less per token), 2x the
+    dense (or shared-expert) width, 5x each routed (token, expert) pair's input and width; plus
+    8 * rank bytes per LoRA slot the token passes (adapters are fp32), plus fp32 copies of the
+    LoRA inputs where e < 4. With checkpointing only each layer's input is kept, plus two
+    recomputed layers. Attention that materialises scores keeps them in those layers: on the
+    packed path (windows, sinks, a value head narrower than q/k) 6 * heads * T^2 bytes each, on
+    the generic path (the model's own masked attention) 3 * heads * T^2 in every attention
+    layer; fused causal SDPA keeps none. The logits: 2.5 fp32 copies of one chunk of at most
+    `chunk` positions. The numbers come from the model's `ModelShape`; the coefficients are
+    measured (tests/unit/test_pass_cost.py checks the formula against the peak a pass really
+    takes on the CPU, for every family of the zoo: never under, at most 25 % over).
     """
 
     per_token: int
     scores_per_token_sq: int
-    fixed: int
+    logits_per_token: int
+    chunk: int
     batch_tokens: int
 
     @classmethod
-    def from_config(
+    def from_shape(
         cls,
-        config: dict[str, Any],
+        shape: ModelShape,
         element_bytes: int,
         checkpointing: bool,
         batch_tokens: int,
         chunk_tokens: int,
-        materialised_scores: bool,
+        generic: bool,
     ) -> PassCost:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        layers = int(config["num_hidden_layers"])
-        width = int(config.get("intermediate_size") or 4 * hidden)
-        if config.get("moe_intermediate_size") and config.get("num_experts_per_tok"):
-            routed = int(config["moe_intermediate_size"]) * int(config["num_experts_per_tok"])
-            shared = int(config.get("shared_expert_intermediate_size") or 0)
-            shared += int(config["moe_intermediate_size"]) * int(
-                config.get("n_shared_experts") or 0
-            )
-            width = max(width, routed + shared)
         e = element_bytes
-        layer = e * (4 * hidden + 4 * width + head_dim * (7 * heads + 4 * kv_heads))
-        if config.get("moe_intermediate_size") and config.get("num_experts_per_tok"):
-            # Per (token, expert) pair: its gathered input, base and LoRA outputs and copies.
-            pair = 5 * hidden + 9 * int(config["moe_intermediate_size"])
-            layer += e * int(config["num_experts_per_tok"]) * pair
-        if e < 4:
-            layer += 4 * (5 * hidden + heads * head_dim + width)
+        layers = [_layer_bytes(shape.hidden, la, e) for la in shape.layers]
+        head = 8 * LORA_RANK * shape.head_slots
         if checkpointing:
-            per_token = layers * e * hidden + 2 * layer
+            per_token = len(layers) * e * shape.hidden + 2 * max(layers) + head
         else:
-            per_token = (layers + 1) * layer + e * hidden
-        vocab = int(config["vocab_size"])
+            per_token = sum(layers) + head
+        scored = 0
+        for layer in shape.layers:
+            att = layer.attention
+            if att is None:
+                continue
+            if generic:
+                scored += 3 * att.heads
+            elif att.window or att.sinks or att.head_dim != att.value_head_dim:
+                scored += 6 * att.heads
         return cls(
             per_token=per_token,
-            scores_per_token_sq=8 * heads * layers if materialised_scores else 0,
-            fixed=3 * 4 * chunk_tokens * vocab,
+            scores_per_token_sq=scored,
+            logits_per_token=10 * shape.vocab,
+            chunk=chunk_tokens,
             batch_tokens=batch_tokens,
         )
 
     def pass_bytes(self, longest_row: int) -> int:
         tokens = max(longest_row, self.batch_tokens)
-        return self.per_token * tokens + self.scores_per_token_sq * longest_row**2 + self.fixed
+        logits = self.logits_per_token * min(tokens, self.chunk)
+        return self.per_token * tokens + self.scores_per_token_sq * longest_row**2 + logits
 
     def budget(self, budget_bytes: int, context: int, source: str) -> MemoryBudget:
         """The longest row (<= context) whose pass fits in `budget_bytes`."""
@@ -160,3 +163,27 @@ def cuda_budget(free: int, total: int, configured: int) -> tuple[int, str]:
 def describe(budget: MemoryBudget) -> str:
     """The budget in words, as messages and logs give it."""
     return f"{budget.budget_bytes / GIB:.2f} GiB ({budget.source})"
+
+
+def _layer_bytes(hidden: int, layer: LayerShape, e: int) -> int:
+    """What one layer keeps per token in a pass (see PassCost)."""
+    values = hidden
+    narrow = 5 * hidden  # LoRA inputs cast to fp32 (where e < 4)
+    if layer.attention is not None:
+        a = layer.attention
+        values += 3 * (a.heads + a.kv_heads) * (a.head_dim + a.value_head_dim)
+        narrow += a.heads * a.head_dim
+    if layer.recurrent is not None:
+        r = layer.recurrent
+        values += (2 if layer.mixer is Mixer.MAMBA else 12) * (r.projected + r.inner)
+        narrow += r.inner
+    if layer.ffn is not None:
+        f = layer.ffn
+        dense = f.shared_width if f.routed else f.width
+        values += 2 * dense
+        narrow += dense
+        if f.routed:
+            values += 5 * f.top_k * (hidden + f.width)
+            narrow += f.top_k * f.width
+    lora = 8 * LORA_RANK * layer.lora_slots
+    return e * values + lora + (4 * narrow if e < 4 else 0)

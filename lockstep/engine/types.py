@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lockstep.engine.shape import TrainerPath
+
 LossConfig = dict[str, float | str]
 StopReason = Literal["stop", "length"]
 
@@ -48,6 +50,9 @@ class ModelCard:
     vocab_size: int  # size of the embedding table: valid token ids are [0, vocab_size)
     max_context_length: int
     eos_token_id: int | None
+    # How the training engine runs this model (set by the engine once it has described it):
+    # GENERIC is the slow path, reported to clients and in a metric.
+    trainer_path: TrainerPath = TrainerPath.PACKED
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, served_name: str) -> ModelCard:
@@ -118,7 +123,7 @@ class CustomLossNode:
 
 @dataclass(frozen=True)
 class CustomLoss:
-    """A stored custom loss, validated at creation (`lockstep.engine.custom_loss`)."""
+    """A stored custom loss, checked at creation (`lockstep.custom_loss`)."""
 
     loss_id: str
     name: str
@@ -144,6 +149,13 @@ class PassResult:
     request_id: str
     outputs: list[dict[str, np.ndarray]]  # per datum: "logprobs" (shape of target_tokens), ...
     metrics: dict[str, float]  # keys "name:reduction"; always "loss:sum"
+    # This request failed alone (its own data: a NaN loss, an op error in its custom loss, a
+    # row that runs out of memory even alone), a user error; nothing of it was applied.
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, request_id: str, error: str) -> PassResult:
+        return cls(request_id, [], {}, error)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
 """Mixture-of-experts layers with a LoRA on every expert, for many tenants at once.
 
-transformers 5 keeps a MoE layer's experts as fused 3-D parameters (`gate_up_proj`,
-`down_proj`, optional biases) in a module whose layout flags come from
-`use_experts_implementation` (`is_transposed`, `is_concatenated` gate|up or interleaved,
-`has_bias`) and whose activation is `_apply_gate` (SwiGLU; gpt-oss: clamped, `(up + 1)` gated).
+transformers 5 keeps a MoE layer's experts as fused 3-D parameters in a module whose layout
+flags come from `use_experts_implementation` (`is_transposed`, `is_concatenated` gate|up or
+interleaved, `has_bias`, `has_gate`). Two layouts are computed:
+- gated: `gate_up_proj` + `down_proj`, activation `_apply_gate` (SwiGLU; gpt-oss: clamped,
+  `(up + 1)` gated). LoRA on each expert's gate (w1), up (w3) and down (w2) projections, the way
+  Tinker trains MoE models (its adapter files keep them as 3-D tensors
+  `experts.w1.lora_A.weight` [experts, rank, in] / `lora_B.weight` [experts, out, rank]).
+- gate-less: `up_proj` + `down_proj`, activation `act_fn` (Nemotron-H: relu^2). Tinker keeps
+  w1 = up, w2 = down and an empty w3 placeholder (`PLACEHOLDERS`).
 `MultiLoRAExperts` replaces such a module, keeping its parameters under the same names, and
-computes the same function plus each tenant's LoRA on each expert's gate (w1), up (w3) and down
-(w2) projections, the way Tinker trains MoE models (its adapter files keep them as 3-D tensors
-`experts.w1.lora_A.weight` [experts, rank, in] / `lora_B.weight` [experts, out, rank]).
+computes the same function plus each tenant's LoRA on each expert's projections.
 
 Work is grouped, never gathered per token: the (token, expert) pairs of a call are sorted by
 expert, and each base projection is ONE grouped GEMM over every expert's run of pairs; for the
@@ -21,7 +24,7 @@ stays frozen (it is not an expert).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,6 +33,10 @@ from lockstep.modeling.routing import RoutingSlot
 
 # Tinker's names for the three expert projections.
 GATE, UP, DOWN = "w1", "w3", "w2"
+# Gate-less experts: Tinker's w1 is the up projection, w2 the down one, w3 an empty placeholder.
+PLAIN_UP, PLAIN_DOWN = "w1", "w2"
+PLACEHOLDERS = {"gated": (), "plain": ("w3",)}
+ExpertsLayout = Literal["gated", "plain"]
 # Use torch's grouped GEMM kernel where it takes the operands (False: one matmul per group;
 # benchmarks/moe_gpu.py compares the two).
 GROUPED_KERNEL = True
@@ -52,46 +59,68 @@ class ExpertSlot:
         return self._owner.down_proj.device
 
 
-def is_fused_experts(module: nn.Module) -> bool:
-    """A transformers 5 experts module of a layout `MultiLoRAExperts` computes."""
+def experts_layout(module: nn.Module) -> ExpertsLayout | None:
+    """The layout of a transformers 5 experts module `MultiLoRAExperts` computes, or None."""
     down = getattr(module, "down_proj", None)
-    return (
+    known = (
         isinstance(down, nn.Parameter)
         and down.dim() == 3
-        and getattr(module, "has_gate", False) is True
-        and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
         and getattr(module, "has_post_expert_norm", True) is False
         and isinstance(getattr(module, "is_transposed", None), bool)
         and isinstance(getattr(module, "is_concatenated", None), bool)
     )
+    if not known:
+        return None
+    gate = getattr(module, "has_gate", None)
+    if gate is True and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+        return "gated"
+    up = getattr(module, "up_proj", None)
+    act = getattr(module, "act_fn", None)
+    plain = isinstance(up, nn.Parameter) and up.dim() == 3 and callable(act)
+    return "plain" if gate is False and plain else None
 
 
 class MultiLoRAExperts(nn.Module):
-    gate_up_proj: nn.Parameter
     down_proj: nn.Parameter
-    gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
 
     def __init__(self, base: nn.Module, slot: RoutingSlot) -> None:
         super().__init__()
-        assert is_fused_experts(base)
+        layout = experts_layout(base)
+        assert layout is not None
+        self.layout: ExpertsLayout = layout
         # The same Parameter objects under the same names: state-dict keys do not change.
         src: Any = base  # attributes set by transformers' `use_experts_implementation`
-        self.gate_up_proj = src.gate_up_proj
+        self._first_name = "gate_up_proj" if layout == "gated" else "up_proj"
+        self.register_parameter(self._first_name, getattr(src, self._first_name))
+        bias = getattr(src, f"{self._first_name}_bias", None) if src.has_bias else None
+        self.register_parameter(f"{self._first_name}_bias", bias)
         self.down_proj = src.down_proj
-        self.gate_up_proj_bias = src.gate_up_proj_bias if src.has_bias else None
         self.down_proj_bias = src.down_proj_bias if src.has_bias else None
         self.is_transposed = bool(src.is_transposed)
         self.is_concatenated = bool(src.is_concatenated)
-        self._apply_gate: Callable[[torch.Tensor], torch.Tensor] = src._apply_gate
+        self._activation: Callable[[torch.Tensor], torch.Tensor] = (
+            src._apply_gate if layout == "gated" else src.act_fn
+        )
         self.num_experts = int(self.down_proj.shape[0])
         hidden, inter = self._dims()
         self._slot = slot
-        self.slots = {
-            GATE: ExpertSlot(self, self.num_experts, hidden, inter),
-            UP: ExpertSlot(self, self.num_experts, hidden, inter),
-            DOWN: ExpertSlot(self, self.num_experts, inter, hidden),
-        }
+        if layout == "gated":
+            self.slots = {
+                GATE: ExpertSlot(self, self.num_experts, hidden, inter),
+                UP: ExpertSlot(self, self.num_experts, hidden, inter),
+                DOWN: ExpertSlot(self, self.num_experts, inter, hidden),
+            }
+        else:
+            self.slots = {
+                PLAIN_UP: ExpertSlot(self, self.num_experts, hidden, inter),
+                PLAIN_DOWN: ExpertSlot(self, self.num_experts, inter, hidden),
+            }
+        self.placeholders: tuple[str, ...] = PLACEHOLDERS[layout]
+
+    def _first(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first projection's weight (gate_up_proj or up_proj) and bias."""
+        return self._parameters[self._first_name], self._parameters[f"{self._first_name}_bias"]  # type: ignore[return-value]
 
     def _dims(self) -> tuple[int, int]:
         """(hidden, intermediate) from the down projection's shape."""
@@ -120,17 +149,20 @@ class MultiLoRAExperts(nn.Module):
         offsets = group_ends(expert, self.num_experts)
         adapters = _AdapterGroups(names, ordinal, token, expert, self.num_experts)
         x = hidden_states.index_select(0, token).to(self.down_proj.dtype)
-        gate_up = self._base(x, self.gate_up_proj, self.gate_up_proj_bias, expert, offsets)
-        gate = adapters.delta(self.slots[GATE], x)
-        up = adapters.delta(self.slots[UP], x)
-        if gate is not None or up is not None:
-            zeros = x.new_zeros(x.shape[0], self.slots[GATE].out_features)
-            gate_up = gate_up + self._fuse(
-                zeros if gate is None else gate, zeros if up is None else up
-            )
-        h = self._apply_gate(gate_up)
+        first, first_bias = self._first()
+        h = self._base(x, first, first_bias, expert, offsets)
+        if self.layout == "gated":
+            gate = adapters.delta(self.slots[GATE], x)
+            up = adapters.delta(self.slots[UP], x)
+            if gate is not None or up is not None:
+                zeros = x.new_zeros(x.shape[0], self.slots[GATE].out_features)
+                h = h + self._fuse(zeros if gate is None else gate, zeros if up is None else up)
+        else:
+            up = adapters.delta(self.slots[PLAIN_UP], x)
+            h = h if up is None else h + up
+        h = self._activation(h)
         y = self._base(h, self.down_proj, self.down_proj_bias, expert, offsets)
-        down = adapters.delta(self.slots[DOWN], h)
+        down = adapters.delta(self.slots[DOWN if self.layout == "gated" else PLAIN_DOWN], h)
         if down is not None:
             y = y + down
         y = y * weight.unsqueeze(-1).to(y.dtype)

@@ -41,6 +41,8 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_TARGETS = ("w1", "w3", "w2")  # Tinker's names of every expert's gate / up / down
 UNEMBED_TARGETS = ("lm_head",)
 PEFT_PREFIX = "base_model.model."
+# Published vision-language checkpoints keep the text model under this prefix; adapters do not.
+LANGUAGE_MODEL = "model.language_model."
 
 
 def spec_targets(spec: LoraSpec) -> tuple[str, ...]:
@@ -153,24 +155,44 @@ def check_adapter_state(
     return paths
 
 
+class LinearSlot:
+    """The adapters' LoRA of a linear layer's output rows start..start+out_features-1 (all of
+    them, or one part of a fused projection Tinker trains as separate LoRA)."""
+
+    def __init__(self, owner: MultiLoRALinear, start: int, out_features: int) -> None:
+        self._owner = owner
+        self.in_features = owner.in_features
+        self.out_features = out_features
+        self.start = start
+        self.lora_A: dict[str, nn.Parameter] = {}
+        self.lora_B: dict[str, nn.Parameter] = {}
+        self.scale: dict[str, float] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self._owner.weight.device
+
+
 class MultiLoRALinear(nn.Module):
     """A frozen linear layer plus any number of LoRA adapters, applied per batch row.
 
     Keeps the wrapped layer's `weight` / `bias` as its own parameters so base state-dict keys do
     not change. Different adapters may have different ranks; an adapter may skip this layer.
     The base matmul runs in the model's dtype; the adapter path in fp32 (the adapters' dtype).
+    `parts` ((start, stop) row ranges): one LoRA slot per part instead of one for the layer.
     """
 
-    def __init__(self, base: nn.Linear, slot: RoutingSlot) -> None:
+    def __init__(
+        self, base: nn.Linear, slot: RoutingSlot, parts: Sequence[tuple[int, int]] = ()
+    ) -> None:
         super().__init__()
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.weight = base.weight
         self.bias = base.bias
         self._slot = slot
-        self.lora_A: dict[str, nn.Parameter] = {}
-        self.lora_B: dict[str, nn.Parameter] = {}
-        self.scale: dict[str, float] = {}
+        ranges = list(parts) or [(0, self.out_features)]
+        self.slots = [LinearSlot(self, start, stop - start) for start, stop in ranges]
 
     @property
     def device(self) -> torch.device:
@@ -179,55 +201,71 @@ class MultiLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         routing = self._slot.current
-        if routing is None or not self.lora_A:
+        if routing is None:
             return y
-        segments = [s for s in routing.segments(x, self.in_features) if s.adapter_id in self.lora_A]
+        for slot in self.slots:
+            delta = self._delta(slot, x, routing)
+            if delta is None:
+                continue
+            tail = self.out_features - slot.start - slot.out_features
+            if slot.start or tail:
+                delta = F.pad(delta, (slot.start, tail))
+            y = y + delta.to(y.dtype).view(y.shape)
+        return y
+
+    def _delta(self, slot: LinearSlot, x: torch.Tensor, routing: Routing) -> torch.Tensor | None:
+        """[rows, per_row, slot.out_features] LoRA deltas of the adapters routed to x's rows."""
+        if not slot.lora_A:
+            return None
+        segments = [s for s in routing.segments(x, self.in_features) if s.adapter_id in slot.lora_A]
         if not segments:
-            return y
+            return None
         rows = len(routing.adapter_ids)  # batch rows, or blocks of one packed sequence
         x3 = x.reshape(rows, -1, self.in_features)
         per_row = x3.shape[1]
         deltas = []
         for seg in segments:
-            a, b = self.lora_A[seg.adapter_id], self.lora_B[seg.adapter_id]
+            a, b = slot.lora_A[seg.adapter_id], slot.lora_B[seg.adapter_id]
             xs = x3[seg.start : seg.stop] if seg.index is None else x3.index_select(0, seg.index)
             n = xs.shape[0]
             # One GEMM pair over the segment's tokens with the adapter's own weights (no copies).
             # M = its tokens, a multiple of 8 in the trainer: the kernel class a tenant's tokens
             # take does not depend on what they are packed with, as for the base matmul.
             h = xs.reshape(n * per_row, -1).to(a.dtype) @ a.t()
-            scale = self.scale[seg.adapter_id]
+            scale = slot.scale[seg.adapter_id]
             h = h * scale if seg.mask is None else h * (seg.mask.view(n * per_row, 1) * scale)
             deltas.append((h @ b.t()).view(n, per_row, -1))
-        return y + self._assemble(segments, deltas, rows, per_row).to(y.dtype).view(y.shape)
-
-    def _assemble(
-        self, segments: list[Segment], deltas: list[torch.Tensor], rows: int, per_row: int
-    ) -> torch.Tensor:
-        """[rows, per_row, out] from per-segment deltas; rows without an adapter get zeros."""
-        first = deltas[0]
-        if len(segments) == 1 and segments[0].index is None and first.shape[0] == rows:
-            return first
-        if all(s.index is None for s in segments):
-            parts, at = [], 0
-            for seg, d in zip(segments, deltas, strict=True):
-                if seg.start > at:
-                    parts.append(first.new_zeros(seg.start - at, per_row, self.out_features))
-                parts.append(d)
-                at = seg.stop
-            if at < rows:
-                parts.append(first.new_zeros(rows - at, per_row, self.out_features))
-            return torch.cat(parts)
-        out = first.new_zeros(rows, per_row, self.out_features)
-        for seg, d in zip(segments, deltas, strict=True):
-            index = seg.index
-            if index is None:
-                index = torch.arange(seg.start, seg.stop, device=d.device)
-            out = out.index_add(0, index, d)
-        return out
+        return _assemble(segments, deltas, rows, per_row, slot.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, adapters={len(self.lora_A)}"
+        adapters = {a for s in self.slots for a in s.lora_A}
+        return f"in={self.in_features}, out={self.out_features}, adapters={len(adapters)}"
+
+
+def _assemble(
+    segments: list[Segment], deltas: list[torch.Tensor], rows: int, per_row: int, width: int
+) -> torch.Tensor:
+    """[rows, per_row, width] from per-segment deltas; rows without an adapter get zeros."""
+    first = deltas[0]
+    if len(segments) == 1 and segments[0].index is None and first.shape[0] == rows:
+        return first
+    if all(s.index is None for s in segments):
+        parts, at = [], 0
+        for seg, d in zip(segments, deltas, strict=True):
+            if seg.start > at:
+                parts.append(first.new_zeros(seg.start - at, per_row, width))
+            parts.append(d)
+            at = seg.stop
+        if at < rows:
+            parts.append(first.new_zeros(rows - at, per_row, width))
+        return torch.cat(parts)
+    out = first.new_zeros(rows, per_row, width)
+    for seg, d in zip(segments, deltas, strict=True):
+        index = seg.index
+        if index is None:
+            index = torch.arange(seg.start, seg.stop, device=d.device)
+        out = out.index_add(0, index, d)
+    return out
 
 
 class _Slot(Protocol):
@@ -250,24 +288,39 @@ class LoraModel:
         self.base = base
         self.arch = describe(base) if arch is None else arch
         self._slot = RoutingSlot()
-        self._layers: dict[str, _Slot] = {}  # LoRA path -> slot, model order
+        self._layers: dict[str, _Slot] = {}  # adapter path (Tinker's name) -> slot, model order
         self._shapes: dict[str, LoraShape] = {}
         self._roles: dict[str, Role] = {}
         self._specs: dict[str, LoraSpec] = {}
+        # Gate-less experts' empty w3 in Tinker's files: placeholder path -> the path it sits by.
+        self._placeholders: dict[str, str] = {}
+        # A module path whose adapter file name differs (gpt-oss `self_attn`; fused projections
+        # trained as parts) -> its names, for adapters written in transformers' names.
+        self._aliases: dict[str, tuple[str, ...]] = {}
         for target in self.arch.targets:
             parent_path, _, leaf = target.path.rpartition(".")
             parent = base.get_submodule(parent_path) if parent_path else base
             if isinstance(target.module, nn.Linear):
-                layer = MultiLoRALinear(target.module, self._slot)
+                ranges = [(p.start, p.stop) for p in target.parts]
+                layer = MultiLoRALinear(target.module, self._slot, ranges)
                 setattr(parent, leaf, layer)
-                shape = LoraShape(layer.in_features, layer.out_features)
-                self._add(target.path, target.role, layer, shape)
+                names = [p.name for p in target.parts] or [target.name]
+                for name, slot in zip(names, layer.slots, strict=True):
+                    shape = LoraShape(slot.in_features, slot.out_features)
+                    self._add(name, target.role, slot, shape)
+                if names != [target.path]:
+                    self._aliases[target.path] = tuple(names)
             else:
                 experts = MultiLoRAExperts(target.module, self._slot)
                 setattr(parent, leaf, experts)
-                for which, slot in experts.slots.items():
-                    shape = LoraShape(slot.in_features, slot.out_features, slot.experts)
-                    self._add(f"{target.path}.{which}", target.role, slot, shape)
+                for which, expert_slot in experts.slots.items():
+                    shape = LoraShape(
+                        expert_slot.in_features, expert_slot.out_features, expert_slot.experts
+                    )
+                    self._add(f"{target.name}.{which}", target.role, expert_slot, shape)
+                first = f"{target.name}.{next(iter(experts.slots))}"
+                for which in experts.placeholders:
+                    self._placeholders[f"{target.name}.{which}"] = first
         if not self._layers:
             raise ValueError(f"{type(base).__name__} has no LoRA-targetable layers")
 
@@ -365,7 +418,8 @@ class LoraModel:
         ]
 
     def adapter_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
-        """Detached CPU copies under PEFT key names (experts: 3-D, Tinker's layout)."""
+        """Detached CPU copies under PEFT key names (experts: 3-D, Tinker's layout; gate-less
+        experts with Tinker's empty w3 placeholder)."""
         if adapter_id not in self._specs:
             raise KeyError(adapter_id)
         state: dict[str, torch.Tensor] = {}
@@ -374,7 +428,61 @@ class LoraModel:
                 a, b = layer.lora_A[adapter_id], layer.lora_B[adapter_id]
                 state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a.detach().to("cpu", copy=True)
                 state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = b.detach().to("cpu", copy=True)
+        for placeholder, beside in self._placeholders.items():
+            if adapter_id in self._layers[beside].lora_A:
+                for ab in ("A", "B"):
+                    state[f"{PEFT_PREFIX}{placeholder}.lora_{ab}.weight"] = torch.empty(0)
         return state
+
+    def tinker_names(self, state: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        """An adapter written in transformers' module names (a PEFT adapter made by
+        tinker-cookbook's `build_lora_adapter`, or a published-layout prefix) in this model's
+        adapter names: `model.language_model.` -> `model.`, gpt-oss's `self_attn` -> `attn`, and
+        a fused projection's LoRA (rank k*r, block-diagonal) split back into its k parts.
+
+        Raises:
+            ValueError: a fused LoRA that is not block-diagonal over the parts (the parts'
+                separate LoRA cannot represent it).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in state.items():
+            if not key.startswith(PEFT_PREFIX) or tensor.numel() == 0:
+                out[key] = tensor
+                continue
+            path, ab = key[len(PEFT_PREFIX) :].rsplit(".", 2)[0], key.rsplit(".", 2)[-2]
+            if path not in self._layers and path.startswith(LANGUAGE_MODEL):
+                path = "model." + path[len(LANGUAGE_MODEL) :]
+            names = self._aliases.get(path, (path,))
+            if len(names) == 1:
+                out[f"{PEFT_PREFIX}{names[0]}.{ab}.weight"] = tensor
+                continue
+            for name, part in zip(names, self._split(path, names, tensor, ab, rank), strict=True):
+                out[f"{PEFT_PREFIX}{name}.{ab}.weight"] = part
+        return out
+
+    def _split(
+        self, path: str, names: tuple[str, ...], tensor: torch.Tensor, ab: str, rank: int
+    ) -> list[torch.Tensor]:
+        """One fused projection's lora_A [k*r, in] or lora_B [out, k*r] cut into its parts."""
+        k = len(names)
+        if tensor.shape[0 if ab == "lora_A" else 1] != k * rank:
+            raise ValueError(f"{path}: {ab} {tuple(tensor.shape)} is not {k} parts of rank {rank}")
+        if ab == "lora_A":
+            return [tensor[i * rank : (i + 1) * rank] for i in range(k)]
+        parts, covered = [], torch.zeros_like(tensor, dtype=torch.bool)
+        start = 0
+        for i, name in enumerate(names):
+            width = self._shapes[name].fan_out
+            cols = slice(i * rank, (i + 1) * rank)
+            parts.append(tensor[start : start + width, cols])
+            covered[start : start + width, cols] = True
+            start += width
+        if bool(tensor[~covered].ne(0).any()):
+            raise ValueError(
+                f"{path}: its LoRA is not block-diagonal over {', '.join(names)} (Tinker trains "
+                "those as separate LoRA; this one cannot be split into them)"
+            )
+        return parts
 
     def load_adapter_state(
         self,

@@ -6,7 +6,9 @@ Expert LoRA follows Tinker's adapter format (what tinker-cookbook's `weights` to
 3-D tensor per projection of all a layer's experts, `<experts path>.w1|w3|w2.lora_A.weight`
 [experts, rank, in] and `.lora_B.weight` [experts, out, rank] (w1 gate, w3 up, w2 down).
 Adapters with one 2-D tensor per expert (`<experts path>.<e>.gate_proj|up_proj|down_proj`, what
-the cookbook's `build_lora_adapter` writes for vLLM) are read into that format.
+the cookbook's `build_lora_adapter` writes for vLLM) are read into that format (gate-less
+experts: `up_proj|down_proj` -> w1 / w2). Empty tensors (Tinker's w3 placeholder of gate-less
+experts) are written by the model (`LoraModel.adapter_state`) and skipped when read.
 """
 
 from __future__ import annotations
@@ -90,9 +92,13 @@ def load_peft_adapter(directory: Path) -> PeftAdapter:
     config = json.loads(config_path.read_text())
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{directory}: peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_rslora"):
-        raise ValueError(f"{directory}: rank/alpha patterns and rsLoRA are not supported")
-    state = load_file(str(weights_path))
+    if config.get("use_rslora"):
+        raise ValueError(f"{directory}: rsLoRA is not supported")
+    rank = int(config["r"])
+    alpha = float(config.get("lora_alpha", rank))
+    _check_patterns(config, rank, alpha, directory)
+    # Empty tensors are placeholders (Tinker's w3 of gate-less experts): nothing to load.
+    state = {k: v for k, v in load_file(str(weights_path)).items() if v.numel()}
     # PEFT may store keys with the adapter name ("lora_A.default.weight"); normalise.
     state = {
         k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
@@ -106,27 +112,48 @@ def load_peft_adapter(directory: Path) -> PeftAdapter:
     ]
     if bad:
         raise ValueError(f"{directory}: unsupported adapter tensors, e.g. {bad[0]!r}")
-    rank = int(config["r"])
-    return PeftAdapter(state=state, rank=rank, alpha=float(config.get("lora_alpha", rank)))
+    return PeftAdapter(state=state, rank=rank, alpha=alpha)
+
+
+def _check_patterns(config: dict[str, object], rank: int, alpha: float, directory: Path) -> None:
+    """Per-module rank / alpha patterns are accepted only where they keep alpha / rank (a fused
+    projection holding several parts' LoRA at a multiple of the rank, as tinker-cookbook's
+    `build_lora_adapter` writes Nemotron's Mamba `in_proj`): the parts are split back at load."""
+    ranks = config.get("rank_pattern") or {}
+    alphas = config.get("alpha_pattern") or {}
+    if not isinstance(ranks, dict) or not isinstance(alphas, dict):
+        raise ValueError(f"{directory}: rank_pattern / alpha_pattern must be objects")
+    for module in set(ranks) | set(alphas):
+        r = float(ranks.get(module, rank))
+        a = float(alphas.get(module, alpha))
+        if r % rank or abs(a / r - alpha / rank) > 1e-9 * (alpha / rank):
+            raise ValueError(
+                f"{directory}: rank_pattern / alpha_pattern of {module!r} ({r:g}, {a:g}) change "
+                f"the scale alpha / rank = {alpha / rank:g}; not supported"
+            )
 
 
 _PER_EXPERT = re.compile(
     r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(lora_[AB])\.weight$"
 )
 _TINKER_NAME = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_TINKER_NAME_GATELESS = {"up_proj": "w1", "down_proj": "w2"}  # Nemotron-H's experts
 
 
 def _stack_experts(state: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
-    """Per-expert 2-D LoRA tensors -> Tinker's 3-D ones (every expert 0..E-1 must be there)."""
+    """Per-expert 2-D LoRA tensors -> Tinker's 3-D ones (every expert 0..E-1 must be there).
+    Experts without any gate_proj tensor are gate-less: their up_proj is w1."""
+    matches = [(key, _PER_EXPERT.match(key)) for key in state]
+    gated = {m.group(1) for _, m in matches if m is not None and m.group(3) == "gate_proj"}
     groups: dict[str, dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        m = _PER_EXPERT.match(key)
+    for key, m in matches:
         if m is None:
-            out[key] = tensor
+            out[key] = state[key]
             continue
         experts, e, proj, lora = m.groups()
-        groups.setdefault(f"{experts}.{_TINKER_NAME[proj]}.{lora}.weight", {})[int(e)] = tensor
+        names = _TINKER_NAME if experts in gated else _TINKER_NAME_GATELESS
+        groups.setdefault(f"{experts}.{names[proj]}.{lora}.weight", {})[int(e)] = state[key]
     for key, by_expert in groups.items():
         if sorted(by_expert) != list(range(len(by_expert))):
             missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))

@@ -180,6 +180,13 @@ ADAPTER_PUBLISH_SECONDS = Histogram(
     buckets=PUBLISH_BUCKETS,
     registry=SCHEDULER,
 )
+TRAINER_PATH = Gauge(
+    "lockstep_trainer_path",
+    "1 on the path the training engine runs the base model on: packed, or generic (a family "
+    "outside the packed list: each row alone through the model's own forward, exact but slower).",
+    ["path"],
+    registry=SCHEDULER,
+)
 RESIDENT_MODELS = Gauge(
     "lockstep_resident_models",
     "Training runs whose adapter and Adam state the training engine holds right now.",

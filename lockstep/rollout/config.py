@@ -7,29 +7,27 @@ or `--sampler-url URL` (attach to an engine someone else runs; the kind says whi
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 from lockstep.config import SamplerConfig
 from lockstep.engine.interface import SamplingEngine
 from lockstep.workers.process import NO_DEADLINE, Deadline
 
-# Families an external engine serves with multi-LoRA as Lockstep trains them (every target the
-# trainer adapts, same numbers). Only dense models: vLLM's MoE expert LoRA is experimental and
-# its LoRA for linear-attention hybrids, sinks and MLA is unverified; SGLang has no expert LoRA.
-# Everything else samples with the local engine (`--sampler local`), which runs every family.
-EXTERNAL_LORA_FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
-
 
 def check_external_family(kind: str, model_dir: Path) -> None:
-    """Refuse, at configuration time, a model an external sampling engine would serve wrong."""
-    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    if model_type not in EXTERNAL_LORA_FAMILIES:
-        from lockstep.modeling.architecture import UnsupportedModel  # imports torch
+    """Refuse, at configuration time, a model an external sampling engine would serve wrong
+    (the model's `Architecture.external_lora`: only the dense families)."""
+    from lockstep.modeling.architecture import (  # imports torch
+        EXTERNAL_LORA_FAMILIES,
+        UnsupportedModel,
+        describe_dir,
+    )
 
+    arch = describe_dir(model_dir)
+    if not arch.external_lora:
         raise UnsupportedModel(
-            f"--sampler {kind} does not serve LoRA adapters of {model_type!r} models the way "
-            f"Lockstep trains them (supported: {', '.join(sorted(EXTERNAL_LORA_FAMILIES))}); "
+            f"--sampler {kind} does not serve LoRA adapters of {arch.model_type!r} models the "
+            f"way Lockstep trains them (supported: {', '.join(sorted(EXTERNAL_LORA_FAMILIES))}); "
             "use --sampler local, which samples every family the trainer accepts"
         )
 

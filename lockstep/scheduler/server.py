@@ -169,6 +169,9 @@ def assemble(
         limits=cfg.limits,
         memory_budget=trainer.memory_budget(),
         decoded=decoded,
+        custom_loss_created=lambda rec: accounting.custom_loss_created(
+            rec.owner, rec.session_id, card.name, rec.loss_id, rec.name
+        ),
     )
     return Assembly(store, board, lane, clock, catalog, submissions, tenancy)
 
@@ -193,6 +196,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
         card.directory,
         memory.describe(trainer.memory_budget()),
     )
+    metrics.TRAINER_PATH.labels(path=card.trainer_path.value).set(1)
     parts = assemble(cfg, store, trainer, sampler)
     clock, lane = parts.clock, parts.lane
 
@@ -241,6 +245,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
             await asyncio.wait_for(task, timeout=30)
     trainer.close()
     sampler.close()
+    parts.submissions.custom_losses.pricer.close()
     await store.close()
     if ops is not None:
         ops.close()

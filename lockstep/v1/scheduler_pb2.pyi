@@ -515,7 +515,7 @@ class ModelRef(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "base_model", "arch", "tokenizer_id", "lora_rank", "lora_config", "max_tokens_per_datum")
+    __slots__ = ("model_id", "base_model", "arch", "tokenizer_id", "lora_rank", "lora_config", "max_tokens_per_datum", "custom_loss_max_flops_per_token", "custom_loss_max_memory_bytes", "trainer_path")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +523,9 @@ class ModelInfo(_message.Message):
     LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     LORA_CONFIG_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_DATUM_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_MAX_FLOPS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_PATH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     base_model: str
     arch: str
@@ -530,7 +533,10 @@ class ModelInfo(_message.Message):
     lora_rank: int
     lora_config: LoraConfig
     max_tokens_per_datum: int
-    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., arch: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., max_tokens_per_datum: _Optional[int] = ...) -> None: ...
+    custom_loss_max_flops_per_token: int
+    custom_loss_max_memory_bytes: int
+    trainer_path: str
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., arch: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., max_tokens_per_datum: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
 
 class CreateSamplingSessionRequest(_message.Message):
     __slots__ = ("owner", "session_id", "sampling_session_seq_id", "model_path", "base_model")
@@ -575,16 +581,22 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SupportedModel(_message.Message):
-    __slots__ = ("model_name", "max_context_length", "max_tokens_per_datum", "trainer_memory_budget_bytes")
+    __slots__ = ("model_name", "max_context_length", "max_tokens_per_datum", "trainer_memory_budget_bytes", "custom_loss_max_flops_per_token", "custom_loss_max_memory_bytes", "trainer_path")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_DATUM_FIELD_NUMBER: _ClassVar[int]
     TRAINER_MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_MAX_FLOPS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_PATH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context_length: int
     max_tokens_per_datum: int
     trainer_memory_budget_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ...) -> None: ...
+    custom_loss_max_flops_per_token: int
+    custom_loss_max_memory_bytes: int
+    trainer_path: str
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
 
 class ServerCapabilities(_message.Message):
     __slots__ = ("models",)
@@ -768,7 +780,7 @@ class UsageRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class UsageBucket(_message.Message):
-    __slots__ = ("start", "session_id", "base_model", "tokens_trained", "tokens_prefill", "tokens_sampled", "steps", "samples", "cycle_seconds", "checkpoints")
+    __slots__ = ("start", "session_id", "base_model", "tokens_trained", "tokens_prefill", "tokens_sampled", "steps", "samples", "cycle_seconds", "checkpoints", "custom_losses")
     START_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -779,6 +791,7 @@ class UsageBucket(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     CYCLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSSES_FIELD_NUMBER: _ClassVar[int]
     start: float
     session_id: str
     base_model: str
@@ -789,7 +802,8 @@ class UsageBucket(_message.Message):
     samples: int
     cycle_seconds: float
     checkpoints: int
-    def __init__(self, start: _Optional[float] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokens_trained: _Optional[int] = ..., tokens_prefill: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., cycle_seconds: _Optional[float] = ..., checkpoints: _Optional[int] = ...) -> None: ...
+    custom_losses: int
+    def __init__(self, start: _Optional[float] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokens_trained: _Optional[int] = ..., tokens_prefill: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., cycle_seconds: _Optional[float] = ..., checkpoints: _Optional[int] = ..., custom_losses: _Optional[int] = ...) -> None: ...
 
 class UsageReply(_message.Message):
     __slots__ = ("buckets",)

@@ -6,12 +6,18 @@ Calls travel over a local `multiprocessing` pipe between two processes of the sa
 Every call has a deadline (`Deadline`: a base plus a share per token it carries); an engine that
 misses it is wedged (a stuck kernel, a hung collective): its process is killed and the call
 raises EngineDied, so the caller restarts it like any dead engine.
+
+A device error inside a call (a CUDA device-side assert, an illegal memory access: anything
+`is_device_error` names) leaves the process's accelerator context unusable, so the child
+answers EngineDied and exits instead of serving another call on it: the caller restarts it
+(and its poison hunt finds the request that did it, if one does it every time).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine
+from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine, is_device_error
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -47,6 +53,7 @@ class Deadline:
 
 
 NO_DEADLINE = Deadline()
+DEVICE_ERROR_EXIT = 70  # the exit status of an engine process that hit a device error
 
 
 def pass_tokens(requests: Sequence[PassRequest]) -> int:
@@ -77,6 +84,10 @@ def _serve(factory: Callable[[], Any], conn: Connection) -> None:
             conn.send((True, getattr(engine, verb)(*args, **kwargs)))
         except Exception as exc:  # sent back and re-raised in the caller
             log.exception("engine call %s failed", verb)
+            if is_device_error(exc):  # the context is broken: no call may run on it again
+                conn.send((False, EngineDied(f"{verb} raised a device error ({exc}); exited")))
+                logging.shutdown()  # flush what was logged; nothing else is cleaned up
+                os._exit(DEVICE_ERROR_EXIT)
             conn.send((False, exc))
 
 
@@ -145,6 +156,8 @@ class EngineProcess:
                 ok, value = self._conn.recv()
             except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
                 raise EngineDied(f"{self.name} (pid {self.pid}) exited") from exc
+            if isinstance(value, EngineDied):  # the child is exiting: wait until it is gone
+                self._proc.join(10)
         if not ok:
             raise value
         return value

@@ -302,7 +302,7 @@ class RequestPath(RuleBasedStateMachine):
                 seq_id=0,
                 prompt_tokens=[1, 2],
                 num_samples=1,
-                params=pb.SamplingParams(max_tokens=1),
+                params=pb.SamplingParams(max_tokens=1, top_p=1.0, top_k=-1),
             ),
         )
         self.futures[self.submit(sample)] = Expect("sample", token=weights_token(t.w))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lockstep.modeling import zoo
 from lockstep.training import checkpoint
@@ -113,3 +114,18 @@ def test_unsupported_moe_layouts_are_refused(tmp_path: Path) -> None:
     for family in ("gpt_oss", "deepseek_v3"):
         with pytest.raises(ValueError, match=f"not '{family}'"):
             HFArch.from_dir(zoo.ensure_family(family, CACHE))
+
+
+def test_the_adapter_ordinal_rides_the_hidden_states_as_integer_bits() -> None:
+    """bf16 holds integers exactly only up to 256: the ordinal is never a bf16 value, its bits
+    travel through megatron's permute / all-to-all copies and come back as the same integers."""
+    from lockstep.workers.megatron.experts import _tag, _untag
+
+    ordinals = torch.tensor([-1, 0, 1, 255, 256, 257, 1001, 30000])
+    perm = torch.randperm(len(ordinals), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(len(ordinals), 4).to(dtype)
+        tagged = torch.cat([hidden, _tag(ordinals, dtype).unsqueeze(1)], dim=1)
+        assert tagged.isfinite().all()
+        moved = tagged.index_select(0, perm)  # what a permute does: copies rows
+        assert _untag(moved[:, 4]).tolist() == ordinals[perm].tolist()

@@ -41,7 +41,7 @@ from lockstep.modeling.tiny import init_weights, write_tokenizer
 from lockstep.rollout.local import LocalSamplingEngine
 from lockstep.workers.local.trainer import LocalTrainingEngine
 
-MOE = {"qwen3_moe", "qwen3_5_moe", "gpt_oss", "deepseek_v3"}
+MOE = {"qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "deepseek_v3", "nemotron_h"}
 LENGTHS = (37, 5, 20, 64)  # longer and shorter than gpt-oss's 16-token window
 ADAM = AdamConfig(learning_rate=1e-2)
 GREEDY = SampleParams(max_tokens=10, temperature=0.0, stop_at_eos=False)
@@ -66,6 +66,7 @@ class Trained:
     engine: LocalTrainingEngine
     data: list[Datum]
     losses: list[float]
+    initial: dict[str, torch.Tensor]  # tenant a's adapter before training
 
 
 @pytest.fixture(scope="module")
@@ -83,37 +84,55 @@ def trained(request: pytest.FixtureRequest, zoo_dir: Path) -> Iterator[Trained]:
     data = [_datum(n, rng) for n in LENGTHS]
     engine.create_model("a", LoraSpec(rank=4, alpha=8.0, seed=1))
     engine.create_model("b", LoraSpec(rank=8, alpha=8.0, seed=2))
+    initial = engine._lora.adapter_state("a")
     losses = []
     for _ in range(4):
         out = engine.run_passes([_pass("a", data, False), _pass("b", data[:2], False)])
         losses.append(out[0].metrics["loss:sum"])
         engine.optim_step([OptimRequest("a", ADAM), OptimRequest("b", ADAM)])
-    yield Trained(family, directory, engine, data, losses)
+    yield Trained(family, directory, engine, data, losses, initial)
     engine.close()
+
+
+# Tinker's adapter names for slices of a fused transformers projection, in row order (tinker-
+# cookbook's weights/_merge_qwen3_5.py, _merge_nemotron.py), and its other renames.
+FUSED_PARTS = {
+    "in_proj_qkv": ("in_proj_q", "in_proj_k", "in_proj_v"),
+    "in_proj": ("gate_proj", "x_proj"),
+}
+RENAMES = ((".attn.", ".self_attn."),)
 
 
 def merged_reference(
     directory: Path, adapter: dict[str, torch.Tensor], scale: float
 ) -> PreTrainedModel:
     """The HF model with a PEFT/Tinker-format adapter added into its weights, written out from
-    the adapter format alone (not from Lockstep's layers): W += scale * B @ A; experts: w1 / w3
-    into gate_up_proj's gate / up part, w2 into down_proj, in the module's own layout."""
+    the adapter format alone (not from Lockstep's layers): W += scale * B @ A; a part of a fused
+    projection into its rows (after its earlier parts'); experts: w1 / w3 into gate_up_proj's
+    gate / up part, w2 into down_proj, in the module's own layout; gate-less experts: w1 into
+    up_proj, w2 into down_proj, the empty w3 skipped."""
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key, a in adapter.items():
-            if not key.endswith(".lora_A.weight"):
+            if not key.endswith(".lora_A.weight") or a.numel() == 0:
                 continue
             path = key[len(PEFT_PREFIX) : -len(".lora_A.weight")]
+            for tinker, hf in RENAMES:
+                if tinker in path and f"{path.replace(tinker, hf)}.weight" in params:
+                    path = path.replace(tinker, hf)
             delta = scale * (adapter[key.replace("lora_A", "lora_B")] @ a)  # [(E,) out, in]
             if delta.dim() == 2:
-                params[f"{path}.weight"] += delta
+                _add_dense(params, adapter, path, delta)
                 continue
             experts_path, which = path.rsplit(".", 1)
             experts = model.get_submodule(experts_path)
             if which == "w2":
                 down = params[f"{experts_path}.down_proj"]
                 down += delta.transpose(1, 2) if experts.is_transposed else delta
+                continue
+            if not experts.has_gate:  # w1 is the up projection
+                params[f"{experts_path}.up_proj"] += delta
                 continue
             fused = params[f"{experts_path}.gate_up_proj"]  # [E, 2I, H] or [E, H, 2I]
             part = 0 if which == "w1" else 1
@@ -129,6 +148,27 @@ def merged_reference(
     return model
 
 
+def _add_dense(
+    params: dict[str, nn.Parameter],
+    adapter: dict[str, torch.Tensor],
+    path: str,
+    delta: torch.Tensor,
+) -> None:
+    if f"{path}.weight" in params:
+        params[f"{path}.weight"] += delta
+        return
+    parent, leaf = path.rsplit(".", 1)
+    for fused, parts in FUSED_PARTS.items():
+        if leaf in parts and f"{parent}.{fused}.weight" in params:
+            before = parts[: parts.index(leaf)]
+            start = sum(
+                adapter[f"{PEFT_PREFIX}{parent}.{p}.lora_B.weight"].shape[0] for p in before
+            )
+            params[f"{parent}.{fused}.weight"][start : start + delta.shape[0]] += delta
+            return
+    raise KeyError(f"{path}: no parameter of the model takes this adapter tensor")
+
+
 def _logprobs(model: PreTrainedModel, datum: Datum) -> np.ndarray:
     with torch.no_grad():
         logits = model(torch.tensor(datum.tokens)[None]).logits[0].float()
@@ -139,8 +179,11 @@ def _logprobs(model: PreTrainedModel, datum: Datum) -> np.ndarray:
 def test_trainer_path_is_the_familys(trained: Trained) -> None:
     arch = trained.engine._lora.arch
     assert (arch.model_type in PACKED_FAMILIES) == trained.engine._packed
+    # What get_info / capabilities report (the card travels to the scheduler).
+    assert trained.engine.card().trainer_path is arch.trainer_path
     if trained.family == "mistral":  # not a packed family: its own forward, row by row
         assert not trained.engine._packed
+        assert trained.engine.card().trainer_path is TrainerPath.GENERIC
     if trained.family in MOE:
         assert arch.experts, "fused experts are LoRA targets"
 
@@ -204,6 +247,8 @@ def test_the_packed_path_equals_the_generic_path(trained: Trained, tmp_path: Pat
 
 
 def test_sft_lowers_the_loss_and_trains_every_expert_projection(trained: Trained) -> None:
+    """Every expert's own slice of every expert LoRA tensor moved (not just the tensor: one
+    expert moving would not do), in Tinker's 3-D layout; gate-less experts keep an empty w3."""
     assert trained.losses[-1] < trained.losses[0]
     state = trained.engine._lora.adapter_state("a")
     experts = [k for k in state if ".experts.w" in k]
@@ -213,11 +258,17 @@ def test_sft_lowers_the_loss_and_trains_every_expert_projection(trained: Trained
     layers = trained.engine._lora.arch.experts
     assert {k.rsplit(".", 3)[-3] for k in experts} == {"w1", "w2", "w3"}
     assert len(experts) == 6 * len(layers)
+    moved = 0
     for key in experts:
-        tensor = state[key]
+        tensor, before = state[key], trained.initial[key]
+        if tensor.numel() == 0:  # Tinker's placeholder w3 of gate-less experts
+            assert trained.family == "nemotron_h" and ".w3." in key
+            continue
         assert tensor.dim() == 3 and tensor.shape[0] > 1  # [experts, ...]
-        if ".lora_B." in key:  # B starts at zero; training moved it
-            assert tensor.abs().sum() > 0, key
+        for e in range(tensor.shape[0]):
+            assert (tensor[e] - before[e]).abs().max() > 0, f"{key}: expert {e} did not train"
+            moved += 1
+    assert moved >= 4 * len(layers) * 2  # w1 and w2 A / B of at least 2 experts per layer
 
 
 def test_sampler_equals_the_model_and_the_trainer(trained: Trained, tmp_path: Path) -> None:
@@ -304,7 +355,8 @@ def test_external_samplers_refuse_families_they_do_not_serve_exactly(
     kind: str, zoo_dir: Path, tmp_path: Path
 ) -> None:
     from lockstep.config import SamplerConfig
-    from lockstep.rollout.config import EXTERNAL_LORA_FAMILIES, check_external_family, start_sampler
+    from lockstep.modeling.architecture import EXTERNAL_LORA_FAMILIES
+    from lockstep.rollout.config import check_external_family, start_sampler
 
     for family in sorted(zoo.FAMILIES):
         directory = zoo.ensure_family(family, zoo_dir)
@@ -319,7 +371,8 @@ def test_external_samplers_refuse_families_they_do_not_serve_exactly(
 
 
 def describe_type(directory: Path) -> str:
-    return str(AutoConfig.from_pretrained(directory).model_type)
+    """The language model's model_type (a published vision-language checkpoint's text model)."""
+    return str(AutoConfig.from_pretrained(directory).get_text_config().model_type)
 
 
 def test_the_zoo_script_builds_a_servable_directory(tmp_path: Path) -> None:

@@ -56,6 +56,9 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 max_context_length=4096,
                 max_tokens_per_datum=3000,
                 trainer_memory_budget_bytes=1 << 30,
+                custom_loss_max_flops_per_token=1 << 16,
+                custom_loss_max_memory_bytes=1 << 24,
+                trainer_path="generic",
             )
         ]
     )
@@ -68,6 +71,9 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "sampleable": True,
                 "max_tokens_per_datum": 3000,
                 "trainer_memory_budget_bytes": 1 << 30,
+                "custom_loss_max_flops_per_token": 1 << 16,
+                "custom_loss_max_memory_bytes": 1 << 24,
+                "trainer_path": "generic",
             }
         ]
     }

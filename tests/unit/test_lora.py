@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lockstep.engine.shape import ModelShape
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling.architecture import Architecture, Role, Target, TrainerPath
 from lockstep.modeling.loader import load_base_model
@@ -35,9 +36,7 @@ def _toy_lora() -> tuple[Toy, LoraModel]:
         p.requires_grad_(False)
     # Not a HF model: its LoRA targets are named by hand (q_proj attention, lm_head unembed).
     arch = Architecture(
-        model_type="toy",
-        layer_types=(),
-        trainer_path=TrainerPath.GENERIC,
+        shape=ModelShape("toy", hidden=16, vocab=32, layers=(), trainer_path=TrainerPath.GENERIC),
         padded_sampling=True,
         targets=(
             Target("q_proj", Role.ATTN, toy.q_proj),

@@ -1,4 +1,4 @@
-"""The pass-cost arithmetic of lockstep/engine/memory.py, on the tiny model's config shape and a
+"""The pass-cost arithmetic of lockstep/engine/memory.py, on the tiny model's shape and a
 Qwen3-8B-shaped one (no model is loaded)."""
 
 from __future__ import annotations
@@ -6,30 +6,31 @@ from __future__ import annotations
 import pytest
 
 from lockstep.engine import memory
-
-TINY = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 1024,
-}
-QWEN3_8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-}
+from lockstep.engine.shape import (
+    AttentionShape,
+    FeedForwardShape,
+    LayerShape,
+    Mixer,
+    ModelShape,
+    TrainerPath,
+)
 
 
-def _cost(config: dict, e: int = 4, ckpt: bool = False, scored: bool = False) -> memory.PassCost:
-    chunk = (1 << 26) // config["vocab_size"]  # what the local engine takes on a GPU
-    return memory.PassCost.from_config(config, e, ckpt, 1024, chunk, scored)
+def dense(hidden: int, width: int, layers: int, heads: int, kv: int, head_dim: int, vocab: int):
+    att = AttentionShape(heads=heads, kv_heads=kv, head_dim=head_dim, value_head_dim=head_dim)
+    layer = LayerShape(Mixer.ATTENTION, attention=att, ffn=FeedForwardShape(width, gated=True))
+    return ModelShape("qwen3", hidden, vocab, (layer,) * layers, TrainerPath.PACKED)
+
+
+TINY = dense(128, 256, 2, 4, 2, 64, 1024)
+QWEN3_8B = dense(4096, 12288, 36, 32, 8, 128, 151936)
+
+
+def _cost(
+    shape: ModelShape, e: int = 4, ckpt: bool = False, scored: bool = False
+) -> memory.PassCost:
+    chunk = (1 << 26) // shape.vocab  # what the local engine takes on a GPU
+    return memory.PassCost.from_shape(shape, e, ckpt, 1024, chunk, scored)
 
 
 def test_the_longest_row_that_fits_is_the_last_one_under_the_budget() -> None:
@@ -48,9 +49,9 @@ def test_checkpointing_bf16_and_fused_attention_cost_what_they_should() -> None:
     assert ckpt.per_token < full.per_token / 5  # layer inputs instead of every activation
     assert _cost(QWEN3_8B, 2, scored=True).pass_bytes(8192) > full.pass_bytes(8192)
     assert full.scores_per_token_sq == 0  # fused causal SDPA keeps no scores
-    # Not absurd: ~0.35 MB per layer and token in bf16 (0.18 MB base activations, 0.15 MB of
+    # Not absurd: ~0.26 MB per layer and token in bf16 (0.12 MB base activations, 0.15 MB of
     # inputs cast to fp32 for the adapters); checkpointed, an 8k-token row needs a few GB.
-    assert 0.3e6 < full.per_token / 37 < 0.4e6
+    assert 0.2e6 < full.per_token / 36 < 0.35e6
     assert 5 * memory.GIB < ckpt.pass_bytes(8192) < 20 * memory.GIB
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
-from lockstep.errors import UserInputError
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
-from lockstep.workers.local.trainer import LocalTrainingEngine, _Row, padded
+from lockstep.workers.local.pass_state import PassState, Row
+from lockstep.workers.local.trainer import LocalTrainingEngine, padded
 
 MICRO_BATCH_TOKENS = 256
 # Cut at 256 tokens: [200] [120, 104] [64, 56, 32, 24]; over 200 tokens fails, so the first
@@ -33,17 +33,17 @@ class OomInjectingEngine(LocalTrainingEngine):
 
     def _micro_batch(
         self,
-        rows: list[_Row],
+        rows: list[Row],
         requests: list[PassRequest],
         configs: list[dict[str, float]],
-        outs: dict,
+        state: PassState,
         backward: bool,
     ) -> None:
         tokens = sum(padded(r.length) for r in rows)
         if tokens > self.oom_above:
             self.ooms += 1
             raise torch.OutOfMemoryError(f"FAKE out of memory: {tokens} tokens")
-        super()._micro_batch(rows, requests, configs, outs, backward)
+        super()._micro_batch(rows, requests, configs, state, backward)
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +96,20 @@ def test_an_out_of_memory_pass_is_retried_smaller_with_the_same_numbers(model_di
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_row_that_does_not_fit_even_alone_fails_its_request_and_leaves_no_gradient(
-    model_dir: Path,
-) -> None:
-    expected = _run(_engine(model_dir, LocalTrainingEngine))
+def test_a_row_that_does_not_fit_even_alone_fails_its_request_only(model_dir: Path) -> None:
+    too_long = _requests([[8], [8, 300]])  # tenant m1's second datum: 304 tokens alone
+    undisturbed = _engine(model_dir, LocalTrainingEngine)
+    (want,) = undisturbed.run_passes(too_long[:1])  # m0's request, without m1's
+    expected = _run(undisturbed)
     faulty = _engine(model_dir, OomInjectingEngine)
     assert isinstance(faulty, OomInjectingEngine)
     faulty.oom_above = OOM_ABOVE
-    too_long = _requests([[8], [8, 300]])  # tenant m1's second datum: 304 tokens alone
-    with pytest.raises(torch.OutOfMemoryError):  # several requests: the caller splits them
-        faulty.run_passes(too_long)
-    with pytest.raises(UserInputError) as alone:
-        faulty.run_passes(too_long[1:])
-    assert alone.value.field == "data[1].model_input"
-    assert "has 300 tokens" in alone.value.detail and "even alone" in alone.value.detail
-    # Neither failed call left a gradient behind: the run goes on as if they never happened.
+    got, failed = faulty.run_passes(too_long)  # one call: m1's request fails, m0's runs
+    assert failed.error is not None and got.error is None
+    assert failed.error.startswith("data[1].model_input: has 300 tokens")
+    assert "even alone" in failed.error
+    np.testing.assert_allclose(got.metrics["loss:sum"], want.metrics["loss:sum"], rtol=1e-5)
+    # m1's failed request left no gradient behind, m0's left its own: the run goes on as if
+    # m1's request had never been sent.
     for a, b in zip(_run(faulty), expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from lockstep.config import Limits
+from lockstep.custom_loss.bound import CostBound
 from lockstep.engine import losses
 from lockstep.engine.types import NO_MEMORY_LIMIT, ModelCard
 from lockstep.errors import UserInputError
@@ -32,8 +33,8 @@ from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler import translate
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import SubmitContext
+from lockstep.scheduler.ops.custom_loss import CustomLosses
 from lockstep.scheduler.state.catalog import Catalog
-from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.records import (
     CheckpointRecord,
     LoraRecord,
@@ -288,7 +289,8 @@ async def _context(url: str, data: Path) -> SubmitContext:
         ),
     )
     catalog = Catalog(store, CARD, ["tiny"], data)
-    losses_ = CustomLosses(store, catalog)
+    bound = CostBound.for_model(CARD, NO_MEMORY_LIMIT)
+    losses_ = CustomLosses(store, catalog, bound, CARD.max_context_length)
     return SubmitContext(store, catalog, CARD, Limits(), NO_MEMORY_LIMIT, data, losses_)
 
 

@@ -66,6 +66,7 @@ async def usage_events(
                 token_count=b.tokens_trained,
                 steps=b.steps,
                 cycle_seconds=b.cycle_seconds,
+                custom_losses=b.custom_losses or None,
             ),
             wa.UsageEventInfo(type="sampling_prefill", token_count=b.tokens_prefill, cached=False),
             wa.UsageEventInfo(
@@ -74,7 +75,16 @@ async def usage_events(
             wa.UsageEventInfo(type="checkpoint", count=b.checkpoints),
         ]
         for info in infos:
-            if info.token_count or info.count or info.steps or info.cycle_seconds or info.samples:
+            if any(
+                (
+                    info.token_count,
+                    info.count,
+                    info.steps,
+                    info.cycle_seconds,
+                    info.samples,
+                    info.custom_losses,
+                )
+            ):
                 data.append(
                     wa.BillingUsageEvent(
                         bucket_start=utc(b.start),

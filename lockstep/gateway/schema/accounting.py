@@ -71,6 +71,7 @@ class UsageEventInfo(SchemaModel):
     steps: int | None = None
     samples: int | None = None
     cycle_seconds: float | None = None
+    custom_losses: int | None = None  # training: custom losses the session stored
 
 
 class BillingUsageEvent(SchemaModel):

@@ -194,8 +194,14 @@ class GetInfoResponse(SchemaModel):
     lora_rank: int | None = None
     model_name: str | None = None
     # Lockstep's own: the longest datum a forward_backward may hold (context length,
-    # --max-tokens-per-datum and the trainer's memory budget, whichever is least).
+    # --max-tokens-per-datum and the trainer's memory budget, whichever is least), and what one
+    # datum's custom loss may cost (FLOPs per token of the datum; bytes of temporaries).
     max_tokens_per_datum: int | None = None
+    custom_loss_max_flops_per_token: int | None = None
+    custom_loss_max_memory_bytes: int | None = None
+    # Lockstep's own: "packed", or "generic" (a family outside the packed list: each row runs
+    # alone through the model's own forward, exact but slower).
+    trainer_path: str | None = None
 
 
 class CreateSamplingSessionResponse(SchemaModel):
@@ -223,6 +229,9 @@ class SupportedModel(SchemaModel):
     # bytes one training pass may use.
     max_tokens_per_datum: int | None = None
     trainer_memory_budget_bytes: int | None = None
+    custom_loss_max_flops_per_token: int | None = None
+    custom_loss_max_memory_bytes: int | None = None
+    trainer_path: str | None = None  # "packed", or "generic" (each row alone: slower)
 
 
 class ServerCapabilitiesResponse(SchemaModel):

@@ -82,6 +82,9 @@ def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
                 sampleable=True,
                 max_tokens_per_datum=m.max_tokens_per_datum or None,
                 trainer_memory_budget_bytes=m.trainer_memory_budget_bytes or None,
+                custom_loss_max_flops_per_token=m.custom_loss_max_flops_per_token or None,
+                custom_loss_max_memory_bytes=m.custom_loss_max_memory_bytes or None,
+                trainer_path=m.trainer_path or None,
             )
             for m in caps.models
         ]

@@ -115,4 +115,7 @@ def model_info(info: pb.ModelInfo) -> rs.GetInfoResponse:
         lora_rank=rank or None,
         model_name=info.base_model,
         max_tokens_per_datum=info.max_tokens_per_datum or None,
+        custom_loss_max_flops_per_token=info.custom_loss_max_flops_per_token or None,
+        custom_loss_max_memory_bytes=info.custom_loss_max_memory_bytes or None,
+        trainer_path=optional_str(info.trainer_path),
     )

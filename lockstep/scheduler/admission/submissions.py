@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lockstep.config import Limits
+from lockstep.custom_loss.bound import CostBound
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
@@ -19,6 +20,7 @@ from lockstep.scheduler.admission.decoded import DecodedPasses
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import Claim, Hold, SampleClaim, SubmitContext
+from lockstep.scheduler.ops.custom_loss import Created, CustomLosses
 from lockstep.scheduler.state.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.state.claims import (
     ClaimConflict,
@@ -26,7 +28,6 @@ from lockstep.scheduler.state.claims import (
     TenantLimitReached,
     TrainingClaim,
 )
-from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
@@ -55,6 +56,7 @@ class Submissions:
         limits: Limits | None = None,
         memory_budget: MemoryBudget = NO_MEMORY_LIMIT,
         decoded: DecodedPasses | None = None,
+        custom_loss_created: Created | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.store = store
@@ -62,7 +64,13 @@ class Submissions:
         self.memory = memory_budget  # the training engine's (TrainingEngine.memory_budget)
         self.on_training = on_training
         self.on_sample = on_sample
-        self.custom_losses = CustomLosses(store, catalog)
+        self.custom_losses = CustomLosses(
+            store,
+            catalog,
+            CostBound.for_model(card, self.memory),
+            self.max_tokens_per_datum(),
+            custom_loss_created,
+        )
         self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
         # What an op's admission reads (scheduler/ops/base.py).
         self.ctx = SubmitContext(

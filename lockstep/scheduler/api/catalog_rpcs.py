@@ -115,6 +115,9 @@ class CatalogRpcs:
             lora_rank=model.lora.rank,
             lora_config=lora_pb(model),
             max_tokens_per_datum=self.submissions.max_tokens_per_datum(),
+            custom_loss_max_flops_per_token=self.submissions.custom_losses.bound.flops_per_token,
+            custom_loss_max_memory_bytes=self.submissions.custom_losses.bound.memory_bytes,
+            trainer_path=card.trainer_path.value,
         )
 
     async def create_sampling_session(
@@ -141,6 +144,7 @@ class CatalogRpcs:
         ctx = self.catalog.card.max_context_length
         per_datum = self.submissions.max_tokens_per_datum()
         budget = self.submissions.memory.budget_bytes
+        loss = self.submissions.custom_losses.bound
         return pb.ServerCapabilities(
             models=[
                 pb.SupportedModel(
@@ -148,6 +152,9 @@ class CatalogRpcs:
                     max_context_length=ctx,
                     max_tokens_per_datum=per_datum,
                     trainer_memory_budget_bytes=budget,
+                    custom_loss_max_flops_per_token=loss.flops_per_token,
+                    custom_loss_max_memory_bytes=loss.memory_bytes,
+                    trainer_path=self.catalog.card.trainer_path.value,
                 )
                 for n in self.catalog.served_names
             ]

@@ -23,6 +23,7 @@ from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler.api.audit import AuditTrail
 from lockstep.scheduler.observers.accounting import Accounting
+from lockstep.scheduler.state import custom_losses
 from lockstep.scheduler.state.catalog import Catalog
 from lockstep.scheduler.state.records import CheckpointRecord, SessionRecord
 from lockstep.scheduler.state.residency import Residency
@@ -62,11 +63,13 @@ class Tenancy:
         await self.store.sessions.beat(session_id)
 
     async def end_session(self, rec: SessionRecord, event: AuditEvent) -> None:
-        """Mark the session ended and free its models' engine state at the next cycle."""
+        """Mark the session ended, free its models' engine state at the next cycle and delete
+        its custom losses (a request already queued with one still has it attached)."""
         if not rec.finished:
             rec.finished = True
             await self.store.sessions.put(rec)
         await self.store.sessions.stop_beats(rec.session_id)
+        losses = await custom_losses.delete_session(self.store, rec.session_id)
         models, samplers = await self.store.sessions.members(rec.session_id)
         self.residency.end(models)
         self.wake_clock()
@@ -76,7 +79,9 @@ class Tenancy:
             if sampler is not None and sampler.adapter_id is not None:
                 adapters.append(sampler.adapter_id)
         await self.unload_adapters(adapters)
-        await self.trail.record(rec.owner, event, session_id=rec.session_id, models=models)
+        await self.trail.record(
+            rec.owner, event, session_id=rec.session_id, models=models, custom_losses=losses
+        )
 
     async def unload_model(self, owner: str, model_id: str) -> pb.SubmitReply:
         """Free one run's engine state; answered as an already finished future (older SDKs

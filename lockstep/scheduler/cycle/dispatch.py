@@ -300,8 +300,10 @@ class Dispatcher:
     async def _run_passes(
         self, call: list[PassRequest], outcomes: dict[str, Outcome]
     ) -> list[PassResult]:
-        """One run_passes call; a request that fails it fails alone (run_passes is atomic: the
-        failed call left no gradient behind, so its requests re-run one by one)."""
+        """One run_passes call. A request the engine says failed alone (`PassResult.error`)
+        fails with its error and the others keep their results. Only a failure the engine
+        cannot attribute (the call raised: run_passes is then atomic, no gradient left behind)
+        re-runs the call's requests one by one."""
         ids = [r.request_id for r in call]
         try:
             results = await self.call(self.engine.run_passes, call)
@@ -315,7 +317,10 @@ class Dispatcher:
             log.warning("fused pass failed (%s); retrying requests one by one", exc)
             return [res for r in call for res in await self._run_passes([r], outcomes)]
         self.poison.survived(ids)
-        return list(results)
+        for res in results:
+            if res.error is not None:
+                outcomes[res.request_id] = Outcome(error=res.error, category=ErrorCategory.USER)
+        return [res for res in results if res.error is None]
 
     async def _optims(self, steps: list[QueuedOp]) -> dict[str, Outcome]:
         if not steps:

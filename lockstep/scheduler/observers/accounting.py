@@ -38,6 +38,7 @@ class Counter(StrEnum):
     SAMPLES = "samples"
     CYCLE_SECONDS = "cycle_seconds"
     CHECKPOINTS = "checkpoints"
+    CUSTOM_LOSSES = "custom_losses"
 
 
 class Accounting:
@@ -116,6 +117,21 @@ class Accounting:
                         size_bytes=ckpt.size_bytes,
                         session_id=who[1],
                     )
+
+    async def custom_loss_created(
+        self, owner: str, session_id: str, base_model: str, loss_id: str, name: str
+    ) -> None:
+        """A session stored a custom loss (it leaves with the session): counted and audited."""
+        async with self.ledger.batch() as batch:
+            self._add(batch, owner, session_id, base_model, {Counter.CUSTOM_LOSSES: 1})
+            self._audit(
+                batch,
+                owner,
+                AuditEvent.CUSTOM_LOSS_CREATED,
+                session_id=session_id,
+                loss_id=loss_id,
+                name=name,
+            )
 
     async def on_sampled(
         self,

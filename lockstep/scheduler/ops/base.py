@@ -35,8 +35,8 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UserInputError
+from lockstep.scheduler.ops.custom_loss import CustomLosses
 from lockstep.scheduler.state.catalog import Catalog
-from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.scheduler.state.residency import Residency
@@ -138,7 +138,7 @@ class SubmitContext:
     limits: Limits
     memory: MemoryBudget  # the training engine's (TrainingEngine.memory_budget)
     data_dir: Path
-    custom_losses: CustomLosses
+    custom_losses: CustomLosses  # create_custom_loss, and what a request naming one must pass
 
     async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
         return await self.catalog.live_model(owner, model_id)  # tenancy: session ended?

@@ -1,9 +1,10 @@
 """forward and forward_backward: every tenant's passes run as ONE fused pass per cycle.
 
 Validated at submission in their decoded form (token ids, loss inputs, sizes, the memory
-budget, a named custom loss); that decoded request is kept (`scheduler/admission/decoded.py`)
-and the dispatcher hands it to the fused pass as it is. Only a forward_backward changes the model
-(gradients), so only it is replayed after a restore and counts as trained tokens.
+budget, a named custom loss and its price on each datum: `ops/custom_loss.py`); that decoded
+request is kept (`scheduler/admission/decoded.py`) and the dispatcher hands it to the fused pass
+as it is. Only a forward_backward changes the model (gradients), so only it is replayed after a
+restore and counts as trained tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class ForwardBackward(PassOp):
         pass_req = translate.pass_request("", fb)  # its request id once claimed
         pass_req.custom_loss = await ctx.custom_losses.named(model, pass_req)
         losses.validate_pass_request(pass_req, ctx.card.vocab_size, ctx.card.max_context_length)
-        await ctx.custom_losses.check_sizes(pass_req)
+        await ctx.custom_losses.check_data(pass_req)  # its inputs' ranks, its price per datum
         kind = OpKind.FORWARD if fb.forward_only else OpKind.FORWARD_BACKWARD
         return Claim(fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), decoded=pass_req)
 

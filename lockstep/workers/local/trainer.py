@@ -27,11 +27,11 @@ same multi-LoRA layers. A feature neither path computes exactly is refused at lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +42,6 @@ from lockstep.engine import memory
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.losses import resolve_loss_config
 from lockstep.engine.types import (
-    Datum,
     LoraSpec,
     MemoryBudget,
     ModelCard,
@@ -51,7 +50,13 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UserInputError
-from lockstep.modeling.architecture import TrainerPath, UnsupportedModel, check_head, describe
+from lockstep.modeling.architecture import (
+    PACKED_FAMILIES,
+    TrainerPath,
+    UnsupportedModel,
+    check_head,
+    describe,
+)
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
@@ -61,21 +66,13 @@ from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
-from lockstep.training.pass_result import RowLoss, pass_result, row_loss
+from lockstep.training.pass_result import pass_result, row_loss
 from lockstep.workers.local import host_memory
+from lockstep.workers.local.pass_state import PassState, Row
 from lockstep.workers.snapshots import SnapshotWriter
 
 PAD_MULTIPLE = 8  # a row takes whole blocks of 8 tokens: every GEMM has M >= 8 rows
 log = logging.getLogger("lockstep.trainer")
-
-
-@dataclass
-class _Row:
-    request: int  # index into the run_passes request list
-    index: int  # datum index within its request
-    datum: Datum
-    length: int
-    model_id: str
 
 
 def padded(length: int) -> int:
@@ -127,9 +124,18 @@ class LocalTrainingEngine(TrainingEngine):
         check_head(model, self._card.vocab_size)
         if trainer_path is TrainerPath.PACKED and arch.trainer_path is not TrainerPath.PACKED:
             raise UnsupportedModel(f"{arch.model_type}: the packed path is not proven for it")
-        self._packed = (trainer_path or arch.trainer_path) is TrainerPath.PACKED
+        path = TrainerPath(trainer_path or arch.trainer_path)
+        self._packed = path is TrainerPath.PACKED
+        self._card = dataclasses.replace(self._card, trainer_path=path)
         if self._packed:
             model.set_attn_implementation(ROW_ATTENTION)
+        elif arch.trainer_path is TrainerPath.GENERIC:
+            log.warning(
+                "trainer: %s is not a packed family (%s): every row runs alone through the "
+                "model's own forward, exact but slower",
+                arch.model_type,
+                ", ".join(sorted(PACKED_FAMILIES)),
+            )
         if activation_checkpointing:
             # HF checkpoints decoder layers only in train mode; these models have no active
             # dropout, so train mode changes nothing else. Non-reentrant: base weights are frozen.
@@ -137,9 +143,9 @@ class LocalTrainingEngine(TrainingEngine):
             model.train()
         self._model = model
         self._lora = LoraModel(model, arch)
-        for path in arch.row_mixers if self._packed else ():
-            run_per_row(model.get_submodule(path), self._lora.narrowed)
-        log.info("trainer: %s; runs the %s path", arch.summary(), trainer_path or arch.trainer_path)
+        for mixer in arch.row_mixers if self._packed else ():
+            run_per_row(model.get_submodule(mixer), self._lora.narrowed)
+        log.info("trainer: %s; runs the %s path", arch.summary(), path.value)
         self._decoder = model.get_decoder()
         head = model.get_output_embeddings()
         assert isinstance(head, torch.nn.Module)
@@ -158,22 +164,22 @@ class LocalTrainingEngine(TrainingEngine):
             )
         self._adam: dict[str, AdamState] = {}
         self._snapshots = SnapshotWriter()  # snapshots leave the cycle's critical path
-        # Masked attention (windows, sinks) and the model's own forward build score matrices.
-        scored = not self._packed or "sliding_attention" in arch.layer_types
-        scored |= any(name.endswith(".sinks") for name, _ in model.named_parameters())
-        cost = memory.PassCost.from_config(
-            memory.text_config(model_dir),
+        # The model's own forward (masks) builds score matrices in every attention layer; row
+        # attention only where a window, sinks or a narrower value head take the math kernel.
+        cost = memory.PassCost.from_shape(
+            arch.shape,
             next(model.parameters()).element_size(),
             activation_checkpointing,
             micro_batch_tokens if self._packed else 1,
             self._chunk,
-            scored,
+            generic=not self._packed,
         )
         if self._device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self._device)
             found = memory.cuda_budget(free, total, memory_budget_bytes)
         else:
             found = memory.cpu_budget(memory_budget_bytes)
+        self._pass_cost = cost  # what admission assumes a pass takes (tests/unit/test_pass_cost.py)
         self._memory = cost.budget(found[0], self._card.max_context_length, found[1])
         log.info(
             "trainer: memory budget %s fits rows of up to %d tokens",
@@ -217,28 +223,44 @@ class LocalTrainingEngine(TrainingEngine):
         for req in requests:
             self._require(req.model_id)  # the request itself was judged at admission
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
-        outs: dict[tuple[int, int], RowLoss] = {}
+        state = PassState()
         train = [i for i, r in enumerate(requests) if not r.forward_only]
         if train:
-            params = {p for i in train for p in self._lora.adapter_parameters(requests[i].model_id)}
-            saved = {p: None if p.grad is None else p.grad.clone() for p in params}
+            models = {requests[i].model_id for i in train}
+            saved = {
+                p: None if p.grad is None else p.grad.clone()
+                for m in models
+                for p in self._lora.adapter_parameters(m)
+            }
 
-            def undo() -> None:  # a failed pass leaves no gradient behind
-                for p, grad in saved.items():
-                    p.grad = None if grad is None else grad.clone()
+            def restore(models: set[str]) -> None:  # their gradients as before the call
+                for m in models:
+                    for p in self._lora.adapter_parameters(m):
+                        grad = saved[p]
+                        p.grad = None if grad is None else grad.clone()
 
+            pending = train
             try:
-                self._fused_pass(requests, train, configs, outs, undo)
+                while pending:  # again for a model whose gradient holds a failed request's rows
+                    spoiled = self._fused_pass(requests, pending, configs, state, restore)
+                    restore(spoiled)
+                    pending = [
+                        i
+                        for i in train
+                        if i not in state.failed and requests[i].model_id in spoiled
+                    ]
             except BaseException:
-                undo()
+                restore(models)  # a failed call leaves no gradient behind
                 raise
         # Forward-only requests run in their own no-grad forward: they never touch any grad.
         evals = [i for i, r in enumerate(requests) if r.forward_only]
         if evals:
             with torch.no_grad():
-                self._fused_pass(requests, evals, configs, outs, None)
+                self._fused_pass(requests, evals, configs, state, None)
         return [
-            pass_result(req, [outs[(i, j)] for j in range(len(req.data))])
+            PassResult.failed(req.request_id, state.failed[i])
+            if i in state.failed
+            else pass_result(req, [state.outs[(i, j)] for j in range(len(req.data))])
             for i, req in enumerate(requests)
         ]
 
@@ -247,17 +269,18 @@ class LocalTrainingEngine(TrainingEngine):
         requests: list[PassRequest],
         indices: list[int],
         configs: list[dict[str, float]],
-        outs: dict[tuple[int, int], RowLoss],
-        undo: Callable[[], None] | None,
-    ) -> None:
-        """The pass of `requests[indices]` (backward too where `undo` restores the gradients).
+        state: PassState,
+        restore: Callable[[set[str]], None] | None,
+    ) -> set[str]:
+        """The pass of `requests[indices]` (backward too where `restore` can undo gradients);
+        the models whose gradient holds rows of a request that failed after they ran.
 
         Out of accelerator memory (torch.OutOfMemoryError), the pass is undone and run again
         in micro-batches of half the tokens, down to one row each: rows never interact, so only
         the float rounding of the gradient sums can change. A row that does not fit alone fails
-        its request (named, when the call holds only that request)."""
+        its request, and the pass runs again without it."""
         rows = [
-            _Row(i, j, d, int(np.asarray(d.tokens).shape[0]), requests[i].model_id)
+            Row(i, j, d, int(np.asarray(d.tokens).shape[0]), requests[i].model_id)
             for i in indices
             for j, d in enumerate(requests[i].data)
         ]
@@ -266,39 +289,33 @@ class LocalTrainingEngine(TrainingEngine):
         budget = self._budget
         while True:
             cut = micro_batches(lengths, budget) if self._packed else alone(lengths)
+            state.start()
             try:
                 for batch in cut:
+                    if all(rows[k].request in state.failed for k in batch):
+                        continue  # nothing of it is wanted
                     # Rows of one adapter side by side: each LoRA layer slices, never gathers.
                     mb = sorted((rows[k] for k in batch), key=lambda r: first_seen[r.model_id])
-                    self._micro_batch(mb, requests, configs, outs, undo is not None)
+                    self._micro_batch(mb, requests, configs, state, restore is not None)
             except torch.OutOfMemoryError as exc:
-                if undo is not None:
-                    undo()
+                if restore is not None:
+                    restore({requests[i].model_id for i in indices})
                 self._release_cached_memory()
                 if all(len(b) == 1 for b in cut):
-                    raise self._out_of_memory(requests, indices, rows, batch, exc) from exc
+                    state.fail(rows[batch[0]], str(self._out_of_memory(rows[batch[0]])))
+                    log.warning("a row ran out of memory alone: %s", exc)
+                    continue
                 budget //= 2
                 log.warning("out of memory in a pass; retrying in micro-batches of %d", budget)
                 continue
-            return
+            return state.spoiled
 
     def _release_cached_memory(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _out_of_memory(
-        self,
-        requests: list[PassRequest],
-        indices: list[int],
-        rows: list[_Row],
-        batch: list[int],
-        exc: torch.OutOfMemoryError,
-    ) -> Exception:
-        """A row that ran out of memory alone: its request's fault if the call holds only it
-        (the caller retries the others one by one), else the call's."""
-        row = rows[batch[0]]
-        if len(indices) > 1 or len(requests) > 1:
-            return exc
+    def _out_of_memory(self, row: Row) -> UserInputError:
+        """What a row that ran out of memory alone fails its request with."""
         return UserInputError(
             f"data[{row.index}].model_input",
             f"has {row.length} tokens; its pass ran out of the training engine's memory even "
@@ -307,10 +324,10 @@ class LocalTrainingEngine(TrainingEngine):
 
     def _micro_batch(
         self,
-        rows: list[_Row],
+        rows: list[Row],
         requests: list[PassRequest],
         configs: list[dict[str, float]],
-        outs: dict[tuple[int, int], RowLoss],
+        state: PassState,
         backward: bool,
     ) -> None:
         # One packed sequence: row i at starts[i], padded to whole blocks (module docstring). On
@@ -345,24 +362,33 @@ class LocalTrainingEngine(TrainingEngine):
                 position_ids=positions.to(self._device),
                 use_cache=False,
             ).last_hidden_state[0]
-            sums = []
+            terms: list[tuple[int, torch.Tensor]] = []
             for row, start in zip(rows, starts, strict=True):
+                if row.request in state.failed:
+                    continue  # still in the packed sequence: the others' numbers stay the same
                 head = functools.partial(self._row_head, row.model_id)
-                out = row_loss(
-                    hidden[start : start + row.length],
-                    row.datum,
-                    requests[row.request],
-                    configs[row.request],
-                    head,
-                    self._chunk,
-                )
-                outs[(row.request, row.index)] = out.detached()
-                sums.append(out.loss.sum())
-            if backward:
+                try:
+                    out = row_loss(
+                        hidden[start : start + row.length],
+                        row.datum,
+                        requests[row.request],
+                        configs[row.request],
+                        head,
+                        self._chunk,
+                    )
+                except UserInputError as exc:  # this row's own data: its request fails alone
+                    state.fail(row, str(exc))
+                    continue
+                state.outs[(row.request, row.index)] = out.detached()
+                if out.backward is not None:
+                    terms.append((row.request, out.backward))
+            live = [t for i, t in terms if i not in state.failed]
+            if backward and live:
                 # d(sum)/d(loss_i) = 1: each adapter gets exactly the gradient of its own rows'
                 # losses; .grad accumulates over micro-batches until optim_step. Inside the
                 # routing: activation checkpointing recomputes LoRA layers during backward.
-                torch.stack(sums).sum().backward()
+                torch.stack(live).sum().backward()
+                state.ran(rows, {i for i, _ in terms if i not in state.failed})
 
     def _row_head(self, model_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (with `model_id`'s adapter) on one row's hidden states [c, H]."""
@@ -427,7 +453,10 @@ class LocalTrainingEngine(TrainingEngine):
 
     def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
         adapter = checkpoint.read_adapter(Path(directory), self._card.name)
-        state = adapter.state
+        try:
+            state = self._lora.tinker_names(adapter.state, adapter.rank)
+        except ValueError as exc:
+            raise UserInputError("path", f"checkpoint does not fit this base model: {exc}") from exc
         spec = adapter.spec or self._lora.spec_of(state, adapter.rank, adapter.alpha)
         try:
             self._lora.check_spec(spec)

@@ -8,8 +8,10 @@ and down (w2), as the local engine's `MultiLoRAExperts`: per adapter and project
 on silu(gate) * up, then times the token's routing weight.
 
 - A dispatched token's adapter: its ordinal (index in the sorted adapter ids, the same on every
-  rank) rides along as one extra column of the hidden states through megatron's own permute,
-  all-to-all and sort, and is split off before the expert GEMMs.
+  rank) is an integer tensor, never a value of the hidden dtype (bf16 holds integers exactly
+  only up to 256): its bits ride along as one extra column of the hidden states through
+  megatron's own permute, all-to-all and sort (which copy, never compute), and are read back as
+  the same integers before the expert GEMMs (`_tag`, `_untag`).
 - TP ranks hold the same tokens: with TP > 1 each routes only its 1/TP share (as megatron's
   sequence parallel would) and the outputs are all-gathered, so every token's experts run once
   and expert grads add up over the expert-data-parallel group.
@@ -95,9 +97,7 @@ class LoraMoE(nn.Module):
         s, b, h = hidden.shape
         routing = self._routing
         index = {name: i for i, name in enumerate(routing.names)}
-        per_row = torch.tensor(
-            [-1 if a is None else index[a] for a in routing.rows], dtype=hidden.dtype
-        )
+        per_row = torch.tensor([-1 if a is None else index[a] for a in routing.rows])
         ordinal = per_row.to(hidden.device).repeat(s)  # token t = (seq t // b, row t % b)
         x = hidden.reshape(s * b, h)
         if torch.is_grad_enabled():
@@ -121,7 +121,7 @@ class LoraMoE(nn.Module):
         moe: Any = self.moe
         dispatcher = moe.token_dispatcher
         probs, routing_map = moe.route(x)
-        tagged = torch.cat([x, ordinal.unsqueeze(1)], dim=1)  # [tokens, hidden + 1]
+        tagged = torch.cat([x, _tag(ordinal, x.dtype).unsqueeze(1)], dim=1)  # [tokens, h + 1]
         tokens, probs = moe.preprocess(tagged, probs, routing_map)
         tokens, probs = moe.dispatch(tokens, probs)
         tokens, per_expert, probs = dispatcher.dispatch_postprocess(tokens, probs)
@@ -141,7 +141,7 @@ class LoraMoE(nn.Module):
             zip(torch.split(tokens, counts), torch.split(probs, counts), strict=True)
         ):
             expert = experts[e]
-            x, ordinal = rows[:, : self.hidden], rows[:, self.hidden].round().long()
+            x, ordinal = rows[:, : self.hidden], _untag(rows[:, self.hidden])
             fc1, _ = expert.linear_fc1(x)
             gate, up = torch.chunk(fc1, 2, dim=-1)
             d_gate = self.slots[GATE].delta(e, x, ordinal, names)
@@ -154,3 +154,18 @@ class LoraMoE(nn.Module):
             y = y if d_down is None else y + d_down
             outs.append(y * p.unsqueeze(-1).to(y.dtype))
         return torch.cat(outs) if outs else tokens.new_zeros(0, self.hidden)
+
+
+# The integer type whose bits fill one value of each hidden dtype.
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _tag(ordinal: Tensor, dtype: torch.dtype) -> Tensor:
+    """Integer ordinals (-1: no adapter) as the bits of `dtype` values. Shifted by one, they are
+    zero or tiny positive numbers, never NaN or inf, whatever the copies do with those."""
+    return (ordinal + 1).to(_BITS[dtype]).view(dtype)
+
+
+def _untag(column: Tensor) -> Tensor:
+    """The integer ordinals whose bits `_tag` put in a column of hidden values."""
+    return column.contiguous().view(_BITS[column.dtype]).long() - 1

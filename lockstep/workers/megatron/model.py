@@ -10,7 +10,6 @@ linear attention) are refused by name.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lockstep.engine.shape import ModelShape
+
+# Families the converter is tested on (tests/megatron); what else a model needs is read from
+# its Architecture and refused by name where megatron's layers would compute something else.
 SUPPORTED = ("qwen3", "llama", "mistral", "qwen2", "qwen3_moe")
-MOE = ("qwen3_moe",)
 
 
 @dataclass(frozen=True)
 class HFArch:
-    """What the conversion needs from config.json."""
+    """What the conversion needs: the model's shape (`modeling.architecture`) and the numbers
+    of its config.json."""
 
     model_type: str
     hidden: int
@@ -51,50 +54,68 @@ class HFArch:
 
     @staticmethod
     def from_dir(model_dir: Path) -> HFArch:
-        cfg: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
-        model_type = str(cfg.get("model_type"))
-        if model_type not in SUPPORTED:
-            raise ValueError(f"the megatron engine converts {SUPPORTED} models, not {model_type!r}")
-        if (
-            cfg.get("rope_scaling")
-            or (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default"
-        ):
-            raise ValueError("the megatron engine supports plain RoPE only (no rope scaling)")
-        window = cfg.get("sliding_window")
-        if window and (model_type != "qwen2" or cfg.get("use_sliding_window")):
-            raise ValueError(
-                f"the megatron engine computes full attention; this model uses a sliding window "
-                f"of {window} tokens (serve it with the local engine)"
-            )
-        heads = int(cfg["num_attention_heads"])
-        experts = 0
-        if model_type in MOE:
-            experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
-            if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-                raise ValueError(
-                    "the megatron engine converts Qwen3-MoE models whose every layer is MoE "
-                    "(mlp_only_layers / decoder_sparse_step mix in dense layers)"
-                )
+        from lockstep.engine.memory import text_config
+        from lockstep.modeling.architecture import describe_dir
+
+        return HFArch.from_shape(describe_dir(Path(model_dir)).shape, text_config(Path(model_dir)))
+
+    @staticmethod
+    def from_shape(shape: ModelShape, cfg: dict[str, Any]) -> HFArch:
+        """Raises ValueError naming what megatron's layers would not compute as the model does."""
+        _refuse(shape)
+        att = shape.attention()[0]
+        ffns = [la.ffn for la in shape.layers if la.ffn is not None]
+        moe = next((f for f in ffns if f.routed), None)
+        dense = next((f for f in ffns if not f.routed), None)
         rope = cfg.get("rope_parameters") or {}
+        assert isinstance(rope, dict)
         return HFArch(
-            model_type=model_type,
-            hidden=int(cfg["hidden_size"]),
-            layers=int(cfg["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate=int(cfg["intermediate_size"]),
-            vocab=int(cfg["vocab_size"]),
+            model_type=shape.family,
+            hidden=shape.hidden,
+            layers=len(shape.layers),
+            heads=att.heads,
+            kv_heads=att.kv_heads,
+            head_dim=att.head_dim,
+            intermediate=dense.width if dense else int(cfg.get("intermediate_size") or 0),
+            vocab=shape.vocab,
             eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            qkv_bias=model_type == "qwen2",
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=att.qk_norm,
+            qkv_bias=att.bias,
+            tie_embeddings=shape.tied_embeddings,
             max_positions=int(cfg.get("max_position_embeddings", 2048)),
-            experts=experts,
-            topk=int(cfg.get("num_experts_per_tok", 0)) if experts else 0,
-            moe_intermediate=int(cfg.get("moe_intermediate_size", 0)) if experts else 0,
+            experts=moe.experts if moe else 0,
+            topk=moe.top_k if moe else 0,
+            moe_intermediate=moe.width if moe else 0,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        )
+
+
+def _refuse(shape: ModelShape) -> None:
+    if shape.family not in SUPPORTED:
+        raise ValueError(f"the megatron engine converts {SUPPORTED} models, not {shape.family!r}")
+    if shape.rope != "default":
+        raise ValueError(
+            f"the megatron engine supports plain RoPE only (this model's is {shape.rope!r})"
+        )
+    if any(la.attention is None for la in shape.layers):
+        raise ValueError("the megatron engine converts attention layers only")
+    window = next((a.window for a in shape.attention() if a.window), None)
+    if window:
+        raise ValueError(
+            f"the megatron engine computes full attention; this model uses a sliding window "
+            f"of {window} tokens (serve it with the local engine)"
+        )
+    ffns = [la.ffn for la in shape.layers]
+    routed = [f for f in ffns if f is not None and f.routed]
+    if routed and len(routed) != len(ffns):
+        raise ValueError(
+            "the megatron engine converts MoE models whose every layer is MoE "
+            "(mlp_only_layers / decoder_sparse_step mix in dense layers)"
+        )
+    if any(f.shared_width or f.expert_bias or not f.gated for f in routed):
+        raise ValueError(
+            "the megatron engine converts gated experts without biases or shared experts"
         )
 
 

@@ -26,6 +26,7 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UserInputError
+from lockstep.modeling.architecture import describe_dir
 from lockstep.modeling.lora import (
     PEFT_PREFIX,
     check_adapter_state,
@@ -58,7 +59,8 @@ class MegatronTrainingEngine(TrainingEngine):
         ray_placement: str = "PACK",
         memory_budget_bytes: int = 0,
     ) -> None:
-        self._arch = arch = HFArch.from_dir(Path(model_dir))
+        self._shape = describe_dir(Path(model_dir)).shape  # the one description of the model
+        self._arch = arch = HFArch.from_shape(self._shape, memory.text_config(Path(model_dir)))
         parallel.check_model(
             arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate, arch.experts
         )
@@ -81,28 +83,21 @@ class MegatronTrainingEngine(TrainingEngine):
             )
         else:
             self._group = ProcessWorkerGroup(str(model_dir), parallel, micro_batch)
-        self._memory = self._find_budget(Path(model_dir), micro_batch, memory_budget_bytes)
+        self._memory = self._find_budget(micro_batch, memory_budget_bytes)
         log.info(
             "megatron: memory budget %s per rank fits rows of up to %d tokens",
             memory.describe(self._memory),
             self._memory.max_row_tokens,
         )
 
-    def _find_budget(self, model_dir: Path, micro_batch: int, configured: int) -> MemoryBudget:
+    def _find_budget(self, micro_batch: int, configured: int) -> MemoryBudget:
         """One rank's share of a pass: layers / pp, heads, MLP and vocab / tp; `micro_batch`
         rows padded to the longest, pp micro-batches in flight (1F1B), fp32, and the local
         layer spec's unfused attention (scores kept in every layer)."""
         p = self.parallel
-        config = memory.text_config(model_dir)
-        shard = dict(config)
-        shard["num_hidden_layers"] = -(-int(config["num_hidden_layers"]) // p.pp)
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if config.get(key):
-                shard[key] = max(int(config[key]) // p.tp, 1)
-        shard["head_dim"] = self._arch.head_dim
-        shard["vocab_size"] = self._arch.vocab // p.tp
-        one = memory.PassCost.from_config(
-            shard, 4, False, 1, chunk_tokens(self._arch.vocab // p.tp), True
+        vocab = self._arch.vocab // p.tp
+        one = memory.PassCost.from_shape(
+            self._shape.shard(p.tp, p.pp), 4, False, 1, chunk_tokens(vocab), True
         )
         rows = micro_batch * p.pp
         cost = dataclasses.replace(

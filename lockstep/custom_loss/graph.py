@@ -3,15 +3,17 @@
 A custom loss arrives as the SDK's torch.fx graph encoded as plain data (`CustomLossGraph`):
 nodes naming functions and methods, arguments as JSON. It is untrusted input that names things
 to call, so nothing here resolves a name: a node is accepted only if its target is in the tables
-below, and the torch implementation (`lockstep.training.custom_loss`) maps the same names to
-callables from a fixed table of its own. Pure Python (no torch) so every process can check it.
+below, and the torch program (`program.py`) maps the same names to callables from a fixed table
+of its own. Pure Python (no torch) so every process can check it.
 
 The tables are derived from what the SDK's tracer lets through (torch, math, operator, and
 torch.Tensor methods) narrowed to tensor math: elementwise math, reductions, comparisons,
 where/clamp, indexing and slicing, shape ops, log_softmax and friends. Left out on purpose:
 anything that leaves torch (`item`, `tolist`, `numpy`), I/O (`torch.load`, `torch.save`),
-uninitialised memory (`empty`: it could show another tenant's freed data), in-place methods,
-randomness, devices, and ops whose output shape depends on values (`nonzero`, `masked_select`).
+uninitialised memory (`empty`: it could show another tenant's freed data), in-place methods and
+keywords that write in place (`out=`, `inplace=`), randomness, devices, and ops whose output
+shape depends on values (`nonzero`, `masked_select`). What a graph costs (FLOPs, memory) is
+`pricing.py`'s to judge, on the shapes it runs on.
 """
 
 from __future__ import annotations
@@ -33,11 +35,10 @@ MAX_METRICS = 32
 MAX_ARG_VALUES = 256  # encoded values in one node's arguments
 MAX_ARG_DEPTH = 8
 MAX_STRING = 128
-# Tensor creation: no single value of a graph may hold more elements than this (literal sizes
-# are checked at creation, every size on the datum's own shapes before anything runs).
-MAX_ELEMENTS = 1 << 22
-MAX_TOTAL_ELEMENTS = 1 << 25  # all of one datum's intermediate values together
 GRAPH_FORMAT = 1
+# Keywords that make an op write into a tensor it was given (a datum's input, another node's
+# value) instead of a new one: refused by name wherever they appear.
+WRITING_KEYWORDS = frozenset({"out", "inplace"})
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
@@ -63,7 +64,7 @@ class Reduction(StrEnum):
     MEAN = "mean"
 
 
-_ELEMENTWISE = (
+ELEMENTWISE = (
     "abs exp exp2 expm1 log log1p log2 log10 sqrt rsqrt square sign sigmoid tanh relu erf "
     "sin cos reciprocal floor ceil round trunc isfinite isnan isinf nan_to_num logical_not "
     "logical_and logical_or logical_xor minimum maximum fmin fmax where clamp clip clamp_min "
@@ -73,24 +74,25 @@ _REDUCTIONS = (
     "sum mean prod amax amin max min any all logsumexp std var cumsum count_nonzero".split()
 )
 _SHAPES = "reshape flatten squeeze unsqueeze transpose permute t flip roll diff".split()
-# No gather or tensor indices: an out-of-range index is a device-side assert on a GPU, which
-# takes the whole engine down with it.
+# No gather or tensor indices: an out-of-range index there is a device-side assert on a GPU,
+# which takes the whole engine down with it. Integer indices are checked on the host against
+# the indexed tensor's shape before the op runs (`program.check_index`).
 _OTHER = "log_softmax softmax dot matmul outer masked_fill argmax argmin".split()
+
+# Python operators fx records (on tensors and on sizes), by their public module's names.
+OPERATORS = (
+    "add sub mul truediv floordiv mod pow neg pos abs eq ne lt le gt ge and_ or_ xor invert "
+    "getitem matmul"
+).split()
 
 # call_function targets, as the SDK names them (operator functions by their public module).
 ALLOWED_FUNCTIONS: frozenset[str] = frozenset(
-    [f"torch.{n}" for n in _ELEMENTWISE + _REDUCTIONS + _SHAPES + _OTHER]
+    [f"torch.{n}" for n in ELEMENTWISE + _REDUCTIONS + _SHAPES + _OTHER]
     + [
         f"torch.{n}"
         for n in "stack cat einsum zeros_like ones_like full_like zeros ones full arange".split()
     ]
-    + [
-        f"operator.{n}"
-        for n in (
-            "add sub mul truediv floordiv mod pow neg pos abs eq ne lt le gt ge and_ or_ xor "
-            "invert getitem matmul"
-        ).split()
-    ]
+    + [f"operator.{n}" for n in OPERATORS]
     + [
         "torch._C._nn.log_sigmoid",
         "torch._C._nn.softplus",
@@ -101,6 +103,7 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset(
         "torch.nn.functional.softplus",
         "torch.nn.functional.mse_loss",
         "torch.nn.functional.binary_cross_entropy_with_logits",
+        "torch.functional.einsum",  # what the SDK's tracer calls torch.einsum
         "math.log",
         "math.exp",
         "math.sqrt",
@@ -109,7 +112,7 @@ ALLOWED_FUNCTIONS: frozenset[str] = frozenset(
 )
 # call_method targets: torch.Tensor methods (never in-place ones, never host ones).
 ALLOWED_METHODS: frozenset[str] = frozenset(
-    _ELEMENTWISE
+    ELEMENTWISE
     + _REDUCTIONS
     + _SHAPES
     + _OTHER
@@ -119,11 +122,6 @@ ALLOWED_METHODS: frozenset[str] = frozenset(
     ).split()
 )
 ALLOWED_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "T", "mT"})
-# Targets that make a tensor whose size comes from their arguments (bounded by MAX_ELEMENTS).
-CREATION = frozenset(
-    {"torch.zeros", "torch.ones", "torch.full", "torch.arange", "expand", "repeat"}
-    | {"new_zeros", "new_ones", "new_full"}
-)
 DTYPES = frozenset(
     {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "bool"}
 )
@@ -239,9 +237,6 @@ def _check_call(i: int, node: CustomLossNode, op: NodeOp) -> None:
                 f"reads attribute {str(node.args[1])[:40]!r}; allowed: "
                 f"{', '.join(sorted(ALLOWED_ATTRIBUTES))}",
             )
-    numel = literal_numel(node) if target in CREATION else None
-    if numel is not None and numel > MAX_ELEMENTS:
-        raise _refuse(i, node.name, f"creates a tensor of {numel} elements; at most {MAX_ELEMENTS}")
 
 
 def _is_ref(value: Any) -> bool:
@@ -279,6 +274,13 @@ def _check_args(i: int, node: CustomLossNode, defined: set[str]) -> None:
     for key in node.kwargs:
         if not _NAME.fullmatch(key):
             raise _refuse(i, node.name, f"keyword {key[:40]!r} is not an identifier")
+        if key in WRITING_KEYWORDS:
+            raise _refuse(
+                i,
+                node.name,
+                f"keyword {key!r} writes into an existing tensor; a custom loss may not write "
+                "in place (return new values instead)",
+            )
 
 
 def _walk(values: list[Any], depth: int) -> Iterator[tuple[Any, int]]:
@@ -340,55 +342,53 @@ _ENCODINGS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def literal_numel(node: CustomLossNode) -> int | None:
-    """Elements a creation node makes when its sizes are literal ints (None: they are not)."""
-    sizes = node.args[1:] if node.op == NodeOp.CALL_METHOD else node.args
-    if node.target in ("torch.full", "new_full"):
-        sizes = sizes[:1]
-    if node.target == "torch.arange":
-        ends = [v for v in node.args[:2] if isinstance(v, (int, float))]
-        return int(max(abs(v) for v in ends)) if len(ends) == len(node.args[:2]) and ends else None
-    flat: list[Any] = []
-    for s in sizes:
-        inner = s.get("tuple") if isinstance(s, dict) else s
-        flat.extend(inner if isinstance(inner, list) else [inner])
-    if "size" in node.kwargs:
-        inner = node.kwargs["size"]
-        inner = inner.get("tuple") if isinstance(inner, dict) else inner
-        flat.extend(inner if isinstance(inner, list) else [inner])
-    dims = [v for v in flat if type(v) is int]
-    if not flat or len(dims) != len(flat):
-        return None
-    return math.prod(max(v, 1) for v in dims)
-
-
 def decode_float(value: Any) -> float:
     return _FLOATS[value]
+
+
+# The shapes a datum gives a loss's inputs, in the loss's input order: (shape, dtype name).
+Shapes = tuple[tuple[tuple[int, ...], str], ...]
+
+
+def datum_shapes(loss: CustomLoss, datum: Datum) -> Shapes:
+    """The shapes a datum gives the loss's inputs (logprobs: those of target_tokens)."""
+    out: list[tuple[tuple[int, ...], str]] = [
+        (tuple(np.shape(datum.loss_inputs["target_tokens"])), "float32")
+    ]
+    for x in loss.inputs[1:]:
+        value = np.asarray(datum.loss_inputs[x.name])
+        dtype = "float32" if value.dtype.kind == "f" else "int64"
+        out.append((() if x.rank == 0 else tuple(value.shape), dtype))
+    return tuple(out)
 
 
 def check_datum(loss: CustomLoss, datum: Datum, index: int) -> None:
     """A datum's inputs against the loss's declared ranks: `logprobs` has target_tokens' rank,
     every other input is present, at its rank, real and finite. A rank-0 input is one value
     (the wire sends a scalar with no shape, as one element)."""
-    where = f"data[{index}].loss_fn_inputs"
-    targets = np.asarray(datum.loss_inputs["target_tokens"])
     logprobs, *rest = loss.inputs
-    if targets.ndim != logprobs.rank:
+    rank = np.ndim(datum.loss_inputs["target_tokens"])
+    if rank != logprobs.rank:
         raise UserInputError(
-            f"{where}.target_tokens",
-            f"has rank {targets.ndim}, but loss {loss.name!r} declared logprobs with rank "
-            f"{logprobs.rank}",
+            f"data[{index}].loss_fn_inputs.target_tokens",
+            f"has rank {rank}, but loss {loss.name!r} declared logprobs with rank {logprobs.rank}",
         )
     for x in rest:
-        if x.name not in datum.loss_inputs:
-            raise UserInputError(f"{where}.{x.name}", f"required by custom loss {loss.name!r}")
-        value = np.asarray(datum.loss_inputs[x.name])
+        found = datum.loss_inputs.get(x.name)
+        if found is None:
+            raise UserInputError(
+                f"data[{index}].loss_fn_inputs.{x.name}", f"required by custom loss {loss.name!r}"
+            )
+        value = np.asarray(found)
         rank = 0 if x.rank == 0 and value.size == 1 and value.ndim <= 1 else value.ndim
         if rank != x.rank:
             raise UserInputError(
-                f"{where}.{x.name}",
+                f"data[{index}].loss_fn_inputs.{x.name}",
                 f"has rank {value.ndim} (shape {value.shape}), but loss {loss.name!r} declared "
                 f"it with rank {x.rank}",
             )
-        if not np.issubdtype(value.dtype, np.number) or not np.all(np.isfinite(value)):
-            raise UserInputError(f"{where}.{x.name}", "must be finite real numbers")
+        kind = value.dtype.kind  # integers are finite; floats must be
+        if kind not in "fiu" or (kind == "f" and not np.isfinite(value).all()):
+            raise UserInputError(
+                f"data[{index}].loss_fn_inputs.{x.name}", "must be finite real numbers"
+            )

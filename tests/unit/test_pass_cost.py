@@ -1,0 +1,73 @@
+"""Memory admission's pass cost against the memory a pass really takes, for every family.
+
+Per family of the zoo: the local trainer (fp32, CPU, micro-batches of 512 tokens) runs a
+forward_backward of rows 256 + 128 + 120 tokens long with a rank-32 adapter (the rank the cost
+assumes) on every target; torch's profiler records every CPU tensor allocation and free of the
+pass, whose running sum peaks at what the pass held beyond the model and the adapters. The
+formula the engine admits datums by (`engine/memory.py`, from the model's Architecture) must
+never be under that peak and at most 25 % over it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.profiler import ProfilerActivity, profile
+
+from lockstep.engine.memory import LORA_RANK
+from lockstep.engine.types import Datum, LoraSpec, PassRequest
+from lockstep.modeling import zoo
+from lockstep.workers.local.trainer import LocalTrainingEngine
+
+LENGTHS = (256, 128, 120)
+
+
+def _peak_bytes(run: object) -> int:
+    """The peak of live CPU tensor bytes allocated while `run()` runs (frees included)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()  # type: ignore[operator]
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.fixture(scope="module")
+def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+def test_the_pass_cost_covers_the_measured_peak_within_25_percent(
+    family: str, zoo_dir: Path
+) -> None:
+    engine = LocalTrainingEngine(
+        zoo.ensure_family(family, zoo_dir), "tiny", device="cpu", micro_batch_tokens=512
+    )
+    try:
+        engine.create_model("a", LoraSpec(rank=LORA_RANK, alpha=32.0, seed=0))
+        rng = np.random.default_rng(0)
+        data = []
+        for n in LENGTHS:
+            t = rng.integers(5, 1000, size=n + 1)
+            data.append(
+                Datum(
+                    tokens=t[:-1].astype(np.int64),
+                    loss_inputs={
+                        "target_tokens": t[1:].astype(np.int64),
+                        "weights": np.ones(n, "f4"),
+                    },
+                )
+            )
+        request = [PassRequest("r", "a", "cross_entropy", {}, False, data)]
+        engine.run_passes(request)  # the adapters' gradients exist from here on
+        peak = _peak_bytes(lambda: engine.run_passes(request))
+        predicted = engine._pass_cost.pass_bytes(max(LENGTHS))
+    finally:
+        engine.close()
+    assert peak > 1_000_000, "the profiler saw no allocations"
+    assert peak <= predicted <= 1.25 * peak, (family, peak, predicted, predicted / peak)
