@@ -38,6 +38,7 @@ from lockstep.scheduler.api.servicer import servicer
 from lockstep.scheduler.api.tenancy_rpcs import TenancyRpcs
 from lockstep.scheduler.cycle.clock import Clock
 from lockstep.scheduler.cycle.dispatch import Dispatcher
+from lockstep.scheduler.cycle.recovery import Recovery
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
@@ -136,19 +137,20 @@ def assemble(
     board = FutureBoard(store)
     lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
     decoded = DecodedPasses()  # validated at submission, run by dispatch as they are
-    dispatcher = Dispatcher(
+    recovery = Recovery(
         store,
         trainer,
         cfg.data_dir,
         cfg.tenancy.max_resident_models,
         cfg.engine.snapshot_interval_s,
-        decoded,
     )
+    dispatcher = Dispatcher(store, trainer, recovery, decoded)
     accounting = Accounting(store, cfg.tenancy.audit_retention_s)
     lane.accounting = accounting
     clock = Clock(
         store,
         dispatcher,
+        recovery,
         board,
         lane,
         cfg.clock,
@@ -157,7 +159,7 @@ def assemble(
     )
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
     tenancy = tenancy_mod.Tenancy(
-        cfg.tenancy, store, catalog, dispatcher.resident, accounting, clock.wake.set, lane.unload
+        cfg.tenancy, store, catalog, recovery.resident, accounting, clock.wake.set, lane.unload
     )
     submissions = Submissions(
         store,

@@ -170,7 +170,7 @@ def test_a_background_snapshot_counts_once_durable_and_steps_replay_until_then(
     log = sched.run(sched.store.cycles.replay_log(model, 0))
     assert [(j.seq_id, j.kind) for j in log] == [(1, "forward_backward"), (2, "optim_step")]
     sched.trainer.restart()  # the in-flight snapshot is lost with the engine
-    sched.run(sched.clock.dispatcher.record_durable())  # nothing reported
+    sched.run(sched.clock.recovery.record_durable())  # nothing reported
     assert sched.run(sched.store.cycles.progress(model)) == (3, 0)
     sched.close()
     started.remove(sched)
@@ -184,7 +184,7 @@ def test_a_background_snapshot_counts_once_durable_and_steps_replay_until_then(
     rid = fresh.stub.Submit(_step(model, 4)).request_id  # a new step, a new snapshot
     assert _result(fresh, rid).WhichOneof("state") == "result"
     for _ in range(2):  # the fake reports it durable two calls later
-        fresh.run(fresh.clock.dispatcher.record_durable())
+        fresh.run(fresh.clock.recovery.record_durable())
     assert fresh.run(fresh.store.cycles.progress(model)) == (5, 4)
     assert fresh.run(fresh.store.cycles.replay_log(model, 0)) == []  # trimmed by the mark
     assert sorted(p.name for p in (tmp_path / "state" / model).iterdir()) == ["seq-4"]

@@ -55,16 +55,7 @@ class OptimStep(GatewayOp):
                 if params.type is not None:  # the contract carries AdamW steps only
                     with as_bad_request():
                         Optimizer.named(f"{field}.type", params.type)
-                step.adam.CopyFrom(
-                    pb.AdamParams(
-                        learning_rate=params.learning_rate,
-                        beta1=params.beta1,
-                        beta2=params.beta2,
-                        eps=params.eps,
-                        weight_decay=params.weight_decay,
-                        grad_clip_norm=params.grad_clip_norm,
-                    )
-                )
+                step.adam.CopyFrom(pb.AdamParams(**params.model_dump(exclude={"type"})))
                 break
         return pb.SubmitRequest(owner=owner, optim_step=step)
 

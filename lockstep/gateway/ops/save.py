@@ -69,8 +69,24 @@ def _save_kind(save: pb.SaveResult, request_type: str | None) -> str:
 
 
 class _Save(GatewayOp):
-    """The three save routes answer alike: the SaveResult, in the shape of the route that
-    asked."""
+    """The three save routes build one kind of request and answer alike: the SaveResult, in
+    the shape of the route that asked."""
+
+    tag = "training"
+    oneof = "save_weights"
+    result = "save"
+    sequenced = True
+
+    @staticmethod
+    def _request(owner: str, body: Any, kind: pb.CheckpointKind, **fields: Any) -> pb.SubmitRequest:
+        op = pb.SaveWeights(
+            model_id=check_id("model_id", body.model_id),
+            seq_id=check_seq_id(body.seq_id),
+            kind=kind,
+            ttl_seconds=body.ttl_seconds,
+            **fields,
+        )
+        return pb.SubmitRequest(owner=owner, save_weights=op)
 
     def answer(self, result: pb.JobResult, request_type: str | None) -> Response:
         save = result.save
@@ -91,23 +107,17 @@ class _Save(GatewayOp):
 class SaveWeights(_Save):
     name = "save_weights"
     path = "/api/v1/save_weights"
-    tag = "training"
-    oneof = "save_weights"
-    result = "save"
-    sequenced = True
     body: ClassVar[type[SaveWeightsRequest]] = SaveWeightsRequest
 
     async def submit_request(self, owner: str, body: SaveWeightsRequest) -> pb.SubmitRequest:
-        op = pb.SaveWeights(
-            model_id=check_id("model_id", body.model_id),
-            seq_id=check_seq_id(body.seq_id),
-            kind=pb.CHECKPOINT_KIND_TRAINING,
+        return self._request(
+            owner,
+            body,
+            pb.CHECKPOINT_KIND_TRAINING,
             name=body.path,
-            ttl_seconds=body.ttl_seconds,
             overwrite=body.overwrite,
             user_metadata=str_map(body.user_metadata),
         )
-        return pb.SubmitRequest(owner=owner, save_weights=op)
 
 
 class SaveWeightsForSampler(_Save):
@@ -116,10 +126,6 @@ class SaveWeightsForSampler(_Save):
 
     name = "save_weights_for_sampler"
     path = "/api/v1/save_weights_for_sampler"
-    tag = "training"
-    oneof = "save_weights"
-    result = "save"
-    sequenced = True
     body: ClassVar[type[SaveWeightsForSamplerRequest]] = SaveWeightsForSamplerRequest
 
     async def submit_request(
@@ -127,40 +133,28 @@ class SaveWeightsForSampler(_Save):
     ) -> pb.SubmitRequest:
         if body.kind not in ("snapshot", "inflight"):  # the contract's SamplerKind
             raise bad_request("kind", "must be 'snapshot' or 'inflight'")
-        op = pb.SaveWeights(
-            model_id=check_id("model_id", body.model_id),
-            seq_id=check_seq_id(body.seq_id),
-            kind=pb.CHECKPOINT_KIND_SAMPLER,
-            ttl_seconds=body.ttl_seconds,
-            user_metadata=str_map(body.user_metadata),
+        req = self._request(
+            owner, body, pb.CHECKPOINT_KIND_SAMPLER, user_metadata=str_map(body.user_metadata)
         )
+        op = req.save_weights
         if body.path is not None:
             op.name = body.path
         elif body.sampling_session_seq_id is not None:
             op.sampling_session_seq_id = body.sampling_session_seq_id
             if body.kind == "inflight":
                 op.sampler_kind = pb.SAMPLER_KIND_INFLIGHT
-        return pb.SubmitRequest(owner=owner, save_weights=op)
+        return req
 
 
 class SaveWeightsExternal(_Save):
     name = "save_weights_external"
     path = "/api/v1/save_weights_external"
-    tag = "training"
-    oneof = "save_weights"
-    result = "save"
-    sequenced = True
     body: ClassVar[type[SaveWeightsExternalRequest]] = SaveWeightsExternalRequest
 
     async def submit_request(
         self, owner: str, body: SaveWeightsExternalRequest
     ) -> pb.SubmitRequest:
-        op = pb.SaveWeights(
-            model_id=check_id("model_id", body.model_id),
-            seq_id=check_seq_id(body.seq_id),
-            kind=pb.CHECKPOINT_KIND_EXTERNAL,
-            name=body.path,
-            ttl_seconds=body.ttl_seconds,
-            age_recipients=body.age_encryption_recipients or [],
+        recipients = body.age_encryption_recipients or []
+        return self._request(
+            owner, body, pb.CHECKPOINT_KIND_EXTERNAL, name=body.path, age_recipients=recipients
         )
-        return pb.SubmitRequest(owner=owner, save_weights=op)
