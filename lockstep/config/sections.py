@@ -240,6 +240,15 @@ class ModelConfig:
             required=SCHEDULER_ONLY,
         ),
     )
+    image_dir: Path | None = field(
+        default=None,
+        metadata=flag(
+            "--image-dir",
+            help="local directory whose files image_asset_pointer chunks may name (default: "
+            "none; such chunks are refused, and URLs always are)",
+            on=SCHEDULER,
+        ),
+    )
 
 
 @dataclass(frozen=True)

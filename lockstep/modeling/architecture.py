@@ -55,6 +55,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from lockstep.engine.images import VisionSpec
 from lockstep.engine.shape import (
     AttentionShape,
     FeedForwardShape,
@@ -92,6 +93,10 @@ PACKED_FAMILIES = {
     "gpt_oss": "sliding-window and full attention with sinks, fused experts with biases",
     "deepseek_v3": "multi-head latent attention, dense and fused + shared experts",
     "nemotron_h": "Mamba-2 + causal attention, gate-less relu^2 experts + shared experts",
+    # Qwen3-VL's language models: Qwen3 / Qwen3-MoE attention with M-RoPE (DeepStack features
+    # enter per token), tested against the ForConditionalGeneration forward.
+    "qwen3_vl_text": "causal attention, M-RoPE",
+    "qwen3_vl_moe_text": "causal attention, M-RoPE, fused experts",
 }
 # Families an external sampling engine (vLLM, SGLang) serves with multi-LoRA as Lockstep trains
 # them (every target the trainer adapts, same numbers): the dense ones. vLLM's MoE expert LoRA is
@@ -107,6 +112,8 @@ ROW_MIXERS = {
     "NemotronHMamba2Mixer": Mixer.MAMBA,
 }
 ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
+# Published vision-language checkpoints keep the text model under this prefix; adapters do not.
+LANGUAGE_MODEL = "model.language_model."
 
 
 def _number(module: object, name: str, default: int | None = None) -> int:
@@ -167,7 +174,8 @@ class Architecture:
     targets: tuple[Target, ...]
     row_mixers: tuple[str, ...]  # module paths run per packed row
     experts: tuple[str, ...]  # fused experts module paths
-    vision: object | None = None  # a vision-language model's vision tower (None: text only)
+    # A vision-language model's image processing (None: text only, images refused by name).
+    vision: VisionSpec | None = None
 
     @property
     def model_type(self) -> str:
@@ -189,7 +197,8 @@ class Architecture:
     def summary(self) -> str:
         kinds = ", ".join(sorted(set(self.layer_types)))
         moe = f", {len(self.experts)} MoE layers" if self.experts else ""
-        return f"{self.model_type} ({kinds}{moe}): trainer {self.trainer_path.value} path"
+        images = f", images ({self.vision.model_type} vision tower)" if self.vision else ""
+        return f"{self.model_type} ({kinds}{moe}{images}): trainer {self.trainer_path.value} path"
 
 
 def _kind(layer: LayerShape) -> str:
@@ -338,7 +347,16 @@ def _layer(layer: nn.Module, config: object, path: str, index: int) -> LayerShap
 # -- targets -------------------------------------------------------------------------------
 
 
+def text_path(path: str) -> str:
+    """A module path of a vision-language model loaded whole (`model.language_model.*`) as the
+    text model's (`model.*`): adapters name the language model's layers the same either way."""
+    if path.startswith(LANGUAGE_MODEL):
+        return "model." + path[len(LANGUAGE_MODEL) :]
+    return path
+
+
 def _adapter_name(family: str, path: str) -> str:
+    path = text_path(path)
     for old, new in ADAPTER_RENAMES.get(family, ()):
         path = path.replace(old, new)
     return path
@@ -399,8 +417,9 @@ def _refuse_unknown_experts(path: str, module: nn.Module) -> None:
 # -- the description -----------------------------------------------------------------------
 
 
-def describe(model: PreTrainedModel) -> Architecture:
-    """Classify a loaded model; raises UnsupportedModel naming what cannot be computed exactly."""
+def describe(model: PreTrainedModel, vision: VisionSpec | None = None) -> Architecture:
+    """Classify a loaded model; raises UnsupportedModel naming what cannot be computed exactly.
+    `vision`: the image processing of a vision-language model loaded whole (its card's)."""
     config = model.config.get_text_config(decoder=True)
     family = str(getattr(config, "model_type", "unknown"))
     layers = decoder_layers(model)
@@ -436,6 +455,7 @@ def describe(model: PreTrainedModel) -> Architecture:
         targets=tuple(targets),
         row_mixers=mixers if packed else (),
         experts=tuple(t.path for t in targets if experts_layout(t.module) is not None),
+        vision=vision,
     )
 
 

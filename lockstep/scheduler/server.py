@@ -61,6 +61,7 @@ class SchedulerConfig:
     data_dir: Path
     model_dir: Path
     served_names: tuple[str, ...]
+    image_dir: Path | None = None  # the one directory image_asset_pointer chunks may name
     clock: ClockConfig = field(default_factory=ClockConfig)
     max_sample_batch: int = 64
     metrics_host: str = "127.0.0.1"
@@ -89,6 +90,7 @@ class SchedulerConfig:
             data_dir=cfg.data_dir.resolve(),
             model_dir=cfg.model.dir.resolve(),
             served_names=cfg.model.served_names,
+            image_dir=None if cfg.model.image_dir is None else cfg.model.image_dir.resolve(),
             clock=cfg.clock,
             max_sample_batch=cfg.scheduler.max_sample_batch,
             metrics_host=cfg.metrics.host,
@@ -171,6 +173,7 @@ def assemble(
         limits=cfg.limits,
         memory_budget=trainer.memory_budget(),
         decoded=decoded,
+        image_dir=cfg.image_dir,
         custom_loss_created=lambda rec: accounting.custom_loss_created(
             rec.owner, rec.session_id, card.name, rec.loss_id, rec.name
         ),

@@ -292,7 +292,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., has_stop: bool = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sampling_session_id", "seq_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_logprobs_last_n")
+    __slots__ = ("sampling_session_id", "seq_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_logprobs_last_n", "prompt_chunks")
     SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class Sample(_message.Message):
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     sampling_session_id: str
     seq_id: int
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -311,7 +312,8 @@ class Sample(_message.Message):
     topk_prompt_logprobs: int
     topk_sample_logprobs: int
     prompt_logprobs_last_n: int
-    def __init__(self, sampling_session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: bool = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
+    prompt_chunks: _containers.RepeatedCompositeFieldContainer[_tinker_pb2.Chunk]
+    def __init__(self, sampling_session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: bool = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., prompt_chunks: _Optional[_Iterable[_Union[_tinker_pb2.Chunk, _Mapping]]] = ...) -> None: ...
 
 class Refused(_message.Message):
     __slots__ = ("model_id", "seq_id", "reason")

@@ -125,8 +125,8 @@ def test_asample(api: Any, sched: StandInScheduler) -> None:
             "sampling_params.max_tokens: must be <= 2147483647",
         ),
         (
-            {"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}},
-            "prompt.chunks[0]: chunk type 'image' is not supported",
+            {"prompt": {"chunks": [{"type": "image", "data": "!!", "format": "png"}]}},
+            "prompt.chunks[0].data: not valid base64",
         ),
         ({"sampling_session_id": None}, "sampling_session_id: field required"),
         ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k: not supported"),
@@ -137,6 +137,25 @@ def test_asample_rejects(api: Any, over: dict[str, Any], detail: str) -> None:
     the scheduler's (tests/unit/test_request_rules.py)."""
     r = api.post("/api/v1/asample", json=_sample(**over))
     assert r.status_code == 400 and r.json()["detail"].startswith(detail), r.json()
+
+
+def test_a_prompt_with_images_goes_as_its_chunks(api: Any, sched: StandInScheduler) -> None:
+    """How many tokens an image is, the scheduler says (it judges images): the gateway only
+    converts the chunks."""
+    sched.replies["Submit"] = pb.SubmitReply(request_id="req-i")
+    chunks = [
+        {"type": "encoded_text", "tokens": [1, 2]},
+        {"type": "image", "data": "iVBORw==", "format": "png", "expected_tokens": 4},
+        {"type": "encoded_text", "tokens": [3]},
+    ]
+    r = api.post("/api/v1/asample", json=_sample(prompt={"chunks": chunks}))
+    assert r.status_code == 200, r.json()
+    sample = sched.last("Submit").sample
+    assert list(sample.prompt_tokens) == []
+    kinds = [c.WhichOneof("chunk") for c in sample.prompt_chunks]
+    assert kinds == ["encoded_text", "image", "encoded_text"]
+    image = sample.prompt_chunks[1].image
+    assert (image.data, image.format, image.expected_tokens) == (b"\x89PNG", "png", 4)
 
 
 def test_asample_backpressure_is_429(api: Any, sched: StandInScheduler) -> None:

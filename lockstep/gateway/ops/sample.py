@@ -3,7 +3,8 @@ lane batches every tenant's samples beside the clock). Answered with one sequenc
 sample (the SDK asserts it).
 
 The gateway checks the address and refuses what the contract cannot carry (a prompt of other
-chunks than token ids, target_prompt_logprobs, prompt_alt_tokens_k, a seed wider than 64 bits);
+chunks than token ids and images, target_prompt_logprobs, prompt_alt_tokens_k, a seed wider than
+64 bits);
 the rules of everything it carries are the scheduler's (`scheduler/ops/sample.py`).
 """
 
@@ -27,6 +28,7 @@ from lockstep.gateway.schema.requests import (
     SchemaModel,
     TensorData,
 )
+from lockstep.gateway.translate.chunks import has_images, wire_chunk
 from lockstep.gateway.validate import check_id
 from lockstep.v1 import scheduler_pb2 as pb
 
@@ -121,10 +123,19 @@ class Sample(GatewayOp):
             raise bad_request("prompt_alt_tokens_k", "not supported by this server")
         # record_stability_info is accepted and records nothing: it only feeds stable_reinforce,
         # which this server refuses with a 400 (lockstep.engine.losses.UNSUPPORTED_LOSSES).
+        # A prompt with images goes as its chunks: how many tokens an image is, the scheduler
+        # says.
+        chunks = body.prompt.chunks
+        chunked = has_images(chunks)
         op = pb.Sample(
             sampling_session_id=body.sampling_session_id,
             seq_id=body.seq_id,
-            prompt_tokens=_prompt_tokens(body.prompt),
+            prompt_tokens=[] if chunked else _prompt_tokens(body.prompt),
+            prompt_chunks=(
+                [wire_chunk(f"prompt.chunks[{i}]", c) for i, c in enumerate(chunks)]
+                if chunked
+                else []
+            ),
             num_samples=body.num_samples,
             params=_params(body.sampling_params),
             prompt_logprobs=bool(body.prompt_logprobs),

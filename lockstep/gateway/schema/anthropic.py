@@ -14,17 +14,32 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ImageSource(BaseModel):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None  # refused: nothing is fetched
+
+
+class ImageBlock(BaseModel):
+    type: Literal["image"]
+    source: ImageSource
+
+
+ContentBlock = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+
+
 class Message(BaseModel):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(block.text for block in self.content)
+            return "".join(b.text for b in self.content if isinstance(b, TextBlock))
         return self.content
 
 
-class _Conversation(SchemaModel):
+class Conversation(SchemaModel):
     model: str = Field(min_length=1, max_length=2048)
     messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
     system: str | list[TextBlock] | None = None
@@ -40,7 +55,7 @@ class _Conversation(SchemaModel):
         return out + [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class MessagesRequest(_Conversation):
+class MessagesRequest(Conversation):
     max_tokens: int = Field(ge=1, le=2**31 - 1)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
@@ -50,5 +65,5 @@ class MessagesRequest(_Conversation):
     metadata: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Conversation):
+class CountTokensRequest(Conversation):
     pass

@@ -111,14 +111,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    url: str  # a data: URI (remote URLs are refused: nothing is fetched)
+    detail: str | None = None
+
+
+class ImageUrlPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ChatPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ChatPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
 

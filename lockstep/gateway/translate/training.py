@@ -3,15 +3,13 @@ answer."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from lockstep.gateway.errors import bad_request
 from lockstep.gateway.schema import requests as rq
 from lockstep.gateway.schema import responses as rs
+from lockstep.gateway.translate.chunks import wire_chunk
 from lockstep.gateway.translate.common import optional_str
 from lockstep.gateway.validate import (
     check_addressed,
@@ -37,30 +35,6 @@ def _tensor(field: str, td: rq.TensorData) -> tinker_pb2.Tensor:
     except (OverflowError, ValueError) as e:
         raise bad_request(field, f"values do not fit {td.dtype}") from e
     return msg
-
-
-def _b64(field: str, text: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise bad_request(field, "not valid base64") from e
-
-
-def _chunk(field: str, chunk: rq.Chunk) -> tinker_pb2.Chunk:
-    if isinstance(chunk, rq.EncodedTextChunk):
-        try:
-            tokens = np.asarray(chunk.tokens, dtype="<i4").tobytes()
-        except OverflowError as e:
-            raise bad_request(f"{field}.tokens", "token ids must fit int32") from e
-        return tinker_pb2.Chunk(encoded_text=tinker_pb2.EncodedTextChunk(tokens=tokens))
-    if isinstance(chunk, rq.ImageChunk):
-        image = tinker_pb2.ImageChunk(data=_b64(f"{field}.data", chunk.data), format=chunk.format)
-        if chunk.expected_tokens is not None:
-            image.expected_tokens = chunk.expected_tokens
-        return tinker_pb2.Chunk(image=image)
-    if isinstance(chunk, rq.DmelChunk):
-        return tinker_pb2.Chunk(dmel=tinker_pb2.DmelChunk(dmel=_b64(f"{field}.dmel", chunk.dmel)))
-    raise bad_request(field, f"chunk type {chunk.type!r} is not supported")
 
 
 def forward_backward_from_proto(owner: str, body: bytes) -> pb.SubmitRequest:
@@ -95,7 +69,7 @@ def forward_backward_from_json(owner: str, body: rq.ForwardBackwardJsonRequest) 
     for i, datum in enumerate(fb_input.data):
         d = fb.data.add()
         for j, chunk in enumerate(datum.model_input.chunks):
-            d.model_input.append(_chunk(f"data[{i}].model_input.chunks[{j}]", chunk))
+            d.model_input.append(wire_chunk(f"data[{i}].model_input.chunks[{j}]", chunk))
         for name, td in datum.loss_fn_inputs.items():
             d.loss_fn_inputs[name].CopyFrom(_tensor(f"data[{i}].loss_fn_inputs.{name}", td))
     check_addressed(fb)

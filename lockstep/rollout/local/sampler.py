@@ -18,10 +18,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
+from lockstep.modeling.architecture import describe
 from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
+from lockstep.modeling.vision.tower import VisionModel
 from lockstep.rollout.local.generate import GenerateConfig, Generator
+from lockstep.rollout.local.prompt_images import PromptImages
 from lockstep.rollout.pager import AdapterPager
 
 
@@ -50,7 +53,10 @@ class LocalSamplingEngine(SamplingEngine):
         prefill_token_budget: int = 8192,
     ) -> None:
         base, self._card = load_base_model(model_dir, served_name, device)
-        self._lora = LoraModel(base)  # describes the model; refuses what it cannot compute
+        # Describes the model; refuses what it cannot compute.
+        self._lora = LoraModel(base, describe(base, self._card.vision))
+        vision = self._lora.arch.vision  # a vision-language model: prefill with image embeddings
+        images = None if vision is None else PromptImages(VisionModel(base, model_dir, vision))
         self._tokenizer = AutoTokenizer.from_pretrained(self._card.directory)
         self._tokenizer_size = len(self._tokenizer)
         generation = getattr(base, "generation_config", None)
@@ -66,6 +72,7 @@ class LocalSamplingEngine(SamplingEngine):
                 prefill_token_budget=prefill_token_budget,
                 padded=self._lora.arch.padded_sampling,
             ),
+            images,
         )
         self._pager = AdapterPager(max_adapters)
         self._max_batch_rows = max_batch_rows

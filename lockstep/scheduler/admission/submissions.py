@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
+from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
@@ -56,6 +57,7 @@ class Submissions:
         limits: Limits | None = None,
         memory_budget: MemoryBudget = NO_MEMORY_LIMIT,
         decoded: DecodedPasses | None = None,
+        image_dir: Path | None = None,
         custom_loss_created: Created | None = None,
     ) -> None:
         self.limits = limits or Limits()
@@ -73,18 +75,32 @@ class Submissions:
         )
         self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
         # What an op's admission reads (scheduler/ops/base.py).
+        self.images = ImageReader(
+            card.vision,
+            ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels),
+            image_dir,
+        )
         self.ctx = SubmitContext(
-            store, catalog, card, self.limits, self.memory, data_dir, self.custom_losses
+            store,
+            catalog,
+            card,
+            self.limits,
+            self.memory,
+            data_dir,
+            self.custom_losses,
+            self.images,
         )
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
-        payload = req.SerializeToString(deterministic=True)
         try:
             try:
                 admitted = await registry.arriving_as(req.WhichOneof("op")).admit(self.ctx, req)
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
-                await self._hold_seq(req, payload, str(exc))
+                await self._hold_seq(req, req.SerializeToString(deterministic=True), str(exc))
                 raise
+            # Serialized after admission: an op may resolve what it judged into the request
+            # (an image file's bytes in place of its pointer), so what runs is what was judged.
+            payload = req.SerializeToString(deterministic=True)
             if isinstance(admitted, Hold):  # the gateway refused it: hold its seq_id only
                 await self._hold_seq(req, payload, admitted.reason)
                 return pb.SubmitReply()

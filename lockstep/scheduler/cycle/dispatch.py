@@ -51,6 +51,7 @@ class Dispatcher:
         decoded: DecodedPasses | None = None,
     ) -> None:
         self.store = store
+        self.images = recovery.images  # payloads' images, judged at submission
         # Passes validated and decoded at submission (run as they are); payloads of the rest,
         # read for the whole cycle in one round trip (`begin`).
         self.decoded = decoded or DecodedPasses()
@@ -132,7 +133,7 @@ class Dispatcher:
         if held is not None:
             return held
         return await registry.fused_pass(op.kind).decode(
-            self.store, op.request_id, await self._request(op)
+            self.store, self.images, op.request_id, await self._request(op)
         )
 
     async def _single(self, op: QueuedOp) -> Outcome:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from lockstep.config.training import DEFAULT_SNAPSHOT_INTERVAL_S
+from lockstep.engine.images import RUN_AGAIN, ImageReader
 from lockstep.engine.interface import EngineDied, TrainingEngine
 from lockstep.engine.types import PassRequest
 from lockstep.observability import metrics
@@ -55,9 +56,12 @@ class Recovery:
         data_dir: Path,
         max_resident: int = 0,
         snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S,
+        images: ImageReader | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
+        # Payloads' images were judged at submission: a rerun reads their headers only.
+        self.images = images or ImageReader(engine.card().vision, RUN_AGAIN, decode=False)
         self.data_dir = data_dir
         # Paging restores a model from its snapshot + replay log: keep page-ins cheap.
         self.cadence = SnapshotCadence(0.0 if max_resident else snapshot_interval_s)
@@ -120,7 +124,9 @@ class Recovery:
                     passes = []
                 await trainer_call(self.engine.optim_step, [rules.request(model_id, req)])
             else:
-                rebuilt = registry.fused_pass(job.kind).decode(self.store, job.request_id, req)
+                rebuilt = registry.fused_pass(job.kind).decode(
+                    self.store, self.images, job.request_id, req
+                )
                 passes.append(await rebuilt)
         if passes:
             await trainer_call(self.engine.run_passes, passes)

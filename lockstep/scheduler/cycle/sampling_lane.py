@@ -22,8 +22,10 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from lockstep.engine.images import RUN_AGAIN, ImageReader
 from lockstep.engine.interface import EngineDied, SamplingEngine
 from lockstep.engine.types import SampleRequest
+from lockstep.errors import UserInputError
 from lockstep.observability import metrics
 from lockstep.scheduler import translate
 from lockstep.scheduler.cycle.poison import PoisonHunt
@@ -52,6 +54,8 @@ class SamplingLane:
         self.store = store
         self.colocate = colocate  # sampler and trainer share one accelerator
         self.engine = engine
+        # Prompts' images were judged at submission: the lane reads their headers only.
+        self.images = ImageReader(engine.card().vision, RUN_AGAIN, decode=False)
         self.board = board
         self.max_batch = max_batch
         self.wake = asyncio.Event()
@@ -238,11 +242,11 @@ class SamplingLane:
                 adapter_id = await self._adapter_for(
                     sample.sampling_session_id, samplers.get(sample.sampling_session_id)
                 )
-            except (LookupError, RuntimeError) as exc:
+                request = translate.sample_request(job.request_id, sample, adapter_id, self.images)
+            except (LookupError, RuntimeError, UserInputError) as exc:
                 refused.append((job, str(exc)))
                 continue
             jobs.append(job)
-            request = translate.sample_request(job.request_id, sample, adapter_id)
             # Each sampling session is its own KV-cache namespace (prefixes reused within it).
             request.cache_namespace = sample.sampling_session_id
             requests.append(request)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol, TypeVar
 
 from lockstep.config import Limits
+from lockstep.engine.images import ImageReader
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.types import (
     MemoryBudget,
@@ -139,6 +140,7 @@ class SubmitContext:
     memory: MemoryBudget  # the training engine's (TrainingEngine.memory_budget)
     data_dir: Path
     custom_losses: CustomLosses  # create_custom_loss, and what a request naming one must pass
+    images: ImageReader  # judges image chunks for the served model (engine/images.py)
 
     async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
         return await self.catalog.live_model(owner, model_id)  # tenancy: session ended?
@@ -222,7 +224,9 @@ class PassOp(Op):
         restore must replay it."""
 
     @abstractmethod
-    async def decode(self, store: Store, request_id: str, req: pb.SubmitRequest) -> PassRequest:
+    async def decode(
+        self, store: Store, images: ImageReader, request_id: str, req: pb.SubmitRequest
+    ) -> PassRequest:
         """Its engine request from the stored payload (when not held decoded; replays)."""
 
     @abstractmethod

@@ -24,12 +24,14 @@ class Sample(Op):
         the engines trust what is admitted."""
         s = req.sample
         await ctx.catalog.live_sampler(req.owner, s.sampling_session_id)
+        translate.inline_assets(s.prompt_chunks, "prompt", ctx.images)
+        prompt, _ = translate.sample_prompt(s, ctx.images)  # images become their tokens
         limits = ctx.limits
         if not 1 <= s.num_samples <= limits.max_samples_per_request:
             raise UserInputError("num_samples", f"must be in [1, {limits.max_samples_per_request}]")
-        _check_prompt(list(s.prompt_tokens), ctx)
-        _check_params(s.params, len(s.prompt_tokens), ctx.card.max_context_length)
-        _check_logprobs(s, ctx.card.vocab_size)
+        _check_prompt(prompt, ctx)
+        _check_params(s.params, len(prompt), ctx.card.max_context_length)
+        _check_logprobs(s, len(prompt), ctx.card.vocab_size)
         return SampleClaim(s.sampling_session_id, s.seq_id, s.num_samples)
 
 
@@ -71,7 +73,7 @@ def _check_params(p: pb.SamplingParams, prompt: int, context: int) -> None:
             raise UserInputError("sampling_params.stop", f"token id {token} is negative")
 
 
-def _check_logprobs(s: pb.Sample, vocab: int) -> None:
+def _check_logprobs(s: pb.Sample, prompt: int, vocab: int) -> None:
     for name, k in (
         ("topk_prompt_logprobs", s.topk_prompt_logprobs),
         ("topk_sample_logprobs", s.topk_sample_logprobs),
@@ -82,5 +84,5 @@ def _check_logprobs(s: pb.Sample, vocab: int) -> None:
         return
     if not (s.prompt_logprobs or s.topk_prompt_logprobs):
         raise UserInputError("prompt_logprobs_last_n", "requires prompt_logprobs")
-    if not 1 <= s.prompt_logprobs_last_n <= len(s.prompt_tokens) - 1:
+    if not 1 <= s.prompt_logprobs_last_n <= prompt - 1:
         raise UserInputError("prompt_logprobs_last_n", "must be in [1, len(prompt) - 1]")

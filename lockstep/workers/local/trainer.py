@@ -10,9 +10,9 @@ attention run row by row on each row's own span (`modeling.attention`): no row i
 another's length. Each micro-batch runs forward then backward at once (gradients accumulate in
 the adapters' .grad), so activations live for one micro-batch. Inside a micro-batch rows are
 ordered by adapter and the LoRA routing names the adapter of each 8-token block, so each LoRA
-layer takes one GEMM pair per adapter (`modeling.lora`). Target logprobs come from the final
-hidden states in token chunks (`training.logprobs`): full-vocabulary logits never exist beyond
-one chunk.
+layer takes one grouped GEMM pair over every adapter's run (`modeling.lora`). Target logprobs
+come from the final hidden states in token chunks through the fused LM head and log-softmax
+(`training.logprobs`): full-vocabulary logits never exist beyond one chunk.
 
 Packing never changes a tenant's numbers beyond float rounding (fp32 <= 1e-5): every op is per
 row, per adapter or per token, block padding lies outside every attention span, and every matmul
@@ -58,13 +58,15 @@ from lockstep.modeling.architecture import (
     describe,
 )
 from lockstep.modeling.attention import ROW_ATTENTION
+from lockstep.modeling.linear_lora import MultiLoRALinear
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.mixers import run_per_row
 from lockstep.modeling.packing import packed_rows
 from lockstep.modeling.peft_io import save_peft_adapter
+from lockstep.modeling.vision.tower import VisionModel, decoder_inputs
 from lockstep.training import checkpoint
-from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, chunk_tokens
+from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, Head, LinearHead, chunk_tokens
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
 from lockstep.training.pass_result import pass_result, row_loss
 from lockstep.workers.local import host_memory
@@ -120,15 +122,16 @@ class LocalTrainingEngine(TrainingEngine):
         model, self._card = load_base_model(
             model_dir, served_name, dev, resolve_dtype(dtype, dev), attn_implementation=None
         )
-        arch = describe(model)  # raises UnsupportedModel naming what it cannot compute
+        arch = describe(model, self._card.vision)  # refuses by name what it cannot compute
         check_head(model, self._card.vocab_size)
         if trainer_path is TrainerPath.PACKED and arch.trainer_path is not TrainerPath.PACKED:
             raise UnsupportedModel(f"{arch.model_type}: the packed path is not proven for it")
         path = TrainerPath(trainer_path or arch.trainer_path)
         self._packed = path is TrainerPath.PACKED
         self._card = dataclasses.replace(self._card, trainer_path=path)
-        if self._packed:
-            model.set_attn_implementation(ROW_ATTENTION)
+        if self._packed:  # the language model's attention only (a vision tower keeps its own)
+            text = {"text_config": ROW_ATTENTION} if self._card.vision else ROW_ATTENTION
+            model.set_attn_implementation(text)
         elif arch.trainer_path is TrainerPath.GENERIC:
             log.warning(
                 "trainer: %s is not a packed family (%s): every row runs alone through the "
@@ -136,6 +139,8 @@ class LocalTrainingEngine(TrainingEngine):
                 arch.model_type,
                 ", ".join(sorted(PACKED_FAMILIES)),
             )
+        # A vision-language model's frozen tower: the images of each micro-batch in one call.
+        self._vision = None if arch.vision is None else VisionModel(model, model_dir, arch.vision)
         if activation_checkpointing:
             # HF checkpoints decoder layers only in train mode; these models have no active
             # dropout, so train mode changes nothing else. Non-reentrant: base weights are frozen.
@@ -181,6 +186,8 @@ class LocalTrainingEngine(TrainingEngine):
             found = memory.cpu_budget(memory_budget_bytes)
         self._pass_cost = cost  # what admission assumes a pass takes (tests/unit/test_pass_cost.py)
         self._memory = cost.budget(found[0], self._card.max_context_length, found[1])
+        if self._vision is not None:  # the tower's pass: the largest image it fits
+            self._memory = self._vision.budget(self._memory, found[0], micro_batch_tokens)
         log.info(
             "trainer: memory budget %s fits rows of up to %d tokens",
             memory.describe(self._memory),
@@ -356,24 +363,22 @@ class LocalTrainingEngine(TrainingEngine):
             if self._packed
             else contextlib.nullcontext()
         )
+        spans = [(s, r.length, r.datum.images) for r, s in zip(rows, starts, strict=True)]
+        ids, at = input_ids.to(self._device), positions.to(self._device)
+        inputs = decoder_inputs(self._vision, ids, at, spans)  # a VLM: images, M-RoPE per row
         with self._lora.row_adapters(blocks), layout:
-            hidden = self._decoder(
-                input_ids=input_ids.to(self._device),
-                position_ids=positions.to(self._device),
-                use_cache=False,
-            ).last_hidden_state[0]
+            hidden = self._decoder(**inputs, use_cache=False).last_hidden_state[0]
             terms: list[tuple[int, torch.Tensor]] = []
             for row, start in zip(rows, starts, strict=True):
                 if row.request in state.failed:
                     continue  # still in the packed sequence: the others' numbers stay the same
-                head = functools.partial(self._row_head, row.model_id)
                 try:
                     out = row_loss(
                         hidden[start : start + row.length],
                         row.datum,
                         requests[row.request],
                         configs[row.request],
-                        head,
+                        self._row_head(row.model_id),
                         self._chunk,
                     )
                 except UserInputError as exc:  # this row's own data: its request fails alone
@@ -390,7 +395,17 @@ class LocalTrainingEngine(TrainingEngine):
                 torch.stack(live).sum().backward()
                 state.ran(rows, {i for i, _ in terms if i not in state.failed})
 
-    def _row_head(self, model_id: str, hidden: torch.Tensor) -> torch.Tensor:
+    def _row_head(self, model_id: str) -> Head | LinearHead:
+        """The LM head with `model_id`'s adapter: by its parts where it is a linear layer (the
+        fused logprob path, `training.logprobs`), else as a callable."""
+        head = self._head
+        if isinstance(head, MultiLoRALinear) and len(head.slots) == 1:
+            return LinearHead(head.weight, head.bias, head.slots[0].adapter(model_id))
+        if isinstance(head, torch.nn.Linear):
+            return LinearHead(head.weight, head.bias)
+        return functools.partial(self._call_head, model_id)
+
+    def _call_head(self, model_id: str, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (with `model_id`'s adapter) on one row's hidden states [c, H]."""
         with self._lora.row_adapters([model_id]):
             logits: torch.Tensor = self._head(hidden.unsqueeze(0))
