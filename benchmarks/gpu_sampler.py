@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 from gpu_models import sync
-from lockstep.rollout.local.engine import LocalSamplingEngine
 
 from lockstep.engine.types import SampleParams, SampleRequest
+from lockstep.rollout.local.sampler import LocalSamplingEngine
 
 REQUESTS, SAMPLES = 8, 4
 

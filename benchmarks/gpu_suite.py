@@ -62,12 +62,12 @@ from gpu_models import (
     reset_peak,
 )
 from gpu_sampler import sample_throughput
-from lockstep.workers.local.engine import LocalTrainingEngine
 from rich.console import Console
 
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling import attention, experts, linear_lora
 from lockstep.training import logprobs
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "gpu_suite"
 TARGETS = {

@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 from common import check, environment, figure_path, print_table, write_json
-from lockstep.workers.local.engine import LocalTrainingEngine
 from PIL import Image
 
 from lockstep.engine.images import ImageInput, ImageLimits, ImageReader
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.vision import zoo as vision_zoo
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "vision"
 PACKING_TARGET = 0.85  # K tenants packed / one tenant with all their datums (report)
