@@ -24,10 +24,11 @@ import threading
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import httpx
 
+from lockstep.engine.capabilities import SamplerCapabilities
 from lockstep.engine.interface import EngineDied, SamplingEngine
 from lockstep.engine.types import ModelCard, SampleParams, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
@@ -111,6 +112,8 @@ def fill_prompt_logprobs(
 
 
 class RemoteSamplingEngine(SamplingEngine):
+    engine_name: ClassVar[str]  # its name in refusals and capabilities: "vllm", "sglang"
+
     def __init__(
         self,
         card: ModelCard,
@@ -200,6 +203,9 @@ class RemoteSamplingEngine(SamplingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> SamplerCapabilities:
+        return SamplerCapabilities(self.engine_name)  # text prompts (VLMs are refused at start)
 
     def load_adapter(self, adapter_id: str, directory: Path) -> None:
         """Publish `adapter_id` (load it now so its first sample does not wait)."""

@@ -26,6 +26,7 @@ from lockstep.config import (
     TenancyConfig,
 )
 from lockstep.engine import memory
+from lockstep.engine.capabilities import Engines
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
@@ -167,6 +168,7 @@ def assemble(
         store,
         catalog,
         card,
+        Engines(trainer.capabilities(), sampler.capabilities()),
         cfg.data_dir,
         on_training=clock.wake.set,
         on_sample=lane.wake.set,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lockstep.engine.capabilities import SamplerCapabilities, TrainerCapabilities
 from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine
 from lockstep.engine.types import (
     NO_MEMORY_LIMIT,
@@ -97,6 +98,9 @@ class ArithmeticTrainingEngine(TrainingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> TrainerCapabilities:
+        return TrainerCapabilities("arithmetic")  # built-in losses on text
 
     def memory_budget(self) -> MemoryBudget:
         return NO_MEMORY_LIMIT
@@ -196,6 +200,9 @@ class ArithmeticSamplingEngine(SamplingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> SamplerCapabilities:
+        return SamplerCapabilities("arithmetic")
 
     def load_adapter(self, adapter_id: str, directory: Path) -> None:
         self.adapters[adapter_id] = read_weights(directory)

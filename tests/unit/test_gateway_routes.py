@@ -33,7 +33,10 @@ def api(standin: tuple[StandInScheduler, str], sched: StandInScheduler) -> Itera
 
 
 # ---------------------------------------------------------------- bootstrap and health
-def test_client_config_and_friends(api: Any) -> None:
+def test_client_config_and_friends(api: Any, sched: StandInScheduler) -> None:
+    sched.replies["GetServerCapabilities"] = pb.ServerCapabilities(
+        engines=pb.EngineCapabilities(trainer="local", custom_loss=True)
+    )
     config = api.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})
     assert config.json() == {
         "pjwt_auth_enabled": False,
@@ -45,6 +48,12 @@ def test_client_config_and_friends(api: Any) -> None:
         "sample_use_retrieve_futures": True,  # one session poller instead of one per sample
         "sample_join_sampling_session": True,  # unpickled clients ask for their clone id
     }
+    # A training engine that runs no server-side custom losses (Megatron): the SDK runs them.
+    sched.replies["GetServerCapabilities"] = pb.ServerCapabilities(
+        engines=pb.EngineCapabilities(trainer="megatron", custom_loss=False)
+    )
+    config = api.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})
+    assert config.json()["custom_loss_server_side"] is False
     dynamic = api.post("/api/v1/client/dynamic_config", json={})
     assert dynamic.json() == {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
     telemetry = api.post("/api/v1/telemetry", json={"events": [], "session_id": "s"})

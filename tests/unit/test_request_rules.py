@@ -26,6 +26,12 @@ from PIL import Image
 from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
 from lockstep.engine import losses
+from lockstep.engine.capabilities import (
+    Engines,
+    InputKind,
+    SamplerCapabilities,
+    TrainerCapabilities,
+)
 from lockstep.engine.images import ImageLimits, ImageReader, VisionSpec
 from lockstep.engine.types import NO_MEMORY_LIMIT, ModelCard, PassRequest
 from lockstep.errors import UserInputError
@@ -389,7 +395,10 @@ async def _submit_request(op: str, body: dict[str, Any]) -> pb.SubmitRequest:
     return await gateway.submit_request(OWNER, gateway.body.model_validate(body))
 
 
-async def _context(url: str, data: Path) -> SubmitContext:
+LOCAL = Engines(TrainerCapabilities("local", custom_loss=True), SamplerCapabilities("local"))
+
+
+async def _context(url: str, data: Path, engines: Engines = LOCAL) -> SubmitContext:
     """A real store with a live session, a training run, a sampler and a checkpoint on disk."""
     store = Store.from_url(url)
     now = time.time()
@@ -407,12 +416,23 @@ async def _context(url: str, data: Path) -> SubmitContext:
     )
     catalog = Catalog(store, CARD, ["tiny"], data)
     bound = CostBound.for_model(CARD, NO_MEMORY_LIMIT)
-    losses_ = CustomLosses(store, catalog, bound, CARD.max_context_length)
-    return SubmitContext(store, catalog, CARD, Limits(), NO_MEMORY_LIMIT, data, losses_, TEXT_ONLY)
+    losses_ = CustomLosses(store, catalog, bound, CARD.max_context_length, engines.trainer)
+    return SubmitContext(
+        store,
+        catalog,
+        CARD,
+        Limits(),
+        NO_MEMORY_LIMIT,
+        data,
+        losses_,
+        TEXT_ONLY,
+        engines,
+        TEXT_ONLY,
+    )
 
 
-async def _admit(url: str, data: Path, req: pb.SubmitRequest) -> object:
-    ctx = await _context(url, data)
+async def _admit(url: str, data: Path, req: pb.SubmitRequest, engines: Engines = LOCAL) -> object:
+    ctx = await _context(url, data, engines)
     try:
         return await registry.arriving_as(req.WhichOneof("op")).admit(ctx, req)
     finally:
@@ -441,6 +461,55 @@ def test_each_rule_is_the_schedulers(
     with pytest.raises(UserInputError) as err:
         asyncio.run(_admit(clean_redis, tmp_path, req))
     assert str(err.value).startswith(message), str(err.value)
+
+
+def test_what_the_engines_do_not_run_is_refused_naming_the_engine(
+    clean_redis: str, tmp_path: Path
+) -> None:
+    """The engines' capabilities are rules too, judged at admission: a server-side custom loss
+    where the training engine runs none (Megatron), and images for an engine that does not run
+    the model's vision tower."""
+    megatron = Engines(TrainerCapabilities("megatron"), SamplerCapabilities("vllm"))
+    fb = _request()
+    fb.model_id, fb.loss_fn = MODEL, "custom"
+    fb.loss_fn_config_v2["loss_id"].text = f"{SESSION}:loss:0"
+    req = pb.SubmitRequest(owner=OWNER, forward_backward=fb)
+    with pytest.raises(UserInputError) as err:
+        asyncio.run(_admit(clean_redis, tmp_path / "fb", req, megatron))
+    assert str(err.value).startswith(
+        "loss_fn: server-side custom losses do not run on the megatron training engine"
+    ), str(err.value)
+
+    async def create() -> None:
+        ctx = await _context(clean_redis, tmp_path / "create", megatron)
+        try:
+            await ctx.custom_losses.create(
+                pb.CreateCustomLossRequest(owner=OWNER, session_id=SESSION, name="l")
+            )
+        finally:
+            await ctx.store.close()
+
+    with pytest.raises(UserInputError) as err:
+        asyncio.run(create())
+    assert "do not run on the megatron training engine" in str(err.value)
+
+    limits = ImageLimits(1 << 20, 1 << 22)
+    for taken, message in (
+        (True, None),
+        (False, "image chunks are not supported by the vllm sampler"),
+    ):
+        reader = ImageReader.for_engine(VLM, taken, "the vllm sampler", limits)
+        if message is None:
+            assert len(_judge(_with_image(), reader).data[0].images) == 1
+            continue
+        with pytest.raises(UserInputError) as err:
+            _judge(_with_image(), reader)
+        assert str(err.value) == f"data[0].model_input.chunks[1]: {message}"
+    # A text-only model says so, whatever the engine.
+    text_only = ImageReader.for_engine(None, True, "the local sampler", limits)
+    with pytest.raises(UserInputError, match="this server serves a text-only model"):
+        _judge(_with_image(), text_only)
+    assert InputKind.IMAGE not in SamplerCapabilities("vllm").inputs
 
 
 def test_a_sampling_session_is_judged_by_the_scheduler(clean_redis: str, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, SamplerCapabilities
 from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
@@ -82,6 +83,11 @@ class LocalSamplingEngine(SamplingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> SamplerCapabilities:
+        return SamplerCapabilities(
+            "local", TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS
+        )
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

@@ -90,6 +90,8 @@ class SglangLaunchConfig(LaunchConfig):
 
 
 class SglangSamplingEngine(RemoteSamplingEngine):
+    engine_name: ClassVar[str] = "sglang"
+
     @property
     def publish_tensors(self) -> bool:
         """A server this engine started runs on this host: adapters go to it as tensors by

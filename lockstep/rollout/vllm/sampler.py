@@ -103,6 +103,7 @@ class VllmLaunchConfig(LaunchConfig):
 
 
 class VllmSamplingEngine(RemoteSamplingEngine):
+    engine_name: ClassVar[str] = "vllm"
     _sleep_supported: bool | None = None  # learnt at the first release
 
     # -- phases (colocated mode) -------------------------------------------------------------

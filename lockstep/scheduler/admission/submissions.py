@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
+from lockstep.engine.capabilities import Engines, InputKind
 from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
@@ -51,6 +52,7 @@ class Submissions:
         store: Store,
         catalog: Catalog,
         card: ModelCard,
+        engines: Engines,
         data_dir: Path,
         on_training: Callable[[], None],
         on_sample: Callable[[], None],
@@ -71,15 +73,14 @@ class Submissions:
             catalog,
             CostBound.for_model(card, self.memory),
             self.max_tokens_per_datum(),
+            engines.trainer,
             custom_loss_created,
         )
         self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
         # What an op's admission reads (scheduler/ops/base.py).
-        self.images = ImageReader(
-            card.vision,
-            ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels),
-            image_dir,
-        )
+        self.engines = engines
+        image_limits = ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels)
+        trainer, sampler = engines.trainer, engines.sampler
         self.ctx = SubmitContext(
             store,
             catalog,
@@ -88,7 +89,21 @@ class Submissions:
             self.memory,
             data_dir,
             self.custom_losses,
-            self.images,
+            ImageReader.for_engine(
+                card.vision,
+                InputKind.IMAGE in trainer.inputs,
+                f"the {trainer.engine} training engine",
+                image_limits,
+                image_dir,
+            ),
+            engines,
+            ImageReader.for_engine(
+                card.vision,
+                InputKind.IMAGE in sampler.inputs,
+                f"the {sampler.engine} sampler",
+                image_limits,
+                image_dir,
+            ),
         )
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:

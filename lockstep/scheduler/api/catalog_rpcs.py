@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Mapping
 
+from lockstep.engine.capabilities import Engines
 from lockstep.paths import TinkerPath
 from lockstep.scheduler.admission.submissions import Submissions
 from lockstep.scheduler.api.servicer import Handler
@@ -157,7 +158,8 @@ class CatalogRpcs:
                     trainer_path=self.catalog.card.trainer_path.value,
                 )
                 for n in self.catalog.served_names
-            ]
+            ],
+            engines=engine_capabilities(self.submissions.engines),
         )
 
     # ---------------------------------------------------------------- runs and checkpoints
@@ -210,3 +212,16 @@ class CatalogRpcs:
     async def get_health(self, request: pb.Empty) -> pb.HealthReply:
         parts = await self.health()
         return pb.HealthReply(ready=all(v == "ready" for v in parts.values()), parts=parts)
+
+
+def engine_capabilities(engines: Engines) -> pb.EngineCapabilities:
+    trainer, sampler = engines.trainer, engines.sampler
+    return pb.EngineCapabilities(
+        trainer=trainer.engine,
+        losses=sorted(trainer.losses),
+        custom_loss=trainer.custom_loss,
+        trainer_inputs=sorted(trainer.inputs),
+        optimizers=sorted(trainer.optimizers),
+        sampler=sampler.engine,
+        sampler_inputs=sorted(sampler.inputs),
+    )

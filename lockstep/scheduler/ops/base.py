@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol, TypeVar
 
 from lockstep.config import Limits
+from lockstep.engine.capabilities import Engines
 from lockstep.engine.images import ImageReader
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.types import (
@@ -140,7 +141,9 @@ class SubmitContext:
     memory: MemoryBudget  # the training engine's (TrainingEngine.memory_budget)
     data_dir: Path
     custom_losses: CustomLosses  # create_custom_loss, and what a request naming one must pass
-    images: ImageReader  # judges image chunks for the served model (engine/images.py)
+    images: ImageReader  # judges a training input's image chunks (engine/images.py)
+    engines: Engines  # what the configured engines run (engine/capabilities.py)
+    sample_images: ImageReader  # judges a sample prompt's image chunks (the sampler's)
 
     async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
         return await self.catalog.live_model(owner, model_id)  # tenancy: session ended?

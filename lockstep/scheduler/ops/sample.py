@@ -24,8 +24,8 @@ class Sample(Op):
         the engines trust what is admitted."""
         s = req.sample
         await ctx.catalog.live_sampler(req.owner, s.sampling_session_id)
-        translate.inline_assets(s.prompt_chunks, "prompt", ctx.images)
-        prompt, _ = translate.sample_prompt(s, ctx.images)  # images become their tokens
+        translate.inline_assets(s.prompt_chunks, "prompt", ctx.sample_images)
+        prompt, _ = translate.sample_prompt(s, ctx.sample_images)  # images become their tokens
         limits = ctx.limits
         if not 1 <= s.num_samples <= limits.max_samples_per_request:
             raise UserInputError("num_samples", f"must be in [1, {limits.max_samples_per_request}]")

@@ -39,6 +39,7 @@ import torch
 
 from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine import memory
+from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, TrainerCapabilities
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.losses import resolve_loss_config
 from lockstep.engine.types import (
@@ -198,6 +199,11 @@ class LocalTrainingEngine(TrainingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> TrainerCapabilities:
+        # Every built-in and custom loss; images when the model has a vision tower it runs.
+        inputs = TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS
+        return TrainerCapabilities("local", custom_loss=True, inputs=inputs)
 
     def memory_budget(self) -> MemoryBudget:
         return self._memory

@@ -15,8 +15,9 @@ from typing import Literal
 import torch
 
 from lockstep.engine import memory
+from lockstep.engine.capabilities import TrainerCapabilities
 from lockstep.engine.interface import TrainingEngine
-from lockstep.engine.losses import CUSTOM, resolve_loss_config
+from lockstep.engine.losses import resolve_loss_config
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -118,6 +119,11 @@ class MegatronTrainingEngine(TrainingEngine):
     def card(self) -> ModelCard:
         return self._card
 
+    def capabilities(self) -> TrainerCapabilities:
+        # No server-side custom losses: its pipeline schedule carries no per-datum metrics yet
+        # (admission refuses them by name and the SDK runs them client-side). Text only.
+        return TrainerCapabilities("megatron", custom_loss=False)
+
     def memory_budget(self) -> MemoryBudget:
         return self._memory
 
@@ -147,12 +153,6 @@ class MegatronTrainingEngine(TrainingEngine):
         configs = []
         for req in requests:
             self._require(req.model_id)  # the request itself was judged at admission
-            if req.loss_fn == CUSTOM:  # its pipeline schedule carries no per-datum metrics yet
-                raise UserInputError(
-                    "loss_fn",
-                    "server-side custom losses run on the local training engine, not on "
-                    "--engine megatron; pass forward_backward_custom a plain callable instead",
-                )
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
         results: list[PassResult] = self._group.call("run_passes", requests, configs)[0]
         return results
