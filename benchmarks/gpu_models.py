@@ -27,7 +27,7 @@ from lockstep.engine.types import AdamConfig, Datum, OptimRequest, PassRequest
 from lockstep.modeling import tiny
 from lockstep.modeling.experts import MultiLoRAExperts
 from lockstep.modeling.linear_lora import MultiLoRALinear
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 RANK = 32  # every tenant's LoRA rank (attention, MLP / every expert, head)
 ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}

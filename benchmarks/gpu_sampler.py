@@ -13,7 +13,7 @@ import numpy as np
 from gpu_models import sync
 
 from lockstep.engine.types import SampleParams, SampleRequest
-from lockstep.rollout.local.engine import LocalSamplingEngine
+from lockstep.rollout.local.sampler import LocalSamplingEngine
 
 REQUESTS, SAMPLES = 8, 4
 

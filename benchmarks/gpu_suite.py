@@ -67,7 +67,7 @@ from rich.console import Console
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling import attention, experts, linear_lora
 from lockstep.training import logprobs
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "gpu_suite"
 TARGETS = {

@@ -28,7 +28,7 @@ from common import environment, figure_path, print_table, write_json
 from gpu_models import RANK, SHAPES, build_model, data
 
 from lockstep.engine.types import AdamConfig, LoraSpec, OptimRequest, PassRequest
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "oom_retry_gpu"
 TENANTS, DATUMS, LENGTH = 8, 4, 512

@@ -34,7 +34,7 @@ from PIL import Image
 from lockstep.engine.images import ImageInput, ImageLimits, ImageReader
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.vision import zoo as vision_zoo
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "vision"
 PACKING_TARGET = 0.85  # K tenants packed / one tenant with all their datums (report)

@@ -166,10 +166,6 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def refuse_text_only(field: str) -> UserInputError:
-    return UserInputError(field, TEXT_ONLY)
-
-
 def read_image(
     data: bytes, declared: str, field: str, limits: ImageLimits, decode: bool = True
 ) -> tuple[int, int]:
@@ -278,12 +274,31 @@ class ImageReader:
     limits: ImageLimits
     asset_dir: Path | None = None
     decode: bool = True
+    refusal: str = TEXT_ONLY  # why every image is refused when `spec` is None
+
+    @classmethod
+    def for_engine(
+        cls,
+        spec: VisionSpec | None,
+        takes_images: bool,
+        engine: str,
+        limits: ImageLimits,
+        asset_dir: Path | None = None,
+    ) -> ImageReader:
+        """The reader of what one engine takes (its capabilities): a text-only model refuses
+        images as such; a vision-language model on an engine that does not run its tower
+        names the engine."""
+        if spec is not None and not takes_images:
+            return cls(
+                None, limits, asset_dir, refusal=f"image chunks are not supported by {engine}"
+            )
+        return cls(spec, limits, asset_dir)
 
     def image(
         self, field: str, data: bytes, fmt: str, expected: int | None, position: int
     ) -> ImageInput:
         if self.spec is None:
-            raise refuse_text_only(field)
+            raise UserInputError(field, self.refusal)
         size = read_image(data, fmt, field, self.limits, self.decode)
         grid = self.spec.grid(*size)
         tokens = self.spec.tokens(grid)
@@ -294,7 +309,7 @@ class ImageReader:
         """The bytes of an `image_asset_pointer`'s file: only a file under the operator's
         directory, never a URL (nothing is ever fetched)."""
         if self.spec is None:
-            raise refuse_text_only(field)
+            raise UserInputError(field, self.refusal)
         if self.asset_dir is None:
             raise UserInputError(
                 field,

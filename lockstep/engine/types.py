@@ -1,7 +1,7 @@
 """Internal types exchanged between the scheduler and the engines.
 
 These are deliberately separate from the wire types (what the SDK sends, in `lockstep.wire`) and
-from the storage types (Redis records, in `lockstep.scheduler.state.store`): the scheduler
+from the storage types (Redis records, in `lockstep.scheduler.state`): the scheduler
 decodes a wire request into these, an engine never sees protobuf or JSON.
 """
 
@@ -213,6 +213,12 @@ class SampleRequest:
     cache_namespace: str | None = None
     # Images at their placeholder positions of `prompt` (vision-language models), in order.
     images: tuple[ImageInput, ...] = ()
+
+    @property
+    def prompt_logprob_start(self) -> int:
+        """The first prompt position whose logprob is reported (position 0 never is)."""
+        last_n = self.prompt_logprobs_last_n
+        return 1 if last_n is None else max(1, len(self.prompt) - last_n)
 
 
 @dataclass

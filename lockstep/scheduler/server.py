@@ -26,15 +26,20 @@ from lockstep.config import (
     TenancyConfig,
 )
 from lockstep.engine import memory
+from lockstep.engine.capabilities import Engines
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
 from lockstep.scheduler.admission.decoded import DecodedPasses
 from lockstep.scheduler.admission.submissions import Submissions
 from lockstep.scheduler.api import tenancy as tenancy_mod
-from lockstep.scheduler.api.tenancy_service import TenancyService
+from lockstep.scheduler.api.catalog_rpcs import CatalogRpcs
+from lockstep.scheduler.api.future_rpcs import FutureRpcs
+from lockstep.scheduler.api.servicer import servicer
+from lockstep.scheduler.api.tenancy_rpcs import TenancyRpcs
 from lockstep.scheduler.cycle.clock import Clock
 from lockstep.scheduler.cycle.dispatch import Dispatcher
+from lockstep.scheduler.cycle.recovery import Recovery
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
@@ -112,15 +117,19 @@ class Assembly:
     submissions: Submissions
     tenancy: tenancy_mod.Tenancy
 
-    def service(self, health: Callable[[], Awaitable[dict[str, str]]]) -> TenancyService:
-        return TenancyService(
-            self.store,
-            self.catalog,
-            self.submissions,
-            self.board,
-            health,
-            self.clock.queue_state,
-            tenancy=self.tenancy,
+    def service(self, health: Callable[[], Awaitable[dict[str, str]]]) -> pb_grpc.SchedulerServicer:
+        """The gRPC servicer: one role object per part of the API, one error mapping."""
+        return servicer(
+            FutureRpcs(
+                self.store,
+                self.catalog,
+                self.submissions,
+                self.board,
+                self.tenancy.trail,
+                self.clock.queue_state,
+            ),
+            CatalogRpcs(self.store, self.catalog, self.submissions, health),
+            TenancyRpcs(self.tenancy),
         )
 
 
@@ -131,19 +140,20 @@ def assemble(
     board = FutureBoard(store)
     lane = SamplingLane(store, sampler, board, cfg.max_sample_batch, cfg.sampler.colocate)
     decoded = DecodedPasses()  # validated at submission, run by dispatch as they are
-    dispatcher = Dispatcher(
+    recovery = Recovery(
         store,
         trainer,
         cfg.data_dir,
         cfg.tenancy.max_resident_models,
         cfg.engine.snapshot_interval_s,
-        decoded,
     )
+    dispatcher = Dispatcher(store, trainer, recovery, decoded)
     accounting = Accounting(store, cfg.tenancy.audit_retention_s)
     lane.accounting = accounting
     clock = Clock(
         store,
         dispatcher,
+        recovery,
         board,
         lane,
         cfg.clock,
@@ -152,12 +162,13 @@ def assemble(
     )
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
     tenancy = tenancy_mod.Tenancy(
-        cfg.tenancy, store, catalog, dispatcher.resident, accounting, clock.wake.set, lane.unload
+        cfg.tenancy, store, catalog, recovery.resident, accounting, clock.wake.set, lane.unload
     )
     submissions = Submissions(
         store,
         catalog,
         card,
+        Engines(trainer.capabilities(), sampler.capabilities()),
         cfg.data_dir,
         on_training=clock.wake.set,
         on_sample=lane.wake.set,
@@ -181,7 +192,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
-    tracing.configure(store.redis, cfg.trace_retention_s)
+    tracing.configure(store.traces, cfg.trace_retention_s)
     trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()
     log.info(

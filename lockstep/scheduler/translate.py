@@ -1,4 +1,5 @@
-"""Translate between the gRPC/wire messages the scheduler stores and the engines' internal types."""
+"""Translate between the gRPC contract messages the scheduler stores (`lockstep.v1`, with the SDK's
+protobuf `lockstep.wire` inside) and the engines' internal types."""
 
 from __future__ import annotations
 
@@ -229,6 +230,11 @@ def adam_config(p: pb.AdamParams) -> AdamConfig:
     )
 
 
+def max_tokens(p: pb.SamplingParams) -> int:
+    """What a sample generates at most: as asked, or the SDK's default when unset."""
+    return p.max_tokens if p.HasField("max_tokens") else SampleParams.max_tokens
+
+
 def sample_prompt(s: pb.Sample, images: ImageReader) -> tuple[list[int], tuple[ImageInput, ...]]:
     """A sample's prompt tokens and images (a prompt with images comes as chunks)."""
     if not s.prompt_chunks:
@@ -244,7 +250,7 @@ def sample_request(
     p = s.params
     stop_at_eos = not p.has_stop
     params = SampleParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        max_tokens=max_tokens(p),
         seed=p.seed if p.HasField("seed") else None,
         temperature=p.temperature,
         top_k=p.top_k,

@@ -600,11 +600,31 @@ class SupportedModel(_message.Message):
     trainer_path: str
     def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
 
+class EngineCapabilities(_message.Message):
+    __slots__ = ("trainer", "losses", "custom_loss", "trainer_inputs", "optimizers", "sampler", "sampler_inputs")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZERS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    losses: _containers.RepeatedScalarFieldContainer[str]
+    custom_loss: bool
+    trainer_inputs: _containers.RepeatedScalarFieldContainer[str]
+    optimizers: _containers.RepeatedScalarFieldContainer[str]
+    sampler: str
+    sampler_inputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, trainer: _Optional[str] = ..., losses: _Optional[_Iterable[str]] = ..., custom_loss: bool = ..., trainer_inputs: _Optional[_Iterable[str]] = ..., optimizers: _Optional[_Iterable[str]] = ..., sampler: _Optional[str] = ..., sampler_inputs: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ServerCapabilities(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "engines")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[SupportedModel]
-    def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ...) -> None: ...
+    engines: EngineCapabilities
+    def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ..., engines: _Optional[_Union[EngineCapabilities, _Mapping]] = ...) -> None: ...
 
 class RunRef(_message.Message):
     __slots__ = ("owner", "run_id")

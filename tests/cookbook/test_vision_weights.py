@@ -23,7 +23,7 @@ from PIL import Image
 from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.vision import zoo as vision_zoo
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 from .conftest import DRIVERS, offline_env
 

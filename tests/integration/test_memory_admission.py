@@ -21,7 +21,7 @@ from lockstep.engine.types import Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.scheduler import translate
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from lockstep.workers.process import ProcessTrainingEngine
 
 from .inprocess import OWNER, Scheduler, fb

@@ -13,9 +13,9 @@ import pytest
 
 from lockstep.engine.types import OptimRequest
 from lockstep.modeling.tiny import ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine
-from lockstep.workers.megatron.engine import MegatronTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from lockstep.workers.megatron.parallel import ParallelConfig
+from lockstep.workers.megatron.trainer import MegatronTrainingEngine
 from tests.megatron.common import ADAM, TENANTS, assert_records_close, cycle_requests, run_workload
 
 LAYOUTS = {

@@ -19,9 +19,9 @@ import torch
 
 from lockstep.modeling import zoo
 from lockstep.training import checkpoint
-from lockstep.workers.local.engine import LocalTrainingEngine
-from lockstep.workers.megatron.engine import MegatronTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from lockstep.workers.megatron.parallel import ParallelConfig
+from lockstep.workers.megatron.trainer import MegatronTrainingEngine
 from tests.megatron.common import TENANTS, assert_records_close, run_workload
 
 # Routers: HF's softmax, top-k, renormalised (norm_topk_prob, megatron: softmax over the top-k

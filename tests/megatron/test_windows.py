@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from lockstep.modeling import zoo
-from lockstep.workers.local.engine import LocalTrainingEngine
-from lockstep.workers.megatron.engine import MegatronTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from lockstep.workers.megatron.model import HFArch
 from lockstep.workers.megatron.parallel import ParallelConfig
+from lockstep.workers.megatron.trainer import MegatronTrainingEngine
 from tests.megatron.common import assert_records_close, run_workload
 
 CACHE = Path.home() / ".cache" / "lockstep-test-models"

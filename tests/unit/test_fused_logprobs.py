@@ -16,7 +16,7 @@ from lockstep.modeling.tiny import ensure_default_model
 from lockstep.training import logprobs
 from lockstep.training.logprobs import LinearHead, target_logprobs
 from lockstep.training.losses import datum_targets, loss_from_logprobs
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 V, H, T, R = 1024, 16, 37, 4
 

@@ -20,9 +20,9 @@ from lockstep.config.sections import FwdbwdCompression
 from lockstep.gateway.__main__ import settings_from_config
 from lockstep.gateway.body import BodyError, decompress
 from lockstep.gateway.errors import ApiError
+from lockstep.gateway.schema import requests as rq
 from lockstep.gateway.settings import compress_fwdbwd
 from lockstep.gateway.translate import training
-from lockstep.gateway.wire import requests as rq
 from lockstep.wire.v1 import tinker_pb2
 
 

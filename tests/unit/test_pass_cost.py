@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from lockstep.engine.memory import LORA_RANK
 from lockstep.engine.types import Datum, LoraSpec, PassRequest
 from lockstep.modeling import zoo
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 LENGTHS = (256, 128, 120)
 

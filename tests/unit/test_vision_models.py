@@ -18,7 +18,7 @@ from lockstep.engine.images import ImageInput, ImageLimits, ImageReader
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.vision import zoo as vision_zoo
 from lockstep.modeling.vision.positions import mrope_positions
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 FAMILIES = sorted(vision_zoo.FAMILIES)
 RED, BLUE, GREEN = (220, 20, 20), (20, 20, 220), (20, 200, 20)
@@ -204,7 +204,7 @@ def test_the_sampler_answers_an_image_prompt_as_the_trainer_scores_it(
     from transformers import AutoModelForImageTextToText
 
     from lockstep.engine.types import SampleParams, SampleRequest
-    from lockstep.rollout.local.engine import LocalSamplingEngine
+    from lockstep.rollout.local.sampler import LocalSamplingEngine
 
     card = engine.card()
     spec = card.vision

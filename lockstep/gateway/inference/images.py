@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from lockstep.gateway.errors import bad_request
-from lockstep.gateway.wire import anthropic as an
-from lockstep.gateway.wire import openai as oa
+from lockstep.gateway.schema import anthropic as an
+from lockstep.gateway.schema import openai as oa
 from lockstep.wire.v1 import tinker_pb2 as wire
 
 _MEDIA = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}

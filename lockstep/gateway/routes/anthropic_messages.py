@@ -19,7 +19,7 @@ from lockstep.gateway.inference.codec import TextCodec, get_codec
 from lockstep.gateway.inference.errors import anthropic_error, compat_route
 from lockstep.gateway.inference.images import ChatImage
 from lockstep.gateway.inference.sse import event, new_id, refuse, stream
-from lockstep.gateway.wire.anthropic import CountTokensRequest, MessagesRequest
+from lockstep.gateway.schema.anthropic import CountTokensRequest, MessagesRequest
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(

@@ -12,7 +12,7 @@ import binascii
 import numpy as np
 
 from lockstep.gateway.errors import bad_request
-from lockstep.gateway.wire import requests as rq
+from lockstep.gateway.schema import requests as rq
 from lockstep.wire.v1 import tinker_pb2
 
 

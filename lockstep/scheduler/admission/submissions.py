@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
+from lockstep.engine.capabilities import Engines, InputKind
 from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
@@ -51,6 +52,7 @@ class Submissions:
         store: Store,
         catalog: Catalog,
         card: ModelCard,
+        engines: Engines,
         data_dir: Path,
         on_training: Callable[[], None],
         on_sample: Callable[[], None],
@@ -71,15 +73,14 @@ class Submissions:
             catalog,
             CostBound.for_model(card, self.memory),
             self.max_tokens_per_datum(),
+            engines.trainer,
             custom_loss_created,
         )
         self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
         # What an op's admission reads (scheduler/ops/base.py).
-        self.images = ImageReader(
-            card.vision,
-            ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels),
-            image_dir,
-        )
+        self.engines = engines
+        image_limits = ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels)
+        trainer, sampler = engines.trainer, engines.sampler
         self.ctx = SubmitContext(
             store,
             catalog,
@@ -88,7 +89,21 @@ class Submissions:
             self.memory,
             data_dir,
             self.custom_losses,
-            self.images,
+            ImageReader.for_engine(
+                card.vision,
+                InputKind.IMAGE in trainer.inputs,
+                f"the {trainer.engine} training engine",
+                image_limits,
+                image_dir,
+            ),
+            engines,
+            ImageReader.for_engine(
+                card.vision,
+                InputKind.IMAGE in sampler.inputs,
+                f"the {sampler.engine} sampler",
+                image_limits,
+                image_dir,
+            ),
         )
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
@@ -138,7 +153,7 @@ class Submissions:
             max_runs=self.limits.max_tenants,
         )
         try:
-            rid, created = await self.store.claim_training(claim)
+            rid, created = await self.store.jobs.claim_training(claim)
         except QueueFull as exc:
             raise OverCapacity(
                 f"model {model_id} has {exc.queued} requests queued; retry later"
@@ -164,11 +179,11 @@ class Submissions:
         model_id, seq_id = self._addressed(req)
         if not model_id or seq_id < 1:
             return
-        model = await self.store.model(model_id)
+        model = await self.store.runs.get(model_id)
         if model is None or model.owner != req.owner:
             return
         try:
-            await self.store.claim_training(
+            await self.store.jobs.claim_training(
                 TrainingClaim(
                     owner=req.owner,
                     model_id=model_id,
@@ -188,7 +203,7 @@ class Submissions:
     ) -> pb.SubmitReply:
         """Queue a validated sample for the sampling lane."""
         try:
-            rid, created = await self.store.claim_sample(
+            rid, created = await self.store.jobs.claim_sample(
                 owner=req.owner,
                 sampler_id=s.sampler_id,
                 seq_id=s.seq_id,
@@ -218,7 +233,7 @@ class Submissions:
 
     @staticmethod
     def _tenant_error(exc: TenantLimitReached) -> UserInputError:
-        """The tenant quotas are checked atomically with the run's creation (Store.claim_training);
+        """The tenant quotas are checked atomically with the run's creation (Jobs.claim_training);
         a retried create_model (its run already exists) passes."""
         if exc.limit == "max_tenants_per_key":
             return UserInputError(

@@ -33,8 +33,9 @@ from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
 from lockstep.scheduler.state import sample_futures
 from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.jobs import Job
 from lockstep.scheduler.state.records import InflightTarget, SamplerRecord
-from lockstep.scheduler.state.store import Job, Store
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus
 
@@ -120,7 +121,7 @@ class SamplingLane:
         model_id = sampler.inflight_model
         assert model_id is not None and sampler.adapter_id and sampler.adapter_dir
         own = InflightTarget(model_id, sampler.min_version, sampler.adapter_id, sampler.adapter_dir)
-        target = await self.store.inflight_target(model_id)
+        target = await self.store.checkpoints.inflight(model_id)
         if target is None or target.version < own.version:
             target = own
         task = self._start_target(target)  # no-op when the target is already served
@@ -219,7 +220,7 @@ class SamplingLane:
 
     async def serve_once(self) -> int:
         await self._unload_retired()
-        backlog, read, samplers = await self.store.sample_batch(self.max_batch)
+        backlog, read, samplers = await self.store.cycles.sample_batch(self.max_batch)
         metrics.sample_backlog(backlog)
         if not read:
             return 0

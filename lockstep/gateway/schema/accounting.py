@@ -9,25 +9,25 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class WireModel(BaseModel):
+class SchemaModel(BaseModel):
     model_config = ConfigDict(protected_namespaces=(), extra="ignore")
 
 
 # ---------------------------------------------------------------- requests
-class StatusQuery(WireModel):
+class StatusQuery(SchemaModel):
     type: Literal["active", "cancelled", "failed", "client_finished"]
 
 
-class SearchOwner(WireModel):
+class SearchOwner(SchemaModel):
     type: Literal["own", "accessible", "user"] = "own"
 
 
-class SearchCursor(WireModel):
+class SearchCursor(SchemaModel):
     last_created_at: datetime
     last_session_id: str
 
 
-class SessionSearchRequest(WireModel):
+class SessionSearchRequest(SchemaModel):
     session_id: str | None = None
     project_ids: list[str] | None = None
     user_metadata: dict[str, str] = {}
@@ -38,7 +38,7 @@ class SessionSearchRequest(WireModel):
     cursor: SearchCursor | None = None
 
 
-class CopyWeightsRequest(WireModel):
+class CopyWeightsRequest(SchemaModel):
     source_path: str
     session_id: str | None = None
     model_seq_id: int | None = Field(default=None, ge=0)
@@ -47,7 +47,7 @@ class CopyWeightsRequest(WireModel):
 
 
 # ---------------------------------------------------------------- responses
-class AuditLogEntry(WireModel):
+class AuditLogEntry(SchemaModel):
     timestamp: datetime
     event: str
     event_details: dict[str, Any] = {}
@@ -55,11 +55,11 @@ class AuditLogEntry(WireModel):
     tinker_path: str | None = None
 
 
-class AuditLogResponse(WireModel):
+class AuditLogResponse(SchemaModel):
     entries: list[AuditLogEntry]
 
 
-class UsageEventInfo(WireModel):
+class UsageEventInfo(SchemaModel):
     """One of the SDK's BillingEventInfo variants; `steps`, `samples` and `cycle_seconds` are
     this server's extra counts (the SDK ignores unknown fields; `lockstep admin usage` shows
     them)."""
@@ -74,7 +74,7 @@ class UsageEventInfo(WireModel):
     custom_losses: int | None = None  # training: custom losses the session stored
 
 
-class BillingUsageEvent(WireModel):
+class BillingUsageEvent(SchemaModel):
     bucket_start: datetime
     bucket_end: datetime
     base_model: str | None = None
@@ -85,16 +85,16 @@ class BillingUsageEvent(WireModel):
     event_info: UsageEventInfo
 
 
-class BillingUsageSession(WireModel):
+class BillingUsageSession(SchemaModel):
     user_metadata: dict[str, str] | None = None
 
 
-class BillingUsageResponse(WireModel):
+class BillingUsageResponse(SchemaModel):
     data: list[BillingUsageEvent]
     sessions: dict[str, BillingUsageSession] = {}
 
 
-class StorageUsageItem(WireModel):
+class StorageUsageItem(SchemaModel):
     project_id: str | None = None
     checkpoint_count: int
     size_bytes: int
@@ -102,12 +102,12 @@ class StorageUsageItem(WireModel):
     estimated_monthly_cost_usd: float | None = None
 
 
-class StorageUsageResponse(WireModel):
+class StorageUsageResponse(SchemaModel):
     effective_rate_usd_per_gigabyte_month: float | None = None
     data: list[StorageUsageItem]
 
 
-class SessionSummary(WireModel):
+class SessionSummary(SchemaModel):
     session_id: str
     created_at: datetime
     owner: str
@@ -119,10 +119,10 @@ class SessionSummary(WireModel):
     checkpoint_storage_bytes: int | None = None
 
 
-class SessionSearchResponse(WireModel):
+class SessionSearchResponse(SchemaModel):
     sessions: list[SessionSummary]
     next_cursor: SearchCursor | None = None
 
 
-class CopyWeightsResponse(WireModel):
+class CopyWeightsResponse(SchemaModel):
     tinker_path: str

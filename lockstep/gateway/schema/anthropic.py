@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from lockstep.gateway.wire.requests import WireModel
+from lockstep.gateway.schema.requests import SchemaModel
 
 
 class TextBlock(BaseModel):
@@ -39,7 +39,7 @@ class Message(BaseModel):
         return self.content
 
 
-class Conversation(WireModel):
+class Conversation(SchemaModel):
     model: str = Field(min_length=1, max_length=2048)
     messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
     system: str | list[TextBlock] | None = None

@@ -26,43 +26,44 @@ to 1 (that returns the raw, temperature-1 logprobs).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
 from lockstep.engine.types import (
-    ModelCard,
     SampledSequence,
     SampleRequest,
     SampleResult,
     StopReason,
 )
 from lockstep.errors import UserInputError
-from lockstep.rollout.launcher import ServerProcess
-from lockstep.rollout.remote import RemoteSamplingEngine, ServerError, cache_salt
-from lockstep.rollout.validation import prompt_logprob_start
+from lockstep.rollout.launcher import LaunchConfig
+from lockstep.rollout.remote import (
+    RemoteSamplingEngine,
+    ServerError,
+    cache_salt,
+    fill_prompt_logprobs,
+    refused,
+    sampling_fields,
+    server_message,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SglangLaunchConfig:
+class SglangLaunchConfig(LaunchConfig):
     """How Lockstep starts `python -m sglang.launch_server` (GPU machines only)."""
 
-    python: Path
-    model_dir: Path
-    served_name: str
-    max_loras: int = 4
-    max_lora_rank: int = 64
-    port: int = 0
+    server: ClassVar[str] = "sglang"
+
     memory_saver: bool = False  # --enable-memory-saver: release/resume around training
     log_file: Path = Path("sglang.log")
-    extra_args: tuple[str, ...] = ()
 
     def argv(self, port: int) -> list[str]:
         args = [
@@ -71,21 +72,11 @@ class SglangLaunchConfig:
             "sglang.launch_server",
             "--model-path",
             str(self.model_dir),
-            "--served-model-name",
-            self.served_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            "float32",  # the trainer's precision: logprobs comparable
-            "--enable-lora",
+            *self.common_args(port),
             "--max-loras-per-batch",
             str(self.max_loras),
             "--max-loaded-loras",
             str(self.max_loras),
-            "--max-lora-rank",
-            str(self.max_lora_rank),
             "--lora-target-modules",
             "all",
         ]
@@ -94,81 +85,32 @@ class SglangLaunchConfig:
         return [*args, *self.extra_args]
 
     def env(self) -> dict[str, str]:
-        return {
-            "SGLANG_RETURN_ORIGINAL_LOGPROB": "0",  # logprobs of the sampling distribution
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": "",
-            "VIRTUAL_ENV": "",
-        }
+        # logprobs of the sampling distribution (after temperature and truncation)
+        return {**super().env(), "SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
 
 
 class SglangSamplingEngine(RemoteSamplingEngine):
-    def __init__(
-        self,
-        card: ModelCard,
-        base_url: str,
-        max_adapters: int,
-        server: ServerProcess | None = None,
-        timeout_s: float = 600.0,
-        publish_tensors: bool = False,
-    ) -> None:
-        super().__init__(card, base_url, max_adapters, timeout_s, server=server)
-        self.publish_tensors = publish_tensors and _serializer() is not None
-        self._released = False
+    engine_name: ClassVar[str] = "sglang"
 
-    @classmethod
-    def launch(cls, config: SglangLaunchConfig) -> SglangSamplingEngine:
-        from lockstep.ports import free_port
-
-        port = config.port or free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = ServerProcess(
-            "sglang", config.argv(port), url, "/health", config.env(), config.log_file
-        )
-        server.start()
-        return cls(
-            ModelCard.from_dir(config.model_dir, config.served_name),
-            url,
-            config.max_loras,
-            server,
-            publish_tensors=True,
-        )
-
-    @classmethod
-    def attach(
-        cls, url: str, model_dir: Path, served_name: str, max_adapters: int
-    ) -> SglangSamplingEngine:
-        httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
-        return cls(ModelCard.from_dir(model_dir, served_name), url, max_adapters)
+    @property
+    def publish_tensors(self) -> bool:
+        """A server this engine started runs on this host: adapters go to it as tensors by
+        shared-memory handle (no disk read on its side), where SGLang's serializer imports."""
+        return self.server is not None and _serializer() is not None
 
     # -- phases (colocated mode) -------------------------------------------------------------
 
-    def release(self) -> None:
+    def _release_memory(self) -> bool:
         """Free the server's GPU memory (weights and KV cache) before a training phase."""
-        with self._lock:
-            if self._released:
-                return
-            _check(
-                httpx.post(
-                    self.base_url + "/release_memory_occupation", json={"tags": None}, timeout=120
-                ),
-                "release_memory_occupation",
-            )
-            self._released = True
+        url = self.base_url + "/release_memory_occupation"
+        _check(httpx.post(url, json={"tags": None}, timeout=120), "release_memory_occupation")
+        return True
 
-    def resume(self) -> None:
+    def _resume_memory(self) -> None:
         """Take the memory back; re-send the resident adapters (the LoRA pool was released)."""
-        with self._lock:
-            if not self._released:
-                return
-            _check(
-                httpx.post(
-                    self.base_url + "/resume_memory_occupation", json={"tags": None}, timeout=120
-                ),
-                "resume_memory_occupation",
-            )
-            self._released = False
-            self._run(self._reload(self._pager.unload_all()))
+        url = self.base_url + "/resume_memory_occupation"
+        _check(httpx.post(url, json={"tags": None}, timeout=120), "resume_memory_occupation")
+        self._run(self._reload(self._pager.unload_all()))
 
     async def _reload(self, adapters: list[str]) -> None:
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
@@ -188,9 +130,8 @@ class SglangSamplingEngine(RemoteSamplingEngine):
                 "/load_lora_adapter", json={"lora_name": adapter_id, "lora_path": str(directory)}
             )
         if response.status_code == 400:
-            raise UserInputError(
-                "path", f"SGLang refused adapter {directory}: {_message(response)}"
-            )
+            message = server_message(response)
+            raise UserInputError("path", f"SGLang refused adapter {directory}: {message}")
         _check(response, "load_lora_adapter")
 
     async def _unload(self, client: httpx.AsyncClient, adapter_id: str) -> None:
@@ -205,14 +146,8 @@ class SglangSamplingEngine(RemoteSamplingEngine):
         params = []
         for j in range(n):
             sp: dict[str, Any] = {
+                **sampling_fields(p),
                 "max_new_tokens": p.max_tokens,
-                "temperature": p.temperature,
-                "top_p": p.top_p,
-                "top_k": p.top_k if p.top_k > 0 else -1,
-                "stop": list(p.stop_strings),
-                "stop_token_ids": list(p.stop_tokens),
-                "ignore_eos": not p.stop_at_eos,
-                "skip_special_tokens": False,
                 "no_stop_trim": True,
             }
             if p.seed is not None:
@@ -232,7 +167,7 @@ class SglangSamplingEngine(RemoteSamplingEngine):
             body["extra_key"] = [salt] * n
         response = await client.post("/generate", json=body)
         if response.status_code == 400:
-            return SampleResult(req.request_id, [], error=f"sampling_params: {_message(response)}")
+            return refused(req, response)
         _check(response, "generate")
         outs = response.json()
         outs = outs if isinstance(outs, list) else [outs]
@@ -242,6 +177,7 @@ class SglangSamplingEngine(RemoteSamplingEngine):
         return result
 
 
+@functools.cache
 def _serializer() -> Any:
     try:  # SGLang's own wire format for tensors; only importable where sglang is installed
         from sglang.srt.utils import MultiprocessingSerializer
@@ -261,16 +197,6 @@ def _tensor_payload(adapter_id: str, directory: Path) -> dict[str, Any]:
     return {"lora_name": adapter_id, "config_dict": config, "serialized_tensors": serialized}
 
 
-def _message(response: httpx.Response) -> str:
-    try:
-        data = response.json()
-    except ValueError:
-        return response.text
-    if isinstance(data, dict):
-        return str(data.get("error_message") or data.get("message") or data.get("error") or data)
-    return str(data)
-
-
 def _check(response: httpx.Response, what: str) -> None:
     ok = response.status_code == 200
     if ok:
@@ -280,7 +206,8 @@ def _check(response: httpx.Response, what: str) -> None:
         except ValueError:
             pass
     if not ok:
-        raise ServerError(f"SGLang {what} failed ({response.status_code}): {_message(response)}")
+        message = server_message(response)
+        raise ServerError(f"SGLang {what} failed ({response.status_code}): {message}")
 
 
 def _sequence(out: dict[str, Any], req: SampleRequest) -> SampledSequence:
@@ -302,18 +229,17 @@ def _sequence(out: dict[str, Any], req: SampleRequest) -> SampledSequence:
 
 def _prompt_logprobs(result: SampleResult, req: SampleRequest, meta: dict[str, Any]) -> None:
     """input_token_logprobs[i] is prompt position i (logprob_start_len=0; position 0: null)."""
-    n = len(req.prompt)
-    start = prompt_logprob_start(req)
     values = meta.get("input_token_logprobs") or []
     tops = meta.get("input_top_logprobs") or []
-    if req.prompt_logprobs:
-        result.prompt_logprobs = [math.nan] * n
-        for pos in range(start, min(n, len(values))):
-            if values[pos][0] is not None:
-                result.prompt_logprobs[pos] = float(values[pos][0])
-    k = req.topk_prompt_logprobs
-    if k > 0:
-        result.topk_prompt = [None] * n
-        for pos in range(start, min(n, len(tops))):
-            if tops[pos]:
-                result.topk_prompt[pos] = [(int(e[1]), float(e[0])) for e in tops[pos][:k]]
+
+    def logprob(pos: int) -> float | None:
+        if pos >= len(values) or values[pos][0] is None:
+            return None
+        return float(values[pos][0])
+
+    def top(pos: int) -> list[tuple[int, float]] | None:
+        if pos >= len(tops) or not tops[pos]:
+            return None
+        return [(int(e[1]), float(e[0])) for e in tops[pos]]
+
+    fill_prompt_logprobs(result, req, max(len(values), len(tops)), logprob, top)

@@ -12,12 +12,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 
-class WireModel(BaseModel):
+class SchemaModel(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
 
 
 # ---------------------------------------------------------------- client and health
-class ClientConfigResponse(WireModel):
+class ClientConfigResponse(SchemaModel):
     pjwt_auth_enabled: bool = False
     use_pyqwest_transport: bool = False
     proto_compress_fwdbwd: bool = False
@@ -28,34 +28,34 @@ class ClientConfigResponse(WireModel):
     sample_join_sampling_session: bool = False  # unpickled SamplingClients ask for a clone id
 
 
-class ClientDynamicConfigResponse(WireModel):
+class ClientDynamicConfigResponse(SchemaModel):
     refresh_interval_sec: int = 300
     sample_cancel_enabled: bool = False  # abandoned samples are cancelled (cancel_future)
 
 
-class TelemetryResponse(WireModel):
+class TelemetryResponse(SchemaModel):
     status: Literal["accepted"] = "accepted"
 
 
-class HealthResponse(WireModel):
+class HealthResponse(SchemaModel):
     status: Literal["ok", "unavailable"]
     parts: dict[str, str] = {}
 
 
-class OrgDetails(WireModel):
+class OrgDetails(SchemaModel):
     name: str
 
 
-class UserDetails(WireModel):
+class UserDetails(SchemaModel):
     email: str
 
 
-class ApiKeyDetails(WireModel):
+class ApiKeyDetails(SchemaModel):
     org_details: OrgDetails
     user_details: UserDetails
 
 
-class ApiKeyMeResponse(WireModel):
+class ApiKeyMeResponse(SchemaModel):
     key_id: int
     name: str
     note: str
@@ -63,61 +63,61 @@ class ApiKeyMeResponse(WireModel):
 
 
 # ---------------------------------------------------------------- sessions
-class CreateSessionResponse(WireModel):
+class CreateSessionResponse(SchemaModel):
     type: Literal["create_session"] = "create_session"
     session_id: str
 
 
-class SessionHeartbeatResponse(WireModel):
+class SessionHeartbeatResponse(SchemaModel):
     type: Literal["session_heartbeat"] = "session_heartbeat"
 
 
-class GetSessionResponse(WireModel):
+class GetSessionResponse(SchemaModel):
     training_run_ids: list[str]
     sampler_ids: list[str]
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
 
 
-class ListSessionsResponse(WireModel):
+class ListSessionsResponse(SchemaModel):
     sessions: list[str]
 
 
 # ---------------------------------------------------------------- futures
-class UntypedAPIFuture(WireModel):
+class UntypedAPIFuture(SchemaModel):
     request_id: str
     model_id: str | None = None
 
 
-class SampleFuture(WireModel):
+class SampleFuture(SchemaModel):
     request_id: str
     sample_sequence_ids: list[str]
 
 
-class TryAgainResponse(WireModel):
+class TryAgainResponse(SchemaModel):
     type: Literal["try_again"] = "try_again"
     request_id: str
     queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
     queue_state_reason: str | None = None
 
 
-class RequestFailedResponse(WireModel):
+class RequestFailedResponse(SchemaModel):
     error: str
     category: Literal["user", "server", "unknown"]
 
 
-class FutureFinished(WireModel):
+class FutureFinished(SchemaModel):
     state: Literal["finished"] = "finished"
     request_id: str
     response_payload_uncompressed_size: int
 
 
-class FutureFailed(WireModel):
+class FutureFailed(SchemaModel):
     state: Literal["failed"] = "failed"  # failed or cancelled; retrieve_future tells which
     request_id: str
 
 
-class FuturesRetrieveResponse(WireModel):
+class FuturesRetrieveResponse(SchemaModel):
     completions: list[FutureFinished | FutureFailed]
     cursor: int  # the SDK sends it back as prev_cursor
 
@@ -127,65 +127,65 @@ class FuturesRetrieveResponse(WireModel):
 CancelOutcome = Literal["cancelled", "already_finished", "already_failed"]
 
 
-class CancelFutureResponse(WireModel):
+class CancelFutureResponse(SchemaModel):
     request_id: str
     outcome: CancelOutcome
 
 
-class CreateModelResult(WireModel):
+class CreateModelResult(SchemaModel):
     type: Literal["create_model"] = "create_model"
     model_id: str
 
 
-class CreateCustomLossResponse(WireModel):
+class CreateCustomLossResponse(SchemaModel):
     type: Literal["create_custom_loss"] = "create_custom_loss"
     loss_id: str
 
 
-class UnloadModelResult(WireModel):
+class UnloadModelResult(SchemaModel):
     type: Literal["unload_model"] = "unload_model"
     model_id: str
 
 
-class OptimStepResult(WireModel):
+class OptimStepResult(SchemaModel):
     metrics: dict[str, float] | None = None
 
 
-class SaveWeightsResult(WireModel):
+class SaveWeightsResult(SchemaModel):
     type: Literal["save_weights"] = "save_weights"
     path: str
 
 
-class SaveWeightsForSamplerResult(WireModel):
+class SaveWeightsForSamplerResult(SchemaModel):
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
     path: str | None = None
     sampling_session_id: str | None = None
 
 
-class SaveWeightsExternalResult(WireModel):
+class SaveWeightsExternalResult(SchemaModel):
     type: Literal["save_weights_external"] = "save_weights_external"
     path: str
     size_bytes: int | None = None
 
 
-class LoadWeightsResult(WireModel):
+class LoadWeightsResult(SchemaModel):
     type: Literal["load_weights"] = "load_weights"
     path: str | None = None
     model_id: str | None = None
 
 
 # ---------------------------------------------------------------- models and samplers
-class OptimizerConfig(WireModel):
+class OptimizerConfig(SchemaModel):
     type: str = "adamw"
 
 
-class ModelData(WireModel):
+class ModelData(SchemaModel):
     arch: str | None = None
     model_name: str | None = None
     tokenizer_id: str | None = None
 
 
-class GetInfoResponse(WireModel):
+class GetInfoResponse(SchemaModel):
     type: Literal["get_info"] = "get_info"
     model_id: str
     model_data: ModelData
@@ -204,23 +204,23 @@ class GetInfoResponse(WireModel):
     trainer_path: str | None = None
 
 
-class CreateSamplingSessionResponse(WireModel):
+class CreateSamplingSessionResponse(SchemaModel):
     type: Literal["create_sampling_session"] = "create_sampling_session"
     sampling_session_id: str
 
 
-class JoinSamplingSessionResponse(WireModel):
+class JoinSamplingSessionResponse(SchemaModel):
     type: Literal["join_sampling_session"] = "join_sampling_session"
     client_counter: int  # the joining client's clone id: its seq_ids start at it * 1e9
 
 
-class GetSamplerResponse(WireModel):
+class GetSamplerResponse(SchemaModel):
     sampler_id: str
     base_model: str
     model_path: str | None = None
 
 
-class SupportedModel(WireModel):
+class SupportedModel(SchemaModel):
     model_name: str | None = None
     max_context_length: int | None = None
     trainable: bool | None = None
@@ -234,12 +234,12 @@ class SupportedModel(WireModel):
     trainer_path: str | None = None  # "packed", or "generic" (each row alone: slower)
 
 
-class ServerCapabilitiesResponse(WireModel):
+class ServerCapabilitiesResponse(SchemaModel):
     supported_models: list[SupportedModel]
 
 
 # ---------------------------------------------------------------- runs and checkpoints
-class Checkpoint(WireModel):
+class Checkpoint(SchemaModel):
     checkpoint_id: str
     checkpoint_type: Literal["training", "sampler", "external"]
     time: datetime
@@ -250,18 +250,18 @@ class Checkpoint(WireModel):
     expires_at: datetime | None = None
 
 
-class Cursor(WireModel):
+class Cursor(SchemaModel):
     offset: int
     limit: int
     total_count: int
 
 
-class CheckpointsListResponse(WireModel):
+class CheckpointsListResponse(SchemaModel):
     checkpoints: list[Checkpoint]
     cursor: Cursor | None = None
 
 
-class TrainingRun(WireModel):
+class TrainingRun(SchemaModel):
     training_run_id: str
     base_model: str
     model_owner: str
@@ -274,17 +274,17 @@ class TrainingRun(WireModel):
     user_metadata: dict[str, str] | None = None
 
 
-class TrainingRunsResponse(WireModel):
+class TrainingRunsResponse(SchemaModel):
     training_runs: list[TrainingRun]
     cursor: Cursor
 
 
-class ExternalWeightsUrlsResponse(WireModel):
+class ExternalWeightsUrlsResponse(SchemaModel):
     urls: dict[str, str]
     expires: datetime
 
 
-class WeightsInfoResponse(WireModel):
+class WeightsInfoResponse(SchemaModel):
     base_model: str
     optimizer_config: OptimizerConfig = OptimizerConfig()
     is_lora: bool
