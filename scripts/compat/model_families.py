@@ -98,7 +98,9 @@ def family_table() -> list[str]:
         "parts of a fused projection), which tinker-cookbook's `weights` tools merge into the",
         "published checkpoint with the trainer's logprobs; routers stay frozen. A model with a",
         "feature no path computes exactly (logit soft-capping, an unknown expert layout, an",
-        "attention option row attention lacks) is refused at load, by name.",
+        "attention option row attention lacks) is refused at load, by name. The Megatron",
+        "column names every feature of a family megatron-core's layers would compute otherwise",
+        "(read from its shape; docs/megatron.md, \"What is refused\").",
         "",
         "| model_type | e.g. | layers | trainer | LoRA targets | local sampler | vLLM / SGLang "
         "| Megatron |",
