@@ -100,7 +100,7 @@ def family_table() -> list[str]:
         "feature no path computes exactly (logit soft-capping, an unknown expert layout, an",
         "attention option row attention lacks) is refused at load, by name. The Megatron",
         "column names every feature of a family megatron-core's layers would compute otherwise",
-        "(read from its shape; docs/megatron.md, \"What is refused\").",
+        '(read from its shape; docs/megatron.md, "What is refused").',
         "",
         "| model_type | e.g. | layers | trainer | LoRA targets | local sampler | vLLM / SGLang "
         "| Megatron |",
