@@ -33,7 +33,7 @@ from tqdm import tqdm
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling import zoo
 from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "architectures"
 SHAPES = {"uniform": [128] * 16, "mixed": [480, 416, 352, 288, 224, 160, 96, 32]}

@@ -69,8 +69,8 @@ from lockstep.engine.types import (
 )
 from lockstep.modeling.tiny import ensure_default_model
 from lockstep.ports import free_port
-from lockstep.rollout.local.engine import LocalSamplingEngine
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.rollout.local.sampler import LocalSamplingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "control_plane"
 MODEL = "Lockstep/tiny-qwen3"

@@ -38,10 +38,10 @@ import torch
 from common import REPO_ROOT, RESULTS_DIR, check, environment, figure_path, print_table, write_json
 from tqdm import tqdm
 
-from lockstep.config.sections import DEFAULT_MICRO_BATCH_TOKENS
+from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine, micro_batches, padded
+from lockstep.workers.local.trainer import LocalTrainingEngine, micro_batches, padded
 
 NAME = "engine"
 MIXED = [32, 96, 160, 224, 288, 352, 416, 480]  # 2048 tokens, an ordinary RL / chat batch

@@ -171,8 +171,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     common = _common()
-    from lockstep.workers.local.engine import LocalTrainingEngine
-    from lockstep.workers.megatron.engine import MegatronTrainingEngine
+    from lockstep.workers.local.trainer import LocalTrainingEngine
+    from lockstep.workers.megatron.trainer import MegatronTrainingEngine
 
     model_dir = a.model or ensure_default_model(Path(tempfile.gettempdir()) / "lockstep-bench")
     arch = HFArch.from_dir(model_dir)

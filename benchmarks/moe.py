@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling import zoo
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "moe"
 PACKING_TARGET = 0.9

@@ -1,6 +1,6 @@
 """A fused pass that runs out of CUDA memory is retried in smaller micro-batches (needs CUDA).
 
-The Qwen3-30B-A3B-shaped stack of `moe_gpu.py` (bf16, LoRA rank 32 everywhere), 8 tenants x
+The Qwen3-30B-A3B-shaped stack of `gpu_models.py` (bf16, LoRA rank 32 everywhere), 8 tenants x
 2048 tokens in ONE micro-batch. The pass is run once with the whole device, then again with the
 process's CUDA memory capped (`torch.cuda.set_per_process_memory_fraction`) below what that
 micro-batch needs: the engine must catch the out-of-memory error, undo the partial gradients and
@@ -25,12 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 from common import environment, figure_path, print_table, write_json
-from moe_gpu import QWEN3_30B_A3B, RANK, TENANTS, build_model, data
+from gpu_models import RANK, SHAPES, build_model, data
 
 from lockstep.engine.types import AdamConfig, LoraSpec, OptimRequest, PassRequest
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "oom_retry_gpu"
+TENANTS, DATUMS, LENGTH = 8, 4, 512
 
 
 class Retries(logging.Handler):
@@ -118,14 +119,14 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    shape = QWEN3_30B_A3B
+    shape = SHAPES["moe"].with_layers(args.layers)
     names = [f"t{i}" for i in range(TENANTS)]
-    per = {t: data(i, shape) for i, t in enumerate(names)}
+    per = {t: data(i, shape.vocab, DATUMS, LENGTH) for i, t in enumerate(names)}
     tokens = sum(len(d.tokens) for t in names for d in per[t])
     by_dtype: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "qwen3-30b-a3b-shape"
-        build_model(model_dir, shape, args.layers, "cuda")
+        build_model(model_dir, shape, "cuda")
         for dtype in args.dtypes:
             engine = largest_micro_batch(model_dir, tokens, dtype)
             for i, t in enumerate(names):

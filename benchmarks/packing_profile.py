@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lockstep.engine.types import AdamConfig
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "packing_profile"
 

@@ -14,15 +14,11 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from lockstep.keyring import KeyRing
-
-if TYPE_CHECKING:
-    from lockstep.scheduler.state.store import Store
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -62,15 +58,6 @@ def _redis_url(a: argparse.Namespace) -> str:
     return path.read_text().strip()
 
 
-async def _owners(store: Store) -> list[str]:
-    from lockstep.scheduler.state import keys as rkeys
-
-    pattern = rkeys.owner_sessions("*")
-    prefix, suffix = pattern.split("*")
-    found = [k.decode() async for k in store.redis.scan_iter(match=pattern)]
-    return sorted(k.removeprefix(prefix).removesuffix(suffix) for k in found)
-
-
 async def _run(a: argparse.Namespace) -> list[dict[str, object]]:
     # the scheduler's own modules, imported here so `lockstep serve` does not load them twice
     from lockstep.scheduler.observers.accounting import Accounting, Counter
@@ -81,7 +68,7 @@ async def _run(a: argparse.Namespace) -> list[dict[str, object]]:
     names = KeyRing.load(a.keys_file).names() if a.keys_file else {}
     rows: list[dict[str, object]] = []
     try:
-        owners = [a.owner] if getattr(a, "owner", None) else await _owners(store)
+        owners = [a.owner] if getattr(a, "owner", None) else await store.sessions.owners()
         now = time.time()
         for owner in owners:
             who = {"owner": owner, "name": names.get(owner, "")}
@@ -96,11 +83,11 @@ async def _run(a: argparse.Namespace) -> list[dict[str, object]]:
                     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.time))
                     rows.append(who | {"time": stamp, "event": e.event, "details": e.details_json})
             else:
-                sessions, total_sessions = await store.owner_sessions(owner, 0, 1)
-                runs = await store.all_owner_runs(owner)
+                sessions, total_sessions = await store.sessions.of_owner(owner, 0, 1)
+                runs = await store.runs.all_of_owner(owner)
                 size = count = 0
                 for run in runs:
-                    for ckpt in await store.checkpoints(run):
+                    for ckpt in await store.checkpoints.of_run(run):
                         count += 1
                         size += ckpt.size_bytes
                 rows.append(

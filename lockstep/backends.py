@@ -27,7 +27,7 @@ def start_engines(
 ) -> tuple[TrainingEngine, SamplingEngine]:
     """The trainer (local torch, or the Megatron ranks' driver) in its own child process; the
     configured sampler (rollout.config). Blocks until both are up."""
-    from lockstep.workers.local.engine import LocalTrainingEngine  # imports torch
+    from lockstep.workers.local.trainer import LocalTrainingEngine  # imports torch
 
     factory: Callable[[], TrainingEngine] = functools.partial(
         LocalTrainingEngine,
@@ -39,7 +39,7 @@ def start_engines(
         memory_budget_bytes=engine.memory_budget_bytes,
     )
     if engine.kind == "megatron":  # the child process drives the Ray worker group
-        from lockstep.workers.megatron.engine import MegatronTrainingEngine
+        from lockstep.workers.megatron.trainer import MegatronTrainingEngine
 
         factory = functools.partial(
             MegatronTrainingEngine,

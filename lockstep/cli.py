@@ -15,14 +15,23 @@ from lockstep.config.flags import replace_paths
 from lockstep.supervisor import run
 
 
-def resolve_models(specs: list[str], data_dir: Path) -> tuple[Path, tuple[str, ...]]:
+def resolve_models(
+    specs: list[str], data_dir: Path, vision: bool = False
+) -> tuple[Path, tuple[str, ...]]:
     """`--model` values -> (the one local model directory, the names it is served under).
 
     A value is `DIR` (served under its path) or `NAME=DIR` (an alias, e.g. a hub name a recipe
-    insists on). With none, the built-in tiny Qwen3 model is built (once) under the data dir.
+    insists on). With none, the built-in tiny Qwen3 model is built (once) under the data dir, or
+    with `vision` (the demo's --vision) a tiny Qwen3-VL vision-language model.
     """
     from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 
+    if not specs and vision:
+        from lockstep.demo.data import VISION_DEMO_MODEL
+        from lockstep.modeling.vision import zoo
+
+        built = zoo.ensure_family(VISION_DEMO_MODEL, data_dir / "models")
+        return built, (zoo.served_name(VISION_DEMO_MODEL),)
     if not specs:
         return ensure_default_model(data_dir / "models"), (DEFAULT_MODEL_NAME,)
     directory: Path | None = None
@@ -58,7 +67,8 @@ def serve_config(
     cfg = config.resolve(parser, base, a, "serve")
     data_dir = cfg.data_dir.expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, names = resolve_models(list(cfg.model.specs), data_dir)
+    vision = bool(getattr(a, "vision", False))  # only the demo has --vision
+    model_dir, names = resolve_models(list(cfg.model.specs), data_dir, vision)
     keys_file = cfg.gateway.keys_file
     env_keys = [k for k in os.environ.get("LOCKSTEP_API_KEYS", "").split(",") if k.strip()]
     return replace_paths(
@@ -94,6 +104,12 @@ def build_parser(
         "--solo-steps", type=int, default=2, help="steps each tenant then takes alone (baseline)"
     )
     demo.add_argument("--summary-json", type=Path, help="also write the summary here")
+    demo.add_argument(
+        "--vision",
+        action="store_true",
+        help="serve a tiny vision-language model (unless --model names one) and add a tenant "
+        "that learns to name the colour of an image",
+    )
     admin = sub.add_parser("admin", help="per-key usage, audit log and keys (operators)")
     admin_mod.add_arguments(admin, config.DEFAULT_DATA_DIR)
     return parser, {"serve": serve, "demo": demo}
@@ -115,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if min(a.steps, a.tenants, a.solo_steps) < 1:
         parser.error("--steps, --tenants and --solo-steps must be at least 1")
-    sys.exit(run_demo(cfg, a.steps, a.tenants, a.solo_steps, a.summary_json))
+    sys.exit(run_demo(cfg, a.steps, a.tenants, a.solo_steps, a.summary_json, a.vision))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from lockstep.errors import UserInputError
+
 
 class OpKind(StrEnum):
     """What a queued job does. Training kinds queue per model in seq_id order; samples do not."""
@@ -27,6 +29,21 @@ class OpKind(StrEnum):
     # Refused at submission (bad input): it failed with a 400 but still holds its seq_id, so the
     # model's later requests are not stuck behind a hole. It never reaches an engine.
     REJECTED = "rejected"
+
+
+class Optimizer(StrEnum):
+    """Optimizer families a training run may name (the SDK's optimizer_config / params `type`).
+    The contract carries AdamW steps only (its `AdamParams`)."""
+
+    ADAMW = "adamw"
+
+    @classmethod
+    def named(cls, field: str, name: str) -> Optimizer:
+        """The family `name` spells ("adam" is AdamW too); any other is a 400 naming `field`."""
+        spelled = name.lower()
+        if spelled in ("adamw", "adam"):
+            return cls.ADAMW
+        raise UserInputError(field, f"optimizer {name!r} is not supported; this server has adamw")
 
 
 class JobStatus(StrEnum):
@@ -77,3 +94,21 @@ class SamplerKind(StrEnum):
     LOCAL = "local"
     VLLM = "vllm"
     SGLANG = "sglang"
+
+
+class AuditEvent(StrEnum):
+    """`<resource>_<action>`, the SDK's AuditLogEntry.event convention."""
+
+    SESSION_CREATED = "session_created"
+    SESSION_FINISHED = "session_finished"
+    SESSION_EXPIRED = "session_expired"
+    TRAINING_RUN_CREATED = "training_run_created"
+    MODEL_UNLOADED = "model_unloaded"
+    CHECKPOINT_CREATED = "checkpoint_created"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_READ = "checkpoint_read"
+    CHECKPOINT_DELETED = "checkpoint_deleted"
+    CHECKPOINT_PUBLISHED = "checkpoint_published"
+    CHECKPOINT_UNPUBLISHED = "checkpoint_unpublished"
+    CHECKPOINT_COPIED = "checkpoint_copied"
+    CUSTOM_LOSS_CREATED = "custom_loss_created"

@@ -38,6 +38,7 @@ import compat.method_probes  # noqa: E402,F401  (registers the method probes)
 from compat.context import API_KEY, DEFAULT_OUTPUT, PROBES, REPO, Caller, ClientSide, Ctx, Outcome  # noqa: E402
 from compat.feature_probes import FEATURES  # noqa: E402
 from compat.model_families import family_table  # noqa: E402
+from compat.vision_families import vision_table  # noqa: E402
 
 # ------------------------------------------------------------------------------ running
 
@@ -180,6 +181,7 @@ def render(
     for table, rows in features.items():
         lines += [f"## {titles[table]}", "", *_table(rows, "feature"), ""]
     lines += family_table()
+    lines += vision_table()
     lines += [
         "## Sampled logprobs",
         "",
@@ -208,8 +210,10 @@ def render(
         "  (`session_id` + `model_seq_id` of a run of the caller's); `whoami` needs JWT auth.",
         "  Billing usage, the audit log, storage usage and session search are served per key",
         "  (also `lockstep admin usage|audit|keys`).",
-        "- **multimodal inputs** (image chunks) and alternative-token prompt scoring: the served",
-        "  models are text-only causal LMs.",
+        "- **image chunks on a text-only model** (the probe above runs on the built-in text",
+        '  model): refused by name; the vision-language families in "Image input" take them.',
+        "- **audio (`dmel` chunks)** and alternative-token prompt scoring: no served model takes",
+        "  audio, and the samplers return no alternative-token scores.",
         "",
     ]
     return "\n".join(lines)

@@ -40,16 +40,15 @@ from lockstep.config.flags import Cli, add_flags, flag, from_json, from_namespac
 from lockstep.config.limits import Limits
 from lockstep.config.sections import (
     ClockConfig,
-    EngineConfig,
     GatewayConfig,
     LogLevel,
     MetricsConfig,
     ModelConfig,
-    ParallelConfig,
     SamplerConfig,
     SchedulerProcessConfig,
 )
 from lockstep.config.tenancy import TenancyConfig
+from lockstep.config.training import EngineConfig, ParallelConfig
 
 DEFAULT_DATA_DIR = Path(os.path.expanduser("~/.lockstep"))
 

@@ -113,6 +113,23 @@ class Limits:
             on=SCHEDULER_ONLY,
         ),
     )
+    max_image_bytes: int = field(
+        default=16 * MIB,
+        metadata=flag(
+            "--max-image-bytes",
+            help="largest encoded image (PNG or JPEG) in a model input",
+            on=SCHEDULER,
+        ),
+    )
+    max_image_pixels: int = field(
+        default=40_000_000,
+        metadata=flag(
+            "--max-image-pixels",
+            help="largest image in pixels (width x height), checked from its header before it "
+            "is decoded",
+            on=SCHEDULER,
+        ),
+    )
     max_lora_rank: int = 512  # largest LoRA rank a training run may ask for
 
     def __post_init__(self) -> None:

@@ -242,6 +242,7 @@ def run_demo(
     tenants: int = 3,
     solo_steps: int = 2,
     summary_json: Path | None = None,
+    vision: bool = False,
 ) -> int:
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     server_log = cfg.data_dir / "demo-serve.log"
@@ -257,7 +258,7 @@ def run_demo(
                 f"http://{sup.host}:{sup.port}",
                 cfg.model.served_names[0],
                 f"http://127.0.0.1:{sup.metrics_port}/metrics",
-                make_tenants(tenants),
+                make_tenants(tenants, vision),
                 steps,
                 solo_steps,
             )

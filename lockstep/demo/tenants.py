@@ -16,8 +16,12 @@ import numpy as np
 from lockstep.demo.data import (
     CAPITALS,
     CAPITALS_TEMPLATE,
+    COLOURS,
     PIG_LATIN,
     PIG_LATIN_TEMPLATE,
+    colour_data,
+    colour_image,
+    colour_prompt,
     sft_data,
 )
 
@@ -32,6 +36,7 @@ class Task(StrEnum):
     PIG_LATIN = "SFT: Pig Latin"
     CAPITALS = "SFT: capitals"
     EVEN_TOKENS = "RL: even token ids"
+    COLOURS = "SFT: an image's colour"
 
     @property
     def rl(self) -> bool:
@@ -76,7 +81,12 @@ class Tenant:
             base_model=model, rank=self.rank, seed=self.seed
         ).result()
         self.tokenizer = self.trainer.get_tokenizer()
-        if not self.task.rl:
+        if self.task is Task.COLOURS:
+            self.data = colour_data(self.tokenizer)
+            self.total_weight = sum(
+                float(np.sum(d.loss_fn_inputs["weights"].to_numpy())) for d in self.data
+            )
+        elif not self.task.rl:
             pairs, template = self._pairs()
             self.data = sft_data(self.tokenizer, pairs, template)
             self.total_weight = sum(
@@ -100,7 +110,10 @@ class Tenant:
         from tinker import types
 
         fb = self.trainer.forward_backward(data, loss)
-        opt = self.trainer.optim_step(types.AdamParams(learning_rate=self.learning_rate))
+        adam = types.AdamParams(learning_rate=self.learning_rate)
+        if self.task is Task.COLOURS:  # steadier on the tiny random VLM (no loss spikes)
+            adam = types.AdamParams(learning_rate=self.learning_rate, beta2=0.999, eps=1e-8)
+        opt = self.trainer.optim_step(adam)
         result = fb.result()
         opt.result()
         if not self.task.rl:
@@ -158,6 +171,16 @@ class Tenant:
             parity = "even" if token % 2 == 0 else "odd"
             self.greedy = f"'pick 0:' -> token {token} ({parity}, reward {int(token % 2 == 0)})"
             return
+        if self.task is Task.COLOURS:  # images it was not trained on
+            params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=["<|im_end|>"])
+            answers = []
+            for name, rgb in COLOURS.items():
+                prompt = colour_prompt(self.tokenizer, colour_image(rgb, seed=99))
+                out = sampler.sample(prompt, 1, params).result()
+                text = self.tokenizer.decode(out.sequences[0].tokens, skip_special_tokens=True)
+                answers.append(f"[new {name} image] -> {text.strip()!r}")
+            self.greedy = "'What colour is this?' " + ", ".join(answers)
+            return
         pairs, template = self._pairs()
         text = template.format(pairs[0][0])
         params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])
@@ -167,8 +190,9 @@ class Tenant:
         self.greedy = f"{text!r} -> {completion!r}"
 
 
-def make_tenants(n: int) -> list[Tenant]:
-    """Pig Latin SFT (rank 32), the RL bandit (rank 16), capitals SFT (rank 8), then again."""
+def make_tenants(n: int, vision: bool = False) -> list[Tenant]:
+    """Pig Latin SFT (rank 32), the RL bandit (rank 16), capitals SFT (rank 8), then again;
+    with `vision` (a vision-language model served) the first tenant learns an image's colour."""
     kinds = [
         ("piglatin", Task.PIG_LATIN, 32, 5e-3),
         ("rl", Task.EVEN_TOKENS, 16, 1e-2),
@@ -180,4 +204,6 @@ def make_tenants(n: int) -> list[Tenant]:
         round_ = i // len(kinds)
         suffix = f"-{round_ + 1}" if n > len(kinds) else ""
         tenants.append(Tenant(f"{name}{suffix}", task, rank, lr, seed=round_))
+    if vision:
+        tenants[0] = Tenant("colours", Task.COLOURS, 16, 5e-3, seed=0)
     return tenants

@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
+from lockstep.engine.capabilities import SamplerCapabilities, TrainerCapabilities
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -64,6 +65,12 @@ class TrainingEngine(ABC):
     @abstractmethod
     def card(self) -> ModelCard:
         """Describe the served base model (vocab size, context length, tokenizer directory)."""
+
+    @abstractmethod
+    def capabilities(self) -> TrainerCapabilities:
+        """What this engine runs on the loaded model: losses (server-side custom ones or not),
+        kinds of model input, optimizers (`lockstep.engine.capabilities`). Admission refuses the
+        rest by name, so no verb below meets a request the engine cannot run."""
 
     @abstractmethod
     def memory_budget(self) -> MemoryBudget:
@@ -192,6 +199,10 @@ class SamplingEngine(ABC):
     @abstractmethod
     def card(self) -> ModelCard:
         """Describe the served base model."""
+
+    @abstractmethod
+    def capabilities(self) -> SamplerCapabilities:
+        """What this engine samples from (kinds of prompt input); admission refuses the rest."""
 
     @abstractmethod
     def load_adapter(self, adapter_id: str, directory: Path) -> None:

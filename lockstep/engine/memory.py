@@ -49,8 +49,9 @@ class PassCost:
     recomputed layers. Attention that materialises scores keeps them in those layers: on the
     packed path (windows, sinks, a value head narrower than q/k) 6 * heads * T^2 bytes each, on
     the generic path (the model's own masked attention) 3 * heads * T^2 in every attention
-    layer; fused causal SDPA keeps none. The logits: 2.5 fp32 copies of one chunk of at most
-    `chunk` positions. The numbers come from the model's `ModelShape`; the coefficients are
+    layer; fused causal SDPA keeps none. The logits: 2 fp32 copies of one chunk of at most
+    `chunk` positions (the fused head's logits and its logsumexp's exponentials,
+    `training/logprobs.py`). The numbers come from the model's `ModelShape`; the coefficients are
     measured (tests/unit/test_pass_cost.py checks the formula against the peak a pass really
     takes on the CPU, for every family of the zoo: never under, at most 25 % over).
     """
@@ -90,7 +91,7 @@ class PassCost:
         return cls(
             per_token=per_token,
             scores_per_token_sq=scored,
-            logits_per_token=10 * shape.vocab,
+            logits_per_token=8 * shape.vocab,
             chunk=chunk_tokens,
             batch_tokens=batch_tokens,
         )

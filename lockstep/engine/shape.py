@@ -24,6 +24,10 @@ class TrainerPath(StrEnum):
     GENERIC = "generic"  # each row alone through the model's own forward: exact, slower
 
 
+# FeedForwardShape.activation of a module that computes its activation inline.
+CUSTOM_ACTIVATION = "custom"
+
+
 class Mixer(StrEnum):
     ATTENTION = "attention"  # softmax attention (full, sliding window, sinks, MLA)
     LINEAR = "linear_attention"  # Gated DeltaNet: recurrent state + short convolution
@@ -42,6 +46,8 @@ class AttentionShape:
     latent: bool = False  # q / kv compressed through low-rank projections (MLA)
     qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
     bias: bool = False  # q/k/v projections carry biases
+    output_bias: bool = False  # the output projection carries a bias
+    output_gate: bool = False  # output gated by a sigmoid of a second query half (Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,10 @@ class FeedForwardShape:
     experts: int = 0
     top_k: int = 0
     shared_width: int = 0  # shared experts' (or a dense branch's) intermediate beside the experts
-    expert_bias: bool = False
+    bias: bool = False  # its projections (dense or expert) carry biases
+    # transformers' name of the activation ("silu", "relu2", ...); CUSTOM_ACTIVATION where the
+    # module computes its own inline (gpt-oss's clamped SwiGLU)
+    activation: str = "silu"
 
     @property
     def routed(self) -> bool:
@@ -89,6 +98,7 @@ class ModelShape:
     trainer_path: TrainerPath
     tied_embeddings: bool = False
     rope: str = "default"  # rotary embedding type ("default": plain RoPE)
+    rotary_dim: int = 0  # query/key dims the model's rotary embedding turns (0: none found)
     head_slots: int = 0  # LoRA slots of the LM head (1 when it is a target)
 
     def attention(self) -> list[AttentionShape]:

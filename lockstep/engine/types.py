@@ -1,7 +1,7 @@
 """Internal types exchanged between the scheduler and the engines.
 
 These are deliberately separate from the wire types (what the SDK sends, in `lockstep.wire`) and
-from the storage types (Redis records, in `lockstep.scheduler.state.store`): the scheduler
+from the storage types (Redis records, in `lockstep.scheduler.state`): the scheduler
 decodes a wire request into these, an engine never sees protobuf or JSON.
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lockstep.engine.images import ImageInput, VisionSpec
 from lockstep.engine.shape import TrainerPath
 
 LossConfig = dict[str, float | str]
@@ -50,6 +51,7 @@ class ModelCard:
     vocab_size: int  # size of the embedding table: valid token ids are [0, vocab_size)
     max_context_length: int
     eos_token_id: int | None
+    vision: VisionSpec | None = None  # None: image chunks are refused by name (text only)
     # How the training engine runs this model (set by the engine once it has described it):
     # GENERIC is the slow path, reported to clients and in a metric.
     trainer_path: TrainerPath = TrainerPath.PACKED
@@ -58,7 +60,8 @@ class ModelCard:
     def from_dir(cls, model_dir: str | Path, served_name: str) -> ModelCard:
         """The card of a local Hugging Face model directory, from its `config.json` alone (no
         torch, no weights), the same for every engine. Multimodal configs keep the language
-        model's settings in `text_config`."""
+        model's settings in `text_config`; a vision-language family Lockstep serves images for
+        also has its image processing (`VisionSpec`, from `preprocessor_config.json`)."""
         directory = Path(model_dir).resolve()
         config = json.loads((directory / "config.json").read_text())
         text = config.get("text_config") or config
@@ -72,6 +75,7 @@ class ModelCard:
             vocab_size=int(text["vocab_size"]),
             max_context_length=int(text.get("max_position_embeddings", 2048)),
             eos_token_id=None if eos is None else int(eos),
+            vision=VisionSpec.from_dir(directory, config),
         )
 
 
@@ -86,6 +90,9 @@ class MemoryBudget:
     budget_bytes: int  # memory a pass may use (0: not limited)
     max_row_tokens: int  # the longest datum a pass fits in it (0: no limit beyond the context)
     source: str  # how budget_bytes was found, for the operator (e.g. "cuda free after load")
+    # The largest image (in patches) the vision tower's pass fits beside a micro-batch (0: no
+    # limit, or a text-only model).
+    max_image_patches: int = 0
 
 
 NO_MEMORY_LIMIT = MemoryBudget(0, 0, "not limited")
@@ -97,6 +104,8 @@ class Datum:
 
     tokens: np.ndarray  # int64 [T]
     loss_inputs: dict[str, np.ndarray]  # float32/int64, each [T] or [T, K]
+    # Images at their placeholder positions of `tokens` (vision-language models), in order.
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -215,6 +224,14 @@ class SampleRequest:
     # KV-cache namespace (the sampling session): engines may reuse cached prompt prefixes only
     # within one namespace. None: no reuse.
     cache_namespace: str | None = None
+    # Images at their placeholder positions of `prompt` (vision-language models), in order.
+    images: tuple[ImageInput, ...] = ()
+
+    @property
+    def prompt_logprob_start(self) -> int:
+        """The first prompt position whose logprob is reported (position 0 never is)."""
+        last_n = self.prompt_logprobs_last_n
+        return 1 if last_n is None else max(1, len(self.prompt) - last_n)
 
 
 @dataclass

@@ -51,7 +51,6 @@ def settings_from_config(cfg: LockstepConfig) -> GatewaySettings:
         public_base_url=g.public_base_url,
         tokenizer_dir=g.tokenizer_dir,
         keys_file=g.keys_file,
-        custom_loss_server_side=cfg.engine.kind == "local",
         proto_compress_fwdbwd=compress_fwdbwd(g.fwdbwd_compression, g.host),
         sample_session_polling=g.sample_polling == "session",
     )

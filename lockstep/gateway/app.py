@@ -18,11 +18,11 @@ from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.inference.lane import new_sessions
 from lockstep.gateway.openapi import install_openapi
+from lockstep.gateway.ops import registry
 from lockstep.gateway.refusals import RefusalMiddleware
 from lockstep.gateway.routes import api_router
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.gateway.stub import TimedStub
-from lockstep.gateway.wire.requests import ForwardBackwardJsonRequest
 from lockstep.keyring import KeyRing
 from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
 from lockstep.v1 import scheduler_pb2_grpc
@@ -91,8 +91,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.text_codec_lock = asyncio.Lock()
     app.state.compat_sessions = new_sessions()
     install_error_handlers(app)
-    app.include_router(api_router)
-    install_openapi(app, [ForwardBackwardJsonRequest])  # bodies read by hand (protobuf/JSON)
+    app.include_router(api_router())
+    # bodies read by hand (forward_backward: protobuf or JSON)
+    install_openapi(app, [m for op in registry.ops() for m in op.documented])
     app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RefusalMiddleware)  # outside the body limit: it reports that one's 413s

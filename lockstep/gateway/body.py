@@ -18,7 +18,7 @@ from typing import Any
 
 import zstandard
 
-from lockstep.observability import metrics
+from lockstep.observability import gateway_metrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -31,6 +31,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # a refusal report must stay cheap.
 PREFIX_BYTES = 64 * 1024
 _BODY = "lockstep.body"
+
+
+def is_json(content_type: str | None) -> bool:
+    """A forward_backward body is JSON when its Content-Type says so, else protobuf."""
+    return "json" in (content_type or "")
 
 
 def request_body(scope: Scope) -> bytes:
@@ -69,7 +74,7 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
         raise BodyError(400, f"body: not valid {encoding} data ({e})") from e
     if len(out) > limit:
         raise BodyError(413, f"body: larger than {limit} bytes once decompressed", out)
-    metrics.compressed_body(encoding, len(body), len(out))
+    gateway_metrics.compressed_body(encoding, len(body), len(out))
     return out
 
 

@@ -4,8 +4,9 @@ The SDK numbers a model's requests 1, 2, 3, ... and moves on to the next number 
 submission is answered, even with a 4xx. The scheduler runs a model's requests strictly in
 order, so a refused number must be recorded or every later request of that model waits for it.
 
-Whatever refused a request on a sequenced route (the body's size or encoding, its decoding, the
-request model, a gateway rule), `RefusalMiddleware` sees the 4xx on its way out and sends the
+Whatever refused a request on a sequenced route (an op that says `sequenced`, `gateway/ops/`)
+— the body's size or encoding, its decoding, the request model, a gateway rule —
+`RefusalMiddleware` sees the 4xx on its way out and sends the
 scheduler one typed `Refused` with the ids it can read from the raw body, before the client
 hears the answer. Whether that holds the seq_id (is the caller the model's owner, is the seq_id
 still free) is the scheduler's call alone (`Submissions`). What the scheduler refused itself it
@@ -22,9 +23,10 @@ from typing import Any
 import grpc
 from starlette.requests import Request
 
-from lockstep.gateway.body import request_body
+from lockstep.gateway.body import is_json, request_body
 from lockstep.gateway.deps import CALL_TIMEOUT_S, api_key_of, authenticate
 from lockstep.gateway.errors import ApiError, answered_by_scheduler
+from lockstep.gateway.ops import registry
 from lockstep.v1 import scheduler_pb2 as pb
 
 log = logging.getLogger("lockstep.gateway")
@@ -35,24 +37,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# The routes whose requests take a place in a model's seq order (forward is a forward_backward
-# with forward_only). Only forward_backward also takes protobuf.
-SEQUENCED_PATHS = frozenset(
-    {
-        "/api/v1/forward_backward",
-        "/api/v1/optim_step",
-        "/api/v1/save_weights",
-        "/api/v1/save_weights_for_sampler",
-        "/api/v1/save_weights_external",
-        "/api/v1/load_weights",
-    }
-)
 _INT32_MAX = 2**31 - 1
-
-
-def is_json(content_type: str | None) -> bool:
-    """A forward_backward body is JSON when its Content-Type says so, else protobuf."""
-    return "json" in (content_type or "")
 
 
 def read_ids(body: bytes, content_type: str | None) -> tuple[str, int] | None:
@@ -187,7 +172,7 @@ class RefusalMiddleware:
         if (
             scope["type"] != "http"
             or scope.get("method") != "POST"
-            or scope.get("path") not in SEQUENCED_PATHS
+            or scope.get("path") not in registry.sequenced_paths()
         ):
             await self.app(scope, receive, send)
             return

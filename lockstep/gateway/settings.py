@@ -56,9 +56,6 @@ class GatewaySettings:
             OpenAI- and Anthropic-compatible routes, which take and return text. None: those
             routes answer 404 for every model.
         keys_file: named keys with quotas (lockstep/keyring.py), re-read on SIGHUP.
-        custom_loss_server_side: tell the SDK to upload custom losses (create_custom_loss) and
-            run them here; off for an engine that does not run them (Megatron), so the SDK
-            runs them client-side.
         proto_compress_fwdbwd: tell the SDK to zstd-compress its protobuf fwd/bwd bodies
             (`compress_fwdbwd` decides it from the config); any body may be compressed anyway.
         sample_session_polling: tell the SDK to wait for samples with one poller per sampling
@@ -77,7 +74,6 @@ class GatewaySettings:
     grpc_max_message_bytes: int = 512 * 1024 * 1024
     tokenizer_dir: Path | None = None
     keys_file: Path | None = None
-    custom_loss_server_side: bool = True
     proto_compress_fwdbwd: bool = False
     sample_session_polling: bool = True
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from lockstep.observability import metrics
+from lockstep.observability import gateway_metrics
 from lockstep.v1 import scheduler_pb2_grpc
 
 
@@ -20,7 +20,7 @@ def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
         try:
             return await call(*args, **kwargs)
         finally:
-            metrics.GRPC_CLIENT_SECONDS.labels(method).observe(time.perf_counter() - start)
+            gateway_metrics.GRPC_CLIENT_SECONDS.labels(method).observe(time.perf_counter() - start)
 
     return timed
 

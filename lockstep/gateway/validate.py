@@ -36,7 +36,7 @@ def check_name(field: str, value: str | None) -> str:
     """A checkpoint name to save under (lockstep.paths.validate_name)."""
     if not value:
         raise bad_request(field, "field required")
-    with _as_bad_request():
+    with as_bad_request():
         return validate_name(value, field)
 
 
@@ -58,8 +58,8 @@ def check_finite(field: str, value: float) -> float:
 
 
 @contextmanager
-def _as_bad_request() -> Iterator[None]:
-    """The shared rules (lockstep.paths) raise UserInputError; here that is a 400."""
+def as_bad_request() -> Iterator[None]:
+    """The shared rules (lockstep.paths, lockstep.vocab) raise UserInputError; here a 400."""
     try:
         yield
     except UserInputError as exc:
@@ -71,7 +71,7 @@ def parse_tinker_path(field: str, value: str | None) -> TinkerPath:
     rule (lockstep.paths), so a path that passes here passes there."""
     if not value:
         raise bad_request(field, "field required")
-    with _as_bad_request():
+    with as_bad_request():
         return TinkerPath.parse(value, field)
 
 
@@ -80,7 +80,7 @@ def checkpoint_path(run_id: str, segment: str, name: str) -> TinkerPath:
     check_id("training_run_id", run_id)
     if segment not in SEGMENT_TYPES:
         raise ApiError(404, f"checkpoint type {segment!r} is not one of {', '.join(SEGMENT_TYPES)}")
-    with _as_bad_request():
+    with as_bad_request():
         return TinkerPath(
             validate_run_id(run_id, "training_run_id"),
             segment,

@@ -53,9 +53,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+from transformers.activations import ACT2CLS
 from transformers.cache_utils import DynamicLayer
 
+from lockstep.engine.images import VisionSpec
 from lockstep.engine.shape import (
+    CUSTOM_ACTIVATION,
     AttentionShape,
     FeedForwardShape,
     LayerShape,
@@ -92,6 +95,10 @@ PACKED_FAMILIES = {
     "gpt_oss": "sliding-window and full attention with sinks, fused experts with biases",
     "deepseek_v3": "multi-head latent attention, dense and fused + shared experts",
     "nemotron_h": "Mamba-2 + causal attention, gate-less relu^2 experts + shared experts",
+    # Qwen3-VL's language models: Qwen3 / Qwen3-MoE attention with M-RoPE (DeepStack features
+    # enter per token), tested against the ForConditionalGeneration forward.
+    "qwen3_vl_text": "causal attention, M-RoPE",
+    "qwen3_vl_moe_text": "causal attention, M-RoPE, fused experts",
 }
 # Families an external sampling engine (vLLM, SGLang) serves with multi-LoRA as Lockstep trains
 # them (every target the trainer adapts, same numbers): the dense ones. vLLM's MoE expert LoRA is
@@ -107,6 +114,10 @@ ROW_MIXERS = {
     "NemotronHMamba2Mixer": Mixer.MAMBA,
 }
 ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
+# transformers' activation names for one function ("swish" is torch's nn.SiLU).
+SAME_ACTIVATION = {"swish": "silu"}
+# Published vision-language checkpoints keep the text model under this prefix; adapters do not.
+LANGUAGE_MODEL = "model.language_model."
 
 
 def _number(module: object, name: str, default: int | None = None) -> int:
@@ -167,7 +178,8 @@ class Architecture:
     targets: tuple[Target, ...]
     row_mixers: tuple[str, ...]  # module paths run per packed row
     experts: tuple[str, ...]  # fused experts module paths
-    vision: object | None = None  # a vision-language model's vision tower (None: text only)
+    # A vision-language model's image processing (None: text only, images refused by name).
+    vision: VisionSpec | None = None
 
     @property
     def model_type(self) -> str:
@@ -189,7 +201,8 @@ class Architecture:
     def summary(self) -> str:
         kinds = ", ".join(sorted(set(self.layer_types)))
         moe = f", {len(self.experts)} MoE layers" if self.experts else ""
-        return f"{self.model_type} ({kinds}{moe}): trainer {self.trainer_path.value} path"
+        images = f", images ({self.vision.model_type} vision tower)" if self.vision else ""
+        return f"{self.model_type} ({kinds}{moe}{images}): trainer {self.trainer_path.value} path"
 
 
 def _kind(layer: LayerShape) -> str:
@@ -263,7 +276,7 @@ def _attention_shape(module: nn.Module, config: object, index: int) -> Attention
     heads = _number(config, "num_attention_heads")
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(module, "qk_head_dim", None) or _number(module, "head_dim"))
-    q = getattr(module, "q_proj", None)
+    q, o = getattr(module, "q_proj", None), getattr(module, "o_proj", None)
     return AttentionShape(
         heads=heads,
         kv_heads=kv,
@@ -274,6 +287,9 @@ def _attention_shape(module: nn.Module, config: object, index: int) -> Attention
         latent=hasattr(module, "kv_a_proj_with_mqa"),
         qk_norm=hasattr(module, "q_norm") and hasattr(module, "k_norm"),
         bias=isinstance(q, nn.Linear) and q.bias is not None,
+        output_bias=isinstance(o, nn.Linear) and o.bias is not None,
+        # q_proj twice as wide as the heads: its second half gates the output (Qwen3.5 / Next)
+        output_gate=isinstance(q, nn.Linear) and q.out_features == 2 * heads * head_dim,
     )
 
 
@@ -298,7 +314,13 @@ def _ffn_shape(module: nn.Module, config: object) -> FeedForwardShape:
         down = getattr(module, "down_proj", None)
         assert isinstance(down, nn.Linear)
         gated = hasattr(module, "gate_proj") or hasattr(module, "gate_up_proj")
-        return FeedForwardShape(width=down.in_features, gated=gated)
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        return FeedForwardShape(
+            width=down.in_features,
+            gated=gated,
+            bias=any(m.bias is not None for m in linears),
+            activation=_activation(module),
+        )
     layout = experts_layout(experts)
     down_proj = getattr(experts, "down_proj", None)
     assert isinstance(down_proj, nn.Parameter)
@@ -316,8 +338,20 @@ def _ffn_shape(module: nn.Module, config: object) -> FeedForwardShape:
         experts=int(count),
         top_k=int(top_k),
         shared_width=shared,
-        expert_bias=bool(getattr(experts, "has_bias", False)),
+        bias=bool(getattr(experts, "has_bias", False)),
+        activation=_activation(experts),
     )
+
+
+def _activation(module: nn.Module) -> str:
+    """transformers' name for the module's `act_fn` (CUSTOM_ACTIVATION when it has none)."""
+    act = getattr(module, "act_fn", None)
+    if act is None:
+        return CUSTOM_ACTIVATION
+    for name, cls in ACT2CLS.items():
+        if type(act) is (cls[0] if isinstance(cls, tuple) else cls):
+            return SAME_ACTIVATION.get(name, name)
+    return type(act).__name__
 
 
 def _layer(layer: nn.Module, config: object, path: str, index: int) -> LayerShape:
@@ -338,7 +372,16 @@ def _layer(layer: nn.Module, config: object, path: str, index: int) -> LayerShap
 # -- targets -------------------------------------------------------------------------------
 
 
+def text_path(path: str) -> str:
+    """A module path of a vision-language model loaded whole (`model.language_model.*`) as the
+    text model's (`model.*`): adapters name the language model's layers the same either way."""
+    if path.startswith(LANGUAGE_MODEL):
+        return "model." + path[len(LANGUAGE_MODEL) :]
+    return path
+
+
 def _adapter_name(family: str, path: str) -> str:
+    path = text_path(path)
     for old, new in ADAPTER_RENAMES.get(family, ()):
         path = path.replace(old, new)
     return path
@@ -399,8 +442,9 @@ def _refuse_unknown_experts(path: str, module: nn.Module) -> None:
 # -- the description -----------------------------------------------------------------------
 
 
-def describe(model: PreTrainedModel) -> Architecture:
-    """Classify a loaded model; raises UnsupportedModel naming what cannot be computed exactly."""
+def describe(model: PreTrainedModel, vision: VisionSpec | None = None) -> Architecture:
+    """Classify a loaded model; raises UnsupportedModel naming what cannot be computed exactly.
+    `vision`: the image processing of a vision-language model loaded whole (its card's)."""
     config = model.config.get_text_config(decoder=True)
     family = str(getattr(config, "model_type", "unknown"))
     layers = decoder_layers(model)
@@ -428,6 +472,7 @@ def describe(model: PreTrainedModel) -> Architecture:
         trainer_path=TrainerPath.PACKED if packed else TrainerPath.GENERIC,
         tied_embeddings=isinstance(head, nn.Module) and head.weight is embeddings.weight,
         rope=_rope_type(config),
+        rotary_dim=_rotary_dim(model),
         head_slots=sum(1 for t in targets if t.role is Role.UNEMBED),
     )
     return Architecture(
@@ -436,6 +481,7 @@ def describe(model: PreTrainedModel) -> Architecture:
         targets=tuple(targets),
         row_mixers=mixers if packed else (),
         experts=tuple(t.path for t in targets if experts_layout(t.module) is not None),
+        vision=vision,
     )
 
 
@@ -469,6 +515,13 @@ def _rope_type(config: object) -> str:
     if isinstance(rope, dict):
         return str(rope.get("rope_type") or rope.get("type") or "default")
     return "default"
+
+
+def _rotary_dim(model: PreTrainedModel) -> int:
+    """Query/key dims the decoder's rotary embedding turns: twice its inverse frequencies (fewer
+    than a head's under partial_rotary_factor); 0 without a decoder-level rotary embedding."""
+    inv_freq = getattr(getattr(model.get_decoder(), "rotary_emb", None), "inv_freq", None)
+    return 2 * inv_freq.shape[-1] if isinstance(inv_freq, torch.Tensor) else 0
 
 
 def _plain_cache(model: PreTrainedModel) -> bool:

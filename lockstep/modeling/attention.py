@@ -15,11 +15,22 @@ The attention kinds of the packed families (`architecture.py`), each exact:
 - multi-head latent attention (DeepSeek-V3): q/k head dim differs from the value head dim.
 
 Without a packing (a forward outside `packed_rows`), each batch row is one causal sequence.
+
+VARLEN (CUDA): every row of a packed sequence in ONE variable-length flash-attention call
+(`torch.nn.attention.varlen`), each row's block (its tokens, then its alignment padding) one
+sequence: causal, so a row's real tokens never see its padding, and with a window where the
+layer has one. It takes fp16 / bf16, one head dim for q, k and v, and no sinks; anything else,
+and every CPU, runs the per-row loop. Off until benchmarks/gpu_suite.py shows it equal (bf16
+tolerance) and faster on a GPU (`VARLEN`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+import itertools
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +39,40 @@ from transformers import AttentionInterface
 from lockstep.modeling import packing
 
 ROW_ATTENTION = "lockstep_rows"
+# One varlen flash-attention call per packed sequence where it applies (module docstring).
+VARLEN = False
+
+
+def _varlen_kernel() -> Callable[..., torch.Tensor] | None:
+    """torch's varlen attention, if this torch has it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return cast(Callable[..., torch.Tensor], varlen_attn)  # without return_aux: one tensor
+
+
+_VARLEN_KERNEL = _varlen_kernel()
+# Its signature moved between torch releases: `is_causal=` (2.9/2.10), `window_size=(left, 0)`
+# for causal after; GQA without repeated K/V heads only where it says so.
+_VARLEN_PARAMS = (
+    frozenset(inspect.signature(_VARLEN_KERNEL).parameters) if _VARLEN_KERNEL else frozenset()
+)
+
+
+def varlen_takes(
+    query: torch.Tensor, value: torch.Tensor, window: int | None, sinks: torch.Tensor | None
+) -> bool:
+    """Whether the varlen kernel computes this layer's attention (module docstring)."""
+    return (
+        VARLEN
+        and _VARLEN_KERNEL is not None
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and sinks is None
+        and query.shape[-1] == value.shape[-1]
+        and (window is None or "window_size" in _VARLEN_PARAMS)
+    )
 
 
 def _row(
@@ -91,6 +136,8 @@ def row_attention_forward(
             for b in range(batch)
         ]
         return torch.stack(rows), None
+    if varlen_takes(query, value, sliding_window, s_aux):
+        return _varlen(query, key, value, layout, scaling, sliding_window), None
     parts, at = [], 0
     for start, length in layout.spans():
         if start > at:
@@ -101,6 +148,41 @@ def row_attention_forward(
     if at < seq:
         parts.append(query.new_zeros(seq - at, heads, dim_v))
     return torch.cat(parts).unsqueeze(0), None
+
+
+def _varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: packing.Packing,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Every row of the packed [1, H, S, D] sequence in one varlen call -> [1, S, H, D]. A row's
+    sequence is its block (`layout.widths`): real tokens first, so causal attention keeps its
+    padding out of them; padding positions get values nothing real reads."""
+    assert _VARLEN_KERNEL is not None
+    heads = query.shape[1]
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
+    if k.shape[1] != heads and "enable_gqa" not in _VARLEN_PARAMS:
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    cu = _cumulative(layout.widths, query.device)
+    longest = max(layout.widths)
+    kwargs: dict[str, Any] = {"scale": scaling}
+    if "window_size" in _VARLEN_PARAMS:
+        kwargs["window_size"] = (-1 if window is None else window - 1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "enable_gqa" in _VARLEN_PARAMS:
+        kwargs["enable_gqa"] = k.shape[1] != heads
+    out = _VARLEN_KERNEL(q, k, v, cu, cu, longest, longest, **kwargs)
+    return out.unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=64)
+def _cumulative(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 sequence boundaries [0, w0, w0 + w1, ...] on `device` (one copy per layout)."""
+    return torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int32, device=device)
 
 
 AttentionInterface.register(ROW_ATTENTION, row_attention_forward)

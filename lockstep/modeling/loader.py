@@ -1,11 +1,15 @@
-"""Load a local HF causal-LM directory as the frozen base model shared by every tenant."""
+"""Load a local HF causal-LM directory as the frozen base model shared by every tenant.
+
+A vision-language model Lockstep serves images for (its card has a `VisionSpec`) loads as its
+whole `ForConditionalGeneration` (vision tower and language model, the published layout); its
+decoder and LM head are the language model's, so everything else sees a causal LM."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from lockstep.engine.types import Dtype, ModelCard
 
@@ -41,14 +45,15 @@ def load_base_model(
         # fp32 means fp32: TF32 would make numbers depend on the kernel the batch shape picks.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+    card = ModelCard.from_dir(directory, served_name)
+    auto = AutoModelForCausalLM if card.vision is None else AutoModelForImageTextToText
+    model: PreTrainedModel = auto.from_pretrained(
         str(directory), dtype=dtype, attn_implementation=attn_implementation
     )
     model.to(dev)  # type: ignore[arg-type]  # transformers wraps `to`; mypy misreads it
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
-    card = ModelCard.from_dir(directory, served_name)
     embeddings = model.get_input_embeddings()
     assert isinstance(embeddings, torch.nn.Embedding)
     if embeddings.num_embeddings != card.vocab_size:  # the card is what requests are checked by

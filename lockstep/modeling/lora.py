@@ -1,13 +1,15 @@
 """Multi-tenant LoRA: many adapters live in one base model; each batch ROW picks its own adapter.
 
 `LoraModel` swaps every LoRA target of a HF model (`architecture.py` says which: by role, not by
-name) for a multi-adapter layer: an `nn.Linear` becomes a `MultiLoRALinear`, which computes
-`base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row; a fused experts
-module becomes a `MultiLoRAExperts` (`experts.py`: a LoRA on every expert's w1 / w3 / w2, held
-as 3-D tensors). Rows are grouped by adapter (sorted segments): each adapter's rows take one GEMM
-pair with that adapter's own A / B, so a row's output does not depend on which other rows or
-adapters share the batch, and K adapters cost K small GEMM pairs per layer (no per-row copies of
-adapter weights).
+name) for a multi-adapter layer: an `nn.Linear` becomes a `MultiLoRALinear` (`linear_lora.py`),
+which computes `base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row; a
+fused experts module becomes a `MultiLoRAExperts` (`experts.py`: a LoRA on every expert's w1 /
+w3 / w2, held as 3-D tensors). Rows are grouped by adapter (sorted segments): each adapter's
+rows go through that adapter's own A / B, so a row's output does not depend on which other rows
+or adapters share the batch (beyond float rounding), and no row copies adapter weights. When the
+segments lie side by side (the trainer orders rows by adapter) the K adapters of a layer take
+ONE grouped GEMM pair over their runs of tokens; otherwise each adapter takes one GEMM pair of
+its own.
 
 A "row" of the routing is a batch row, or a fixed-size block of one packed sequence (the trainer
 concatenates a micro-batch's rows, each padded to whole blocks, so every block has one adapter).
@@ -25,15 +27,15 @@ from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling import packing
-from lockstep.modeling.architecture import Architecture, Role, describe
+from lockstep.modeling.architecture import Architecture, Role, describe, text_path
 from lockstep.modeling.experts import MultiLoRAExperts
-from lockstep.modeling.routing import Routing, RoutingSlot, Segment
+from lockstep.modeling.linear_lora import MultiLoRALinear
+from lockstep.modeling.routing import Routing, RoutingSlot
 
 # The dense layout's leaf names (Llama / Qwen3), which the Megatron engine converts.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -41,8 +43,6 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_TARGETS = ("w1", "w3", "w2")  # Tinker's names of every expert's gate / up / down
 UNEMBED_TARGETS = ("lm_head",)
 PEFT_PREFIX = "base_model.model."
-# Published vision-language checkpoints keep the text model under this prefix; adapters do not.
-LANGUAGE_MODEL = "model.language_model."
 
 
 def spec_targets(spec: LoraSpec) -> tuple[str, ...]:
@@ -155,119 +155,6 @@ def check_adapter_state(
     return paths
 
 
-class LinearSlot:
-    """The adapters' LoRA of a linear layer's output rows start..start+out_features-1 (all of
-    them, or one part of a fused projection Tinker trains as separate LoRA)."""
-
-    def __init__(self, owner: MultiLoRALinear, start: int, out_features: int) -> None:
-        self._owner = owner
-        self.in_features = owner.in_features
-        self.out_features = out_features
-        self.start = start
-        self.lora_A: dict[str, nn.Parameter] = {}
-        self.lora_B: dict[str, nn.Parameter] = {}
-        self.scale: dict[str, float] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self._owner.weight.device
-
-
-class MultiLoRALinear(nn.Module):
-    """A frozen linear layer plus any number of LoRA adapters, applied per batch row.
-
-    Keeps the wrapped layer's `weight` / `bias` as its own parameters so base state-dict keys do
-    not change. Different adapters may have different ranks; an adapter may skip this layer.
-    The base matmul runs in the model's dtype; the adapter path in fp32 (the adapters' dtype).
-    `parts` ((start, stop) row ranges): one LoRA slot per part instead of one for the layer.
-    """
-
-    def __init__(
-        self, base: nn.Linear, slot: RoutingSlot, parts: Sequence[tuple[int, int]] = ()
-    ) -> None:
-        super().__init__()
-        self.in_features = base.in_features
-        self.out_features = base.out_features
-        self.weight = base.weight
-        self.bias = base.bias
-        self._slot = slot
-        ranges = list(parts) or [(0, self.out_features)]
-        self.slots = [LinearSlot(self, start, stop - start) for start, stop in ranges]
-
-    @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        routing = self._slot.current
-        if routing is None:
-            return y
-        for slot in self.slots:
-            delta = self._delta(slot, x, routing)
-            if delta is None:
-                continue
-            tail = self.out_features - slot.start - slot.out_features
-            if slot.start or tail:
-                delta = F.pad(delta, (slot.start, tail))
-            y = y + delta.to(y.dtype).view(y.shape)
-        return y
-
-    def _delta(self, slot: LinearSlot, x: torch.Tensor, routing: Routing) -> torch.Tensor | None:
-        """[rows, per_row, slot.out_features] LoRA deltas of the adapters routed to x's rows."""
-        if not slot.lora_A:
-            return None
-        segments = [s for s in routing.segments(x, self.in_features) if s.adapter_id in slot.lora_A]
-        if not segments:
-            return None
-        rows = len(routing.adapter_ids)  # batch rows, or blocks of one packed sequence
-        x3 = x.reshape(rows, -1, self.in_features)
-        per_row = x3.shape[1]
-        deltas = []
-        for seg in segments:
-            a, b = slot.lora_A[seg.adapter_id], slot.lora_B[seg.adapter_id]
-            xs = x3[seg.start : seg.stop] if seg.index is None else x3.index_select(0, seg.index)
-            n = xs.shape[0]
-            # One GEMM pair over the segment's tokens with the adapter's own weights (no copies).
-            # M = its tokens, a multiple of 8 in the trainer: the kernel class a tenant's tokens
-            # take does not depend on what they are packed with, as for the base matmul.
-            h = xs.reshape(n * per_row, -1).to(a.dtype) @ a.t()
-            scale = slot.scale[seg.adapter_id]
-            h = h * scale if seg.mask is None else h * (seg.mask.view(n * per_row, 1) * scale)
-            deltas.append((h @ b.t()).view(n, per_row, -1))
-        return _assemble(segments, deltas, rows, per_row, slot.out_features)
-
-    def extra_repr(self) -> str:
-        adapters = {a for s in self.slots for a in s.lora_A}
-        return f"in={self.in_features}, out={self.out_features}, adapters={len(adapters)}"
-
-
-def _assemble(
-    segments: list[Segment], deltas: list[torch.Tensor], rows: int, per_row: int, width: int
-) -> torch.Tensor:
-    """[rows, per_row, width] from per-segment deltas; rows without an adapter get zeros."""
-    first = deltas[0]
-    if len(segments) == 1 and segments[0].index is None and first.shape[0] == rows:
-        return first
-    if all(s.index is None for s in segments):
-        parts, at = [], 0
-        for seg, d in zip(segments, deltas, strict=True):
-            if seg.start > at:
-                parts.append(first.new_zeros(seg.start - at, per_row, width))
-            parts.append(d)
-            at = seg.stop
-        if at < rows:
-            parts.append(first.new_zeros(rows - at, per_row, width))
-        return torch.cat(parts)
-    out = first.new_zeros(rows, per_row, width)
-    for seg, d in zip(segments, deltas, strict=True):
-        index = seg.index
-        if index is None:
-            index = torch.arange(seg.start, seg.stop, device=d.device)
-        out = out.index_add(0, index, d)
-    return out
-
-
 class _Slot(Protocol):
     """One LoRA target's adapters: a MultiLoRALinear, or one projection of fused experts."""
 
@@ -308,8 +195,8 @@ class LoraModel:
                 for name, slot in zip(names, layer.slots, strict=True):
                     shape = LoraShape(slot.in_features, slot.out_features)
                     self._add(name, target.role, slot, shape)
-                if names != [target.path]:
-                    self._aliases[target.path] = tuple(names)
+                if names != [text_path(target.path)]:
+                    self._aliases[text_path(target.path)] = tuple(names)
             else:
                 experts = MultiLoRAExperts(target.module, self._slot)
                 setattr(parent, leaf, experts)
@@ -450,8 +337,8 @@ class LoraModel:
                 out[key] = tensor
                 continue
             path, ab = key[len(PEFT_PREFIX) :].rsplit(".", 2)[0], key.rsplit(".", 2)[-2]
-            if path not in self._layers and path.startswith(LANGUAGE_MODEL):
-                path = "model." + path[len(LANGUAGE_MODEL) :]
+            if path not in self._layers:
+                path = text_path(path)
             names = self._aliases.get(path, (path,))
             if len(names) == 1:
                 out[f"{PEFT_PREFIX}{names[0]}.{ab}.weight"] = tensor

@@ -28,8 +28,9 @@ class Segment:
 class Routing:
     """Which adapter each batch row uses, grouped into per-adapter segments once per layout.
 
-    Rows of one adapter go through that adapter's matmuls together ([n * tokens, in] @ A.T), so a
-    layer costs one small GEMM pair per adapter present, never a per-row copy of the weights.
+    Rows of one adapter go through that adapter's matmuls together ([n * tokens, in] @ A.T), never
+    a per-row copy of the weights; when the segments lie side by side, one grouped GEMM pair
+    covers every adapter of a layer (`lora.MultiLoRALinear`).
     Callers that can (the training engine) order rows by adapter, so segments are plain slices.
     """
 
@@ -38,6 +39,9 @@ class Routing:
         self.valid = valid
         self._valid_cpu = None if valid is None else valid.detach().to("cpu", torch.bool)
         self._segments: dict[tuple[int, torch.device], list[Segment]] = {}
+        # Device tensors the layers derive from this layout (group ends, per-token scales),
+        # built by the first layer that needs one and shared by every later layer and the backward.
+        self.constants: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._tokens: dict[tuple[int, torch.device], tuple[list[str], torch.Tensor]] = {}
 
     def token_adapters(self, tokens: int, device: torch.device) -> tuple[list[str], torch.Tensor]:

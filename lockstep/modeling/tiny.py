@@ -75,19 +75,25 @@ def ensure_default_model(cache_dir: Path) -> Path:
     return final
 
 
-def write_tokenizer(directory: Path, corpus: str | None = None) -> tuple[int, int]:
-    """Train and save the built-in tokenizer into `directory`; returns (eos id, vocab size)."""
+def write_tokenizer(
+    directory: Path,
+    corpus: str | None = None,
+    extra_specials: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+) -> tuple[int, int]:
+    """Train and save the built-in tokenizer into `directory`; returns (eos id, vocab size).
+    `extra_specials` (e.g. a vision model's image tokens) get ids after the trained vocabulary."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(tokenizer_corpus() if corpus is None else corpus),
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", *extra_specials],
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(directory))
     _portable_tokenizer_config(directory / "tokenizer_config.json")
     eos_id = int(tokenizer.convert_tokens_to_ids("<|endoftext|>"))  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,13 +202,19 @@ def ensure_family(family: str, cache_dir: Path) -> Path:
 def ensure_model(name: str, settings: dict[str, Any], cache_dir: Path) -> Path:
     """Build (once, atomically) a random model from config `settings` (over the zoo's common
     sizes) under `cache_dir`/`name`-<recipe digest>, and return its directory."""
+    return ensure_built(name, lambda directory: build_model(directory, settings), cache_dir)
+
+
+def ensure_built(name: str, build: Callable[[Path], None], cache_dir: Path) -> Path:
+    """Run `build` (once, atomically: into a temporary directory, then renamed) for
+    `cache_dir`/`name`-<recipe digest>, and return that directory."""
     final = Path(cache_dir) / f"{name}-{tiny.recipe_digest()}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
-        build_model(tmp, settings)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -237,9 +244,11 @@ def build_model(directory: Path, settings: dict[str, Any]) -> None:
     else:
         settings = {**_COMMON, **tokens, **settings}
     config = AutoConfig.for_model(model_type, dtype="float32", **settings)
-    builder: Any = AutoModelForImageTextToText if text is not None else AutoModelForCausalLM
     with torch.device("cpu"):
-        model = builder.from_config(config)
+        if text is not None:
+            model = AutoModelForImageTextToText.from_config(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
     tiny.init_weights(model, std=0.02)
     with torch.no_grad():  # final norms tiny.init_weights does not recognise by name
         for name, param in model.named_parameters():
@@ -249,7 +258,7 @@ def build_model(directory: Path, settings: dict[str, Any]) -> None:
     model.save_pretrained(str(directory), safe_serialization=True)
     _published_config(directory)
     if model_type in FUSED_EXPERTS:
-        _fuse_experts(directory / "model.safetensors")
+        fuse_experts(directory / "model.safetensors")
     tiny.finish_directory(directory)
 
 
@@ -260,7 +269,7 @@ FUSED_EXPERTS = frozenset({"qwen3_5_moe"})
 _PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _fuse_experts(path: Path) -> None:
+def fuse_experts(path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(path))

@@ -16,7 +16,7 @@ from prometheus_client.exposition import choose_encoder
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lockstep.observability import metrics
+from lockstep.observability import gateway_metrics, metrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,13 +46,13 @@ class MetricsMiddleware:
             await send(message)
 
         start = time.perf_counter()
-        metrics.HTTP_IN_FLIGHT.inc()
+        gateway_metrics.HTTP_IN_FLIGHT.inc()
         try:
             await self.app(scope, receive, send_status)
         finally:
-            metrics.HTTP_IN_FLIGHT.dec()
+            gateway_metrics.HTTP_IN_FLIGHT.dec()
             route = getattr(scope.get("route"), "path", None) or UNMATCHED  # set by routing
-            metrics.http_request(
+            gateway_metrics.http_request(
                 scope.get("method", ""), route, status, time.perf_counter() - start
             )
 

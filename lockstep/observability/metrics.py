@@ -1,4 +1,6 @@
-"""Every Prometheus metric Lockstep exports, defined in this one module.
+"""Prometheus metrics: the registries, the shared buckets, the scheduler's metrics (tenants and
+queues, engines and sampling, Redis, RPCs) and the errors of both processes. The clock's are in
+`clock_metrics`, the gateway's HTTP metrics in `gateway_metrics`; nothing else defines one.
 
 Each process has its own registry: `SCHEDULER` is served by the scheduler's ops server
 (`--metrics-port`: `/metrics`, see `ops_server`), `GATEWAY` by the gateway at `GET /metrics`
@@ -104,72 +106,6 @@ REDIS_BUCKETS = (
 )
 PUBLISH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-# ---------------------------------------------------------------- scheduler: the clock
-CYCLE_SECONDS = Histogram(
-    "lockstep_cycle_duration_seconds",
-    "Wall time of one clock cycle: plan, dispatch (fused pass + batched step), collect.",
-    buckets=CYCLE_BUCKETS,
-    registry=SCHEDULER,
-)
-CYCLE_PHASE_SECONDS = Histogram(
-    "lockstep_cycle_phase_duration_seconds",
-    "Wall time of each part of a clock cycle (plan: read the queues from Redis and plan; "
-    "dispatch: the engine work; collect: write results and wake futures).",
-    ["phase"],
-    buckets=CYCLE_BUCKETS,
-    registry=SCHEDULER,
-)
-CYCLES = Counter(
-    "lockstep_cycles_total",
-    "Clock cycles run; kind=idle are periodic-policy cycles that found nothing to do.",
-    ["kind"],
-    registry=SCHEDULER,
-)
-CYCLE_TOKENS = Counter(
-    "lockstep_cycle_tokens_total", "Pass tokens packed into clock cycles.", registry=SCHEDULER
-)
-CYCLE_BUDGET = Counter(
-    "lockstep_cycle_token_budget_total",
-    "Token budget offered by the clock cycles run (token budget x cycles).",
-    registry=SCHEDULER,
-)
-CYCLE_TOKEN_UTILIZATION = Histogram(
-    "lockstep_cycle_token_utilization_ratio",
-    "Per cycle: pass tokens packed / token budget (above 1 only when one request larger than "
-    "the whole budget runs alone).",
-    buckets=RATIO_BUCKETS,
-    registry=SCHEDULER,
-)
-CYCLE_TENANTS = Histogram(
-    "lockstep_cycle_tenants",
-    "Per cycle with work: distinct training runs (LoRA adapters) that ran in it.",
-    buckets=TENANT_BUCKETS,
-    registry=SCHEDULER,
-)
-CLOCK_BUSY_SECONDS = Counter(
-    "lockstep_clock_busy_seconds_total",
-    "Time spent inside clock cycles that had work; rate() of it is busy time / wall time.",
-    registry=SCHEDULER,
-)
-CLOCK_BUSY_RATIO = Gauge(
-    "lockstep_clock_busy_ratio",
-    "Busy time / wall time of the clock over the last 60 s (a running cycle counts).",
-    registry=SCHEDULER,
-)
-CLOCK_TOKEN_BUDGET = Gauge(
-    "lockstep_clock_token_budget",
-    "Pass tokens one model may pack into a cycle now: while tenants share the clock, what the "
-    "engine does in --cycle-target seconds at its measured rate (or the next-largest model's "
-    "ready passes), at most --token-budget; alone, --token-budget.",
-    registry=SCHEDULER,
-)
-TENANTS_WAITING = Gauge(
-    "lockstep_tenants_waiting",
-    "Training runs with passes that did not fit the last cycle (their futures answer "
-    "queue_state=paused_capacity).",
-    registry=SCHEDULER,
-)
 
 # ---------------------------------------------------------------- scheduler: tenants and queues
 TENANT_REQUESTS = Counter(
@@ -342,6 +278,7 @@ ERROR_CATEGORIES = frozenset(
         "engine",
         "sampling",
         "redis",
+        "audit",
     }
 )
 SCHEDULER_ERRORS = Counter(
@@ -354,42 +291,6 @@ GATEWAY_ERRORS = Counter(
     "lockstep_errors_total",
     "Errors by component and category (docs/operations.md).",
     ["component", "category"],
-    registry=GATEWAY,
-)
-
-# ---------------------------------------------------------------- gateway: HTTP
-HTTP_SECONDS = Histogram(
-    "lockstep_http_request_duration_seconds",
-    "HTTP request latency by method, route template and status (retrieve_future is a long "
-    "poll: it is held up to --long-poll-seconds).",
-    ["method", "route", "status"],
-    buckets=HTTP_BUCKETS,
-    registry=GATEWAY,
-)
-GRPC_CLIENT_SECONDS = Histogram(
-    "lockstep_grpc_client_duration_seconds",
-    "Gateway -> scheduler gRPC calls as the gateway sees them, by method (RetrieveFuture: a "
-    "long poll).",
-    ["method"],
-    buckets=HTTP_BUCKETS,
-    registry=GATEWAY,
-)
-HTTP_IN_FLIGHT = Gauge(
-    "lockstep_http_requests_in_flight",
-    "HTTP requests being served now (long polls included).",
-    registry=GATEWAY,
-)
-HTTP_COMPRESSED_BODIES = Counter(
-    "lockstep_http_compressed_bodies_total",
-    "Request bodies received with a Content-Encoding (the SDK's zstd fwd/bwd bodies), and "
-    "their bytes before and after decompression.",
-    ["encoding"],
-    registry=GATEWAY,
-)
-HTTP_COMPRESSED_BYTES = Counter(
-    "lockstep_http_compressed_body_bytes_total",
-    "Bytes of compressed request bodies as received (form=wire) and decompressed (form=plain).",
-    ["encoding", "form"],
     registry=GATEWAY,
 )
 
@@ -522,36 +423,3 @@ async def probe_redis(ping: Callable[[], Awaitable[object]], interval_s: float =
         else:
             REDIS_RTT_SECONDS.observe(time.monotonic() - start)
         await asyncio.sleep(interval_s)
-
-
-# ---------------------------------------------------------------- gateway
-_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-
-
-def http_error_category(status: int) -> str | None:
-    """The error category of an HTTP status (None: not an error)."""
-    if status < 400:
-        return None
-    if status in (401, 403):
-        return "auth"
-    if status in (404, 405):
-        return "not_found"
-    if status == 429:
-        return "capacity"
-    if status in (502, 503, 504):
-        return "unavailable"
-    return "server" if status >= 500 else "user"
-
-
-def compressed_body(encoding: str, wire_bytes: int, plain_bytes: int) -> None:
-    HTTP_COMPRESSED_BODIES.labels(encoding).inc()
-    HTTP_COMPRESSED_BYTES.labels(encoding, "wire").inc(wire_bytes)
-    HTTP_COMPRESSED_BYTES.labels(encoding, "plain").inc(plain_bytes)
-
-
-def http_request(method: str, route: str, status: int, seconds: float) -> None:
-    method = method if method in _METHODS else "OTHER"
-    HTTP_SECONDS.labels(method, route, str(status)).observe(seconds)
-    category = http_error_category(status)
-    if category is not None:
-        gateway_error(category)

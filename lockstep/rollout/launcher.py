@@ -1,4 +1,5 @@
-"""Start, watch and stop an inference server process (vLLM or SGLang) that Lockstep manages.
+"""Start, watch and stop an inference server process (vLLM or SGLang) that Lockstep manages,
+and what both servers are started with (`LaunchConfig`).
 
 The engine object owns its server process (no extra supervisor child): the scheduler's health
 check asks `alive()`, and a dead server is relaunched by the engine's `restart()`, the same way
@@ -14,8 +15,11 @@ import signal
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -117,3 +121,51 @@ class ServerProcess:
             self.proc.wait(5)
         except ProcessLookupError:
             pass
+
+
+@dataclass(frozen=True)
+class LaunchConfig(ABC):
+    """How Lockstep starts an inference server: what every kind takes; a subclass adds its own
+    flags and environment."""
+
+    server: ClassVar[str]  # its name in logs and errors ("vllm", "sglang")
+
+    python: Path  # the interpreter of an environment with the server installed
+    model_dir: Path
+    served_name: str
+    max_loras: int = 4  # adapters in one batch; also Lockstep's slot count
+    max_lora_rank: int = 64
+    port: int = 0  # 0: a free port
+    log_file: Path = Path("sampler.log")
+    extra_args: tuple[str, ...] = ()
+
+    @abstractmethod
+    def argv(self, port: int) -> list[str]:
+        """The server's command line."""
+
+    def common_args(self, port: int) -> list[str]:
+        """Flags both servers spell alike: name, loopback address, fp32 like the trainer (so
+        sampled logprobs equal forward's), multi-LoRA and its largest rank."""
+        return [
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+        ]
+
+    def env(self) -> dict[str, str]:
+        """Offline, and none of Lockstep's own Python environment leaking into the server's."""
+        return {"HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "VIRTUAL_ENV": ""}
+
+    def process(self, port: int) -> ServerProcess:
+        url = f"http://127.0.0.1:{port}"
+        return ServerProcess(
+            self.server, self.argv(port), url, "/health", self.env(), self.log_file
+        )

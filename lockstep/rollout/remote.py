@@ -2,13 +2,16 @@
 
 `RemoteSamplingEngine` keeps what vLLM and SGLang engines have in common:
 
-* validation (the same 4xx messages as the local sampler, before anything reaches the server);
 * adapter paging (`rollout/pager.py`, shared with the local sampler): at most `max_adapters`
   loaded on the server, least recently used out, reloaded on demand;
 * batching: each chunk's requests (at most `max_adapters` distinct adapters) are sent
-  concurrently so the server batches them.
+  concurrently so the server batches them;
+* the server's life: `launch` (start it from a `LaunchConfig`) or `attach` (use a running one),
+  `alive`, `restart`, `close`; colocated mode's `release`/`resume` bookkeeping;
+* what both APIs spell alike: sampling parameters, error messages, prompt logprobs by position.
 
-Subclasses implement the server's own verbs (`_load`, `_unload`, `_generate`).
+Subclasses implement the server's own verbs (`_load`, `_unload`, `_generate`, and for colocated
+mode `_release_memory`, `_resume_memory`).
 """
 
 from __future__ import annotations
@@ -16,20 +19,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import threading
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import httpx
 
+from lockstep.engine.capabilities import SamplerCapabilities
 from lockstep.engine.interface import EngineDied, SamplingEngine
-from lockstep.engine.types import ModelCard, SampleRequest, SampleResult
+from lockstep.engine.types import ModelCard, SampleParams, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
-from lockstep.rollout.launcher import ServerProcess
+from lockstep.rollout.launcher import LaunchConfig, ServerProcess
 from lockstep.rollout.pager import AdapterPager
-from lockstep.rollout.validation import validate_sample_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +52,68 @@ class ServerError(RuntimeError):
     """The inference server refused or failed a call that is not the user's fault."""
 
 
+def server_message(response: httpx.Response) -> str:
+    """The error text of a server's answer, in either server's JSON shape."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text
+    if not isinstance(data, dict):
+        return str(data)
+    error = data.get("error")
+    if isinstance(error, dict):  # vLLM: {"error": {"message": ...}}
+        error = error.get("message")
+    return str(data.get("error_message") or error or data.get("message") or data)
+
+
+def refused(req: SampleRequest, response: httpx.Response) -> SampleResult:
+    """A request the server refused as invalid: its sampling parameters are the user's."""
+    return SampleResult(req.request_id, [], error=f"sampling_params: {server_message(response)}")
+
+
+def sampling_fields(p: SampleParams) -> dict[str, Any]:
+    """The sampling parameters both servers name alike (SGLang's per row, vLLM's per request);
+    no special tokens are skipped, so the ids come back as sampled."""
+    return {
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k if p.top_k > 0 else -1,
+        "stop": list(p.stop_strings),
+        "stop_token_ids": list(p.stop_tokens),
+        "ignore_eos": not p.stop_at_eos,
+        "skip_special_tokens": False,
+    }
+
+
+def fill_prompt_logprobs(
+    result: SampleResult,
+    req: SampleRequest,
+    positions: int,
+    logprob: Callable[[int], float | None],
+    top: Callable[[int], list[tuple[int, float]] | None],
+) -> None:
+    """Set `result`'s prompt logprobs (NaN where none) and top-k per prompt position from the
+    server's first `positions` rows (`logprob(pos)`, `top(pos)`: None where it has none)."""
+    n = len(req.prompt)
+    span = range(req.prompt_logprob_start, min(n, positions))
+    if req.prompt_logprobs:
+        result.prompt_logprobs = [math.nan] * n
+        for pos in span:
+            value = logprob(pos)
+            if value is not None:
+                result.prompt_logprobs[pos] = value
+    k = req.topk_prompt_logprobs
+    if k > 0:
+        result.topk_prompt = [None] * n
+        for pos in span:
+            entries = top(pos)
+            if entries is not None:
+                result.topk_prompt[pos] = entries[:k]
+
+
 class RemoteSamplingEngine(SamplingEngine):
+    engine_name: ClassVar[str]  # its name in refusals and capabilities: "vllm", "sglang"
+
     def __init__(
         self,
         card: ModelCard,
@@ -65,6 +130,24 @@ class RemoteSamplingEngine(SamplingEngine):
         self._pager = AdapterPager(max_adapters)
         self._lock = threading.RLock()  # one engine call at a time (the lane serializes anyway)
         self.server = server  # None: attached to a server someone else runs
+        self._released = False  # colocated mode: the server gave its memory back
+
+    @classmethod
+    def launch(cls, config: LaunchConfig) -> Self:
+        """Start the server and own it (stopped with the engine, relaunched if it dies)."""
+        from lockstep.ports import free_port
+
+        port = config.port or free_port()
+        server = config.process(port)
+        server.start()
+        card = ModelCard.from_dir(config.model_dir, config.served_name)
+        return cls(card, server.url, config.max_loras, server=server)
+
+    @classmethod
+    def attach(cls, url: str, model_dir: Path, served_name: str, max_adapters: int) -> Self:
+        """Use a running server (started with multi-LoRA and runtime adapter loading on)."""
+        httpx.get(url.rstrip("/") + "/health", timeout=10).raise_for_status()
+        return cls(ModelCard.from_dir(model_dir, served_name), url, max_adapters)
 
     # -- server verbs (subclasses) -----------------------------------------------------------
 
@@ -80,6 +163,25 @@ class RemoteSamplingEngine(SamplingEngine):
     @abstractmethod
     async def _generate(self, client: httpx.AsyncClient, req: SampleRequest) -> SampleResult:
         """Serve one (validated) request whose adapter is loaded."""
+
+    def _release_memory(self) -> bool:
+        """Give the server's accelerator memory back; whether it did (default: it cannot)."""
+        return False
+
+    def _resume_memory(self) -> None:
+        """Take the memory back after `_release_memory` returned True."""
+
+    def release(self) -> None:
+        """Colocated mode: free the server's memory before a training phase."""
+        with self._lock:
+            if not self._released:
+                self._released = self._release_memory()
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._released:
+                self._resume_memory()
+                self._released = False
 
     def alive(self) -> bool:
         """Whether the server process (when this engine owns one) still runs."""
@@ -101,6 +203,9 @@ class RemoteSamplingEngine(SamplingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> SamplerCapabilities:
+        return SamplerCapabilities(self.engine_name)  # text prompts (VLMs are refused at start)
 
     def load_adapter(self, adapter_id: str, directory: Path) -> None:
         """Publish `adapter_id` (load it now so its first sample does not wait)."""
@@ -176,20 +281,16 @@ class RemoteSamplingEngine(SamplingEngine):
     async def _sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
         results: list[SampleResult | None] = [None] * len(requests)
         valid: list[int] = []
-        for i, req in enumerate(requests):
-            try:
-                validate_sample_request(req, self._card)
-                if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
-                    raise UserInputError(
-                        "adapter_id", f"unknown adapter {req.adapter_id!r} (not loaded)"
-                    )
+        for i, req in enumerate(requests):  # admitted requests: only the adapter may be gone
+            if req.adapter_id is not None and not self._pager.knows(req.adapter_id):
+                unknown = f"adapter_id: unknown adapter {req.adapter_id!r} (not loaded)"
+                results[i] = SampleResult(req.request_id, [], error=unknown)
+            else:
                 valid.append(i)
-            except UserInputError as exc:
-                results[i] = SampleResult(req.request_id, [], error=str(exc))
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout) as client:
             for chunk in self._pager.chunks(requests, valid):
                 adapters = sorted({a for i in chunk if (a := requests[i].adapter_id) is not None})
-                runnable = []
+                runnable: list[int] = []
                 failed: dict[str, str] = {}
                 self._pager.touch(adapters)  # the chunk's loaded adapters must stay
                 for adapter_id in adapters:

@@ -26,15 +26,20 @@ from lockstep.config import (
     TenancyConfig,
 )
 from lockstep.engine import memory
+from lockstep.engine.capabilities import Engines
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.observability import metrics
 from lockstep.observability.ops_server import start_ops_server
 from lockstep.scheduler.admission.decoded import DecodedPasses
 from lockstep.scheduler.admission.submissions import Submissions
 from lockstep.scheduler.api import tenancy as tenancy_mod
-from lockstep.scheduler.api.tenancy_service import TenancyService
+from lockstep.scheduler.api.catalog_rpcs import CatalogRpcs
+from lockstep.scheduler.api.future_rpcs import FutureRpcs
+from lockstep.scheduler.api.servicer import servicer
+from lockstep.scheduler.api.tenancy_rpcs import TenancyRpcs
 from lockstep.scheduler.cycle.clock import Clock
 from lockstep.scheduler.cycle.dispatch import Dispatcher
+from lockstep.scheduler.cycle.recovery import Recovery
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
@@ -57,6 +62,7 @@ class SchedulerConfig:
     data_dir: Path
     model_dir: Path
     served_names: tuple[str, ...]
+    image_dir: Path | None = None  # the one directory image_asset_pointer chunks may name
     clock: ClockConfig = field(default_factory=ClockConfig)
     max_sample_batch: int = 64
     metrics_host: str = "127.0.0.1"
@@ -85,6 +91,7 @@ class SchedulerConfig:
             data_dir=cfg.data_dir.resolve(),
             model_dir=cfg.model.dir.resolve(),
             served_names=cfg.model.served_names,
+            image_dir=None if cfg.model.image_dir is None else cfg.model.image_dir.resolve(),
             clock=cfg.clock,
             max_sample_batch=cfg.scheduler.max_sample_batch,
             metrics_host=cfg.metrics.host,
@@ -110,15 +117,19 @@ class Assembly:
     submissions: Submissions
     tenancy: tenancy_mod.Tenancy
 
-    def service(self, health: Callable[[], Awaitable[dict[str, str]]]) -> TenancyService:
-        return TenancyService(
-            self.store,
-            self.catalog,
-            self.submissions,
-            self.board,
-            health,
-            self.clock.queue_state,
-            tenancy=self.tenancy,
+    def service(self, health: Callable[[], Awaitable[dict[str, str]]]) -> pb_grpc.SchedulerServicer:
+        """The gRPC servicer: one role object per part of the API, one error mapping."""
+        return servicer(
+            FutureRpcs(
+                self.store,
+                self.catalog,
+                self.submissions,
+                self.board,
+                self.tenancy.trail,
+                self.clock.queue_state,
+            ),
+            CatalogRpcs(self.store, self.catalog, self.submissions, health),
+            TenancyRpcs(self.tenancy),
         )
 
 
@@ -136,19 +147,20 @@ def assemble(
         cfg.sampler.slice_steps,
     )
     decoded = DecodedPasses()  # validated at submission, run by dispatch as they are
-    dispatcher = Dispatcher(
+    recovery = Recovery(
         store,
         trainer,
         cfg.data_dir,
         cfg.tenancy.max_resident_models,
         cfg.engine.snapshot_interval_s,
-        decoded,
     )
+    dispatcher = Dispatcher(store, trainer, recovery, decoded)
     accounting = Accounting(store, cfg.tenancy.audit_retention_s)
     lane.accounting = accounting
     clock = Clock(
         store,
         dispatcher,
+        recovery,
         board,
         lane,
         cfg.clock,
@@ -157,18 +169,20 @@ def assemble(
     )
     catalog = Catalog(store, card, list(cfg.served_names), cfg.data_dir)
     tenancy = tenancy_mod.Tenancy(
-        cfg.tenancy, store, catalog, dispatcher.resident, accounting, clock.wake.set, lane.unload
+        cfg.tenancy, store, catalog, recovery.resident, accounting, clock.wake.set, lane.unload
     )
     submissions = Submissions(
         store,
         catalog,
         card,
+        Engines(trainer.capabilities(), sampler.capabilities()),
         cfg.data_dir,
         on_training=clock.wake.set,
         on_sample=lane.wake.set,
         limits=cfg.limits,
         memory_budget=trainer.memory_budget(),
         decoded=decoded,
+        image_dir=cfg.image_dir,
         custom_loss_created=lambda rec: accounting.custom_loss_created(
             rec.owner, rec.session_id, card.name, rec.loss_id, rec.name
         ),
@@ -185,7 +199,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
-    tracing.configure(store.redis, cfg.trace_retention_s)
+    tracing.configure(store.traces, cfg.trace_retention_s)
     trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()
     log.info(

@@ -1,12 +1,15 @@
-"""Translate between the gRPC/wire messages the scheduler stores and the engines' internal types."""
+"""Translate between the gRPC contract messages the scheduler stores (`lockstep.v1`, with the SDK's
+protobuf `lockstep.wire` inside) and the engines' internal types."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from lockstep.engine.images import ImageInput, ImageReader
 from lockstep.engine.types import (
     AdamConfig,
     Datum,
@@ -73,27 +76,80 @@ def decode_tensor(t: wire.Tensor, field: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def decode_tokens(datum: wire.Datum, index: int) -> np.ndarray:
-    parts = []
-    for j, chunk in enumerate(datum.model_input):
+def _text(raw: bytes, field: str) -> np.ndarray:
+    if len(raw) % 4:
+        raise UserInputError(f"{field}.tokens", "not a whole number of int32 values")
+    return np.frombuffer(raw, dtype="<i4")
+
+
+def decode_model_input(
+    chunks: Sequence[wire.Chunk], field: str, images: ImageReader
+) -> tuple[np.ndarray, tuple[ImageInput, ...]]:
+    """A model input's token array and its images: an image chunk becomes its token count of
+    the model's image placeholder id, the image beside it (`engine/images.py` judges it)."""
+    parts: list[np.ndarray] = []
+    found: list[ImageInput] = []
+    at = 0
+    for j, chunk in enumerate(chunks):
+        where = f"{field}.chunks[{j}]"
         kind = chunk.WhichOneof("chunk")
-        if kind is None:
-            raise UserInputError(f"data[{index}].model_input.chunks[{j}]", "empty chunk")
-        if kind != "encoded_text":
-            raise UserInputError(
-                f"data[{index}].model_input.chunks[{j}]",
-                f"{kind} chunks are not supported: this server serves a text-only model",
-            )
-        raw = chunk.encoded_text.tokens
-        if len(raw) % 4:
-            raise UserInputError(
-                f"data[{index}].model_input.chunks[{j}].tokens",
-                "not a whole number of int32 values",
-            )
-        parts.append(np.frombuffer(raw, dtype="<i4"))
+        if kind == "encoded_text":
+            parts.append(_text(chunk.encoded_text.tokens, where))
+            _no_placeholder(parts[-1], where, images)
+        elif kind in ("image", "image_asset_pointer"):
+            image = _image(chunk, where, images, at)
+            found.append(image)
+            assert images.spec is not None  # a reader without a spec refuses every image
+            parts.append(np.full(image.tokens, images.spec.image_token_id, dtype="<i4"))
+        elif kind is None:
+            raise UserInputError(where, "empty chunk")
+        else:
+            raise UserInputError(where, f"{kind} chunks are not supported by this server")
+        at += len(parts[-1])
     if not parts:
-        raise UserInputError(f"data[{index}].model_input", "is empty")
-    return np.concatenate(parts).astype(np.int64)
+        raise UserInputError(field, "is empty")
+    return np.concatenate(parts).astype(np.int64), tuple(found)
+
+
+def _no_placeholder(tokens: np.ndarray, field: str, images: ImageReader) -> None:
+    """The image placeholder id stands for an image chunk's embeddings; in text it would be a
+    placeholder with no image (the model's own forward refuses that too)."""
+    spec = images.spec
+    if spec is not None and bool(np.any(tokens == spec.image_token_id)):
+        raise UserInputError(
+            f"{field}.tokens",
+            f"token id {spec.image_token_id} is the model's image placeholder; send images as "
+            "image chunks",
+        )
+
+
+def _image(chunk: wire.Chunk, field: str, images: ImageReader, at: int) -> ImageInput:
+    if chunk.WhichOneof("chunk") == "image_asset_pointer":
+        pointer = chunk.image_asset_pointer
+        data = images.asset(field, pointer.location)
+        expected = pointer.expected_tokens if pointer.HasField("expected_tokens") else None
+        return images.image(field, data, pointer.format, expected, at)
+    image = chunk.image
+    if image.HasField("override_dimensions"):
+        raise UserInputError(
+            f"{field}.override_dimensions", "is not supported: the image is processed as sent"
+        )
+    expected = image.expected_tokens if image.HasField("expected_tokens") else None
+    return images.image(field, image.data, image.format, expected, at)
+
+
+def inline_assets(chunks: Sequence[wire.Chunk], field: str, images: ImageReader) -> None:
+    """Replace each `image_asset_pointer` by an image chunk of its file's bytes, in place: what
+    is stored and run later is what was judged now, even if the file changes."""
+    for j, chunk in enumerate(chunks):
+        if chunk.WhichOneof("chunk") != "image_asset_pointer":
+            continue
+        pointer = chunk.image_asset_pointer
+        data = images.asset(f"{field}.chunks[{j}]", pointer.location)
+        image = wire.ImageChunk(data=data, format=pointer.format)
+        if pointer.HasField("expected_tokens"):
+            image.expected_tokens = pointer.expected_tokens
+        chunk.image.CopyFrom(image)
 
 
 def loss_config(req: wire.ForwardBackwardRequest) -> dict[str, float | str]:
@@ -107,14 +163,17 @@ def loss_config(req: wire.ForwardBackwardRequest) -> dict[str, float | str]:
     return config
 
 
-def pass_request(request_id: str, req: wire.ForwardBackwardRequest) -> PassRequest:
+def pass_request(
+    request_id: str, req: wire.ForwardBackwardRequest, images: ImageReader
+) -> PassRequest:
     data = []
     for i, d in enumerate(req.data):
+        tokens, found = decode_model_input(d.model_input, f"data[{i}].model_input", images)
         inputs = {
             k: decode_tensor(v, f"data[{i}].loss_fn_inputs.{k}")
             for k, v in d.loss_fn_inputs.items()
         }
-        data.append(Datum(tokens=decode_tokens(d, i), loss_inputs=inputs))
+        data.append(Datum(tokens=tokens, loss_inputs=inputs, images=found))
     return PassRequest(
         request_id=request_id,
         model_id=req.model_id,
@@ -125,8 +184,9 @@ def pass_request(request_id: str, req: wire.ForwardBackwardRequest) -> PassReque
     )
 
 
-def pass_tokens(req: wire.ForwardBackwardRequest) -> int:
-    return sum(len(c.encoded_text.tokens) // 4 for d in req.data for c in d.model_input)
+def pass_tokens(req: PassRequest) -> int:
+    """Model-input tokens of a pass, image placeholders included (the cycle's token budget)."""
+    return sum(len(d.tokens) for d in req.data)
 
 
 def _batched(arrays: list[np.ndarray]) -> wire.BatchedTensor:
@@ -170,11 +230,27 @@ def adam_config(p: pb.AdamParams) -> AdamConfig:
     )
 
 
-def sample_request(request_id: str, s: pb.Sample, adapter_id: str | None) -> SampleRequest:
+def max_tokens(p: pb.SamplingParams) -> int:
+    """What a sample generates at most: as asked, or the SDK's default when unset."""
+    return p.max_tokens if p.HasField("max_tokens") else SampleParams.max_tokens
+
+
+def sample_prompt(s: pb.Sample, images: ImageReader) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A sample's prompt tokens and images (a prompt with images comes as chunks)."""
+    if not s.prompt_chunks:
+        return list(s.prompt_tokens), ()
+    tokens, found = decode_model_input(s.prompt_chunks, "prompt", images)
+    return tokens.tolist(), found
+
+
+def sample_request(
+    request_id: str, s: pb.Sample, adapter_id: str | None, images: ImageReader
+) -> SampleRequest:
+    prompt, found = sample_prompt(s, images)
     p = s.params
     stop_at_eos = not p.has_stop
     params = SampleParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else 16,
+        max_tokens=max_tokens(p),
         seed=p.seed if p.HasField("seed") else None,
         temperature=p.temperature,
         top_k=p.top_k,
@@ -186,7 +262,8 @@ def sample_request(request_id: str, s: pb.Sample, adapter_id: str | None) -> Sam
     return SampleRequest(
         request_id=request_id,
         adapter_id=adapter_id,
-        prompt=list(s.prompt_tokens),
+        prompt=prompt,
+        images=found,
         num_samples=s.num_samples,
         params=params,
         prompt_logprobs=s.prompt_logprobs,

@@ -34,7 +34,13 @@ import torch
 
 from lockstep.engine.losses import LOSSES, loss_def
 from lockstep.engine.types import Datum
-from lockstep.training.logprobs import Head, LogprobFn, gather_logprobs, target_logprobs
+from lockstep.training.logprobs import (
+    Head,
+    LinearHead,
+    LogprobFn,
+    gather_logprobs,
+    target_logprobs,
+)
 
 Inputs = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Inputs, dict[str, float]], torch.Tensor]
@@ -142,7 +148,7 @@ def loss_from_logprobs(
 def datum_logprobs(
     hidden: torch.Tensor,
     datum: Datum,
-    head: Head,
+    head: Head | LinearHead,
     chunk: int,
     logprob_fn: LogprobFn = gather_logprobs,
 ) -> torch.Tensor:

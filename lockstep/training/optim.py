@@ -9,13 +9,11 @@ own scalar (ScalarList overloads), so one call updates every adapter of the cloc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from lockstep.engine.types import AdamConfig
-from lockstep.errors import UserInputError
 
 
 @dataclass
@@ -34,22 +32,6 @@ class AdamGroup:
     params: list[torch.nn.Parameter]
     state: AdamState
     config: AdamConfig
-
-
-def validate_adam(config: AdamConfig) -> None:
-    checks = {
-        "learning_rate": config.learning_rate >= 0,
-        "beta1": 0 <= config.beta1 < 1,
-        "beta2": 0 <= config.beta2 < 1,
-        "eps": config.eps >= 0,
-        "weight_decay": config.weight_decay >= 0,
-    }
-    for name, ok in checks.items():
-        value = getattr(config, name)
-        if not ok or not math.isfinite(value):
-            raise UserInputError(f"adam_params.{name}", f"invalid value {value!r}")
-    if math.isnan(config.grad_clip_norm):
-        raise UserInputError("adam_params.grad_clip_norm", "must be a number")
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -20,7 +20,7 @@ import torch
 from lockstep.custom_loss import program
 from lockstep.engine.losses import CUSTOM
 from lockstep.engine.types import Datum, PassRequest, PassResult
-from lockstep.training.logprobs import Head, LogprobFn, gather_logprobs
+from lockstep.training.logprobs import Head, LinearHead, LogprobFn, gather_logprobs
 from lockstep.training.losses import datum_logprobs, loss_from_logprobs
 
 
@@ -45,7 +45,7 @@ def row_loss(
     datum: Datum,
     req: PassRequest,
     config: dict[str, float],
-    head: Head,
+    head: Head | LinearHead,
     chunk: int,
     logprob_fn: LogprobFn = gather_logprobs,
 ) -> RowLoss:

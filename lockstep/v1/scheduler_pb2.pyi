@@ -292,7 +292,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., has_stop: bool = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sampling_session_id", "seq_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_logprobs_last_n")
+    __slots__ = ("sampling_session_id", "seq_id", "prompt_tokens", "num_samples", "params", "prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_logprobs_last_n", "prompt_chunks")
     SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class Sample(_message.Message):
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     sampling_session_id: str
     seq_id: int
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -311,7 +312,8 @@ class Sample(_message.Message):
     topk_prompt_logprobs: int
     topk_sample_logprobs: int
     prompt_logprobs_last_n: int
-    def __init__(self, sampling_session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: bool = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
+    prompt_chunks: _containers.RepeatedCompositeFieldContainer[_tinker_pb2.Chunk]
+    def __init__(self, sampling_session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_logprobs: bool = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., prompt_logprobs_last_n: _Optional[int] = ..., prompt_chunks: _Optional[_Iterable[_Union[_tinker_pb2.Chunk, _Mapping]]] = ...) -> None: ...
 
 class Refused(_message.Message):
     __slots__ = ("model_id", "seq_id", "reason")
@@ -598,11 +600,31 @@ class SupportedModel(_message.Message):
     trainer_path: str
     def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
 
+class EngineCapabilities(_message.Message):
+    __slots__ = ("trainer", "losses", "custom_loss", "trainer_inputs", "optimizers", "sampler", "sampler_inputs")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    CUSTOM_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZERS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    losses: _containers.RepeatedScalarFieldContainer[str]
+    custom_loss: bool
+    trainer_inputs: _containers.RepeatedScalarFieldContainer[str]
+    optimizers: _containers.RepeatedScalarFieldContainer[str]
+    sampler: str
+    sampler_inputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, trainer: _Optional[str] = ..., losses: _Optional[_Iterable[str]] = ..., custom_loss: bool = ..., trainer_inputs: _Optional[_Iterable[str]] = ..., optimizers: _Optional[_Iterable[str]] = ..., sampler: _Optional[str] = ..., sampler_inputs: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ServerCapabilities(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "engines")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[SupportedModel]
-    def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ...) -> None: ...
+    engines: EngineCapabilities
+    def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ..., engines: _Optional[_Union[EngineCapabilities, _Mapping]] = ...) -> None: ...
 
 class RunRef(_message.Message):
     __slots__ = ("owner", "run_id")

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from lockstep.engine.capabilities import SamplerCapabilities, TrainerCapabilities
 from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine, is_device_error
 from lockstep.engine.types import (
     LoraSpec,
@@ -195,9 +196,13 @@ class ProcessTrainingEngine(TrainingEngine):
         self._card: ModelCard = self.process.call("card")
         # Found once, at the first start: admission keeps one limit for the server's lifetime.
         self._memory: MemoryBudget = self.process.call("memory_budget")
+        self._capabilities: TrainerCapabilities = self.process.call("capabilities")
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> TrainerCapabilities:
+        return self._capabilities
 
     def memory_budget(self) -> MemoryBudget:
         return self._memory
@@ -259,9 +264,13 @@ class ProcessSamplingEngine(SamplingEngine):
         self.process = EngineProcess(factory, name, deadline=deadline)
         self._card: ModelCard = self.process.call("card")
         self._rows: dict[str, int] = {}  # rows of the generations running in slices
+        self._capabilities: SamplerCapabilities = self.process.call("capabilities")
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> SamplerCapabilities:
+        return self._capabilities
 
     def alive(self) -> bool:
         return self.process.alive()

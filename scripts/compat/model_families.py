@@ -45,7 +45,8 @@ def _row(family: str, cache: Path) -> str:
 
     from lockstep.modeling import zoo
     from lockstep.modeling.architecture import Role, describe
-    from lockstep.workers.megatron.model import SUPPORTED, HFArch
+    from lockstep.workers.megatron.model import HFArch
+    from lockstep.workers.megatron.support import UnsupportedByMegatron
 
     directory = zoo.ensure_family(family, cache)
     model = AutoModelForCausalLM.from_pretrained(directory)
@@ -67,11 +68,10 @@ def _row(family: str, cache: Path) -> str:
         targets += "; attention named `attn`"
     external = "yes" if arch.external_lora else "refused"
     try:
-        HFArch.from_dir(directory)
-        megatron = "yes"
-    except ValueError as exc:  # the first clause of its reason, when the family is converted
-        reason = str(exc).split(";")[0].replace("the megatron engine ", "")
-        megatron = f"refused: {reason}" if arch.model_type in SUPPORTED else "refused"
+        megatron_arch = HFArch.from_dir(directory)
+        megatron = "yes" + (" (sliding windows)" if megatron_arch.window else "")
+    except UnsupportedByMegatron as exc:  # every feature it names
+        megatron = "refused: " + ", ".join(f.value for f in exc.features)
     sampler = "padded batches" if arch.padded_sampling else "grouped (model's own caches)"
     return (
         f"| `{arch.model_type}` | {EXAMPLES[family]} | {layers}{experts} | "
@@ -98,7 +98,9 @@ def family_table() -> list[str]:
         "parts of a fused projection), which tinker-cookbook's `weights` tools merge into the",
         "published checkpoint with the trainer's logprobs; routers stay frozen. A model with a",
         "feature no path computes exactly (logit soft-capping, an unknown expert layout, an",
-        "attention option row attention lacks) is refused at load, by name.",
+        "attention option row attention lacks) is refused at load, by name. The Megatron",
+        "column names every feature of a family megatron-core's layers would compute otherwise",
+        '(read from its shape; docs/megatron.md, "What is refused").',
         "",
         "| model_type | e.g. | layers | trainer | LoRA targets | local sampler | vLLM / SGLang "
         "| Megatron |",

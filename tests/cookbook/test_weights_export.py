@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling import zoo
 from lockstep.modeling.peft_io import load_peft_adapter
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 from .conftest import DRIVERS, offline_env
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lockstep.engine.capabilities import SamplerCapabilities, TrainerCapabilities
 from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine
 from lockstep.engine.types import (
     NO_MEMORY_LIMIT,
@@ -94,12 +95,16 @@ class ArithmeticTrainingEngine(TrainingEngine):
         self.fail_token: int | None = None
         self.dead = False  # like a dead process: every call fails until restart()
         self.restarts = 0
+        self.passes_run = 0  # calls of run_passes that returned
         self.in_flight: list[tuple[str, Path]] = []  # background snapshots being written
         self.ready: list[tuple[str, Path]] = []  # written; reported at the next call
         self._lock = threading.Lock()
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> TrainerCapabilities:
+        return TrainerCapabilities("arithmetic")  # built-in losses on text
 
     def memory_budget(self) -> MemoryBudget:
         return NO_MEMORY_LIMIT
@@ -143,6 +148,7 @@ class ArithmeticTrainingEngine(TrainingEngine):
                     state.undo = None
             outputs = [{"logprobs": np.zeros(len(d.tokens), np.float32)} for d in r.data]
             results.append(PassResult(r.request_id, outputs, {"loss:sum": float(state.w @ f)}))
+        self.passes_run += 1
         return results
 
     def undo_parts(self, model_id: str) -> None:
@@ -212,6 +218,9 @@ class ArithmeticSamplingEngine(SamplingEngine):
 
     def card(self) -> ModelCard:
         return self._card
+
+    def capabilities(self) -> SamplerCapabilities:
+        return SamplerCapabilities("arithmetic")
 
     def load_adapter(self, adapter_id: str, directory: Path) -> None:
         self.adapters[adapter_id] = read_weights(directory)

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from lockstep.config import ClockConfig, EngineConfig
-from lockstep.config.sections import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
+from lockstep.config.training import DEFAULT_SNAPSHOT_INTERVAL_S as DEFAULT_SNAPSHOT_S
 from lockstep.engine.interface import SamplingEngine, TrainingEngine
 from lockstep.scheduler.server import SchedulerConfig, assemble
 from lockstep.scheduler.state.store import Store
@@ -57,7 +57,8 @@ class Scheduler:
             engine=EngineConfig(snapshot_interval_s=snapshot_interval_s),
         )
         port = self.run(self._start(cfg))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.address = f"127.0.0.1:{port}"
+        self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.SchedulerStub(self.channel)
 
     def run(self, coro: Any) -> Any:

@@ -7,7 +7,7 @@ import resource
 from pathlib import Path
 
 from lockstep.engine.memory import address_space
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 
 def limited_trainer(

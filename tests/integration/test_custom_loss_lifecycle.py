@@ -1,7 +1,8 @@
 """A stored custom loss lives as long as its session and counts in usage; the cost bound a
 loss must keep is reported with the model's info and the server's capabilities. The real
 scheduler in-process on a real Redis (its engines are the arithmetic FAKES: a custom loss is
-checked, priced and stored by the scheduler alone)."""
+checked, priced and stored by the scheduler alone, so the fake trainer here says it takes custom
+losses; none ever reaches it)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,28 @@ import pytest
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from lockstep.custom_loss.bound import FLOOR_FLOPS_PER_TOKEN, UNLIMITED_MEMORY_BYTES, CostBound
+from lockstep.engine.capabilities import TrainerCapabilities
 from lockstep.engine.types import NO_MEMORY_LIMIT
 from lockstep.scheduler.state import custom_losses
 from lockstep.v1 import scheduler_pb2 as pb
 
+from .arithmetic_engine import ArithmeticTrainingEngine
 from .inprocess import OWNER, Scheduler
-from .test_cycle_commit import _create, _start, started, url  # noqa: F401
+from .test_cycle_commit import _create, started, url  # noqa: F401
+
+
+class StoringTrainer(ArithmeticTrainingEngine):
+    """The arithmetic FAKE declaring server-side custom losses, so create_custom_loss is
+    admitted; these tests only create, store and delete losses (no pass runs one)."""
+
+    def capabilities(self) -> TrainerCapabilities:
+        return TrainerCapabilities("arithmetic", custom_loss=True)
+
+
+def _start(started: list[Scheduler], url: str, data: Path) -> Scheduler:  # noqa: F811
+    sched = Scheduler(url, data, trainer=StoringTrainer(data))
+    started.append(sched)
+    return sched
 
 
 def weighted(logprobs, weights):  # type: ignore[no-untyped-def]

@@ -95,17 +95,17 @@ def test_a_crash_between_two_commits_of_a_cycle_loses_and_repeats_nothing(
         sched.stub.Submit(req).request_id
         for req in (fb(model, 1, TOKENS), _step(model, 2), _save(model, 3, "after"))
     ]
-    commit_cycle = sched.store.commit_cycle
+    commit_cycle = sched.store.cycles.commit
 
     async def crash_after_the_first(pairs):  # type: ignore[no-untyped-def]
         assert [op.seq_id for op, _ in pairs] == [1, 2, 3]  # one cycle, one batch
         await commit_cycle(pairs[:1])  # Redis ran the first op's script, then the process died
         raise ConnectionError("scheduler killed between two commits")
 
-    sched.store.commit_cycle = crash_after_the_first  # type: ignore[method-assign]
+    sched.store.cycles.commit = crash_after_the_first  # type: ignore[method-assign]
     with pytest.raises(ConnectionError):
         sched.tick()  # the pass is recorded; the step and the save (files written) are not
-    assert sched.run(sched.store.progress(model)) == (2, 0)
+    assert sched.run(sched.store.cycles.progress(model)) == (2, 0)
     sched.close()
     started.remove(sched)
 
@@ -114,7 +114,7 @@ def test_a_crash_between_two_commits_of_a_cycle_loses_and_repeats_nothing(
     assert [r.WhichOneof("state") for r in replies] == ["result"] * 3, replies
     # The step's snapshot is written in the background (the fake reports it two cycles later):
     # until then the step is in the replay log, so the weights above were rebuilt from it.
-    assert fresh.run(fresh.store.progress(model))[0] == 4
+    assert fresh.run(fresh.store.cycles.progress(model))[0] == 4
     expected = initial_weights(5) - LR * features([TOKENS])  # the pass applied exactly once
     saved = read_weights(tmp_path / "checkpoints" / model / "weights" / "after")
     np.testing.assert_allclose(saved, expected, rtol=0, atol=1e-12)
@@ -146,7 +146,7 @@ def test_a_tenant_that_cannot_be_restored_fails_alone(
     for rid in rids[healthy]:
         reply = fresh.stub.RetrieveFuture(pb.RetrieveFutureRequest(owner=OWNER, request_id=rid))
         assert reply.WhichOneof("state") == "result", reply
-    assert fresh.run(fresh.store.progress(healthy))[0] == 3
+    assert fresh.run(fresh.store.cycles.progress(healthy))[0] == 3
     # the broken tenant's later requests are answered too (never stuck behind the failure)
     late = fresh.stub.Submit(fb(broken, 3, TOKENS)).request_id
     assert _result(fresh, late).WhichOneof("state") == "error"
@@ -167,11 +167,11 @@ def test_a_background_snapshot_counts_once_durable_and_steps_replay_until_then(
         sched.stub.Submit(_step(model, 2)).request_id,
     ]:
         assert _result(sched, rid).WhichOneof("state") == "result"
-    log = sched.run(sched.store.replay_log(model, 0))
+    log = sched.run(sched.store.cycles.replay_log(model, 0))
     assert [(j.seq_id, j.kind) for j in log] == [(1, "forward_backward"), (2, "optim_step")]
     sched.trainer.restart()  # the in-flight snapshot is lost with the engine
-    sched.run(sched.clock.dispatcher.record_durable())  # nothing reported
-    assert sched.run(sched.store.progress(model)) == (3, 0)
+    sched.run(sched.clock.recovery.record_durable())  # nothing reported
+    assert sched.run(sched.store.cycles.progress(model)) == (3, 0)
     sched.close()
     started.remove(sched)
 
@@ -184,7 +184,7 @@ def test_a_background_snapshot_counts_once_durable_and_steps_replay_until_then(
     rid = fresh.stub.Submit(_step(model, 4)).request_id  # a new step, a new snapshot
     assert _result(fresh, rid).WhichOneof("state") == "result"
     for _ in range(2):  # the fake reports it durable two calls later
-        fresh.run(fresh.clock.dispatcher.record_durable())
-    assert fresh.run(fresh.store.progress(model)) == (5, 4)
-    assert fresh.run(fresh.store.replay_log(model, 0)) == []  # trimmed by the mark
+        fresh.run(fresh.clock.recovery.record_durable())
+    assert fresh.run(fresh.store.cycles.progress(model)) == (5, 4)
+    assert fresh.run(fresh.store.cycles.replay_log(model, 0)) == []  # trimmed by the mark
     assert sorted(p.name for p in (tmp_path / "state" / model).iterdir()) == ["seq-4"]

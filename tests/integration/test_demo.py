@@ -53,3 +53,23 @@ def test_demo_trains_three_tenants_in_shared_cycles(tmp_path: Path) -> None:
         assert text in out
     # The server's own output went to the log, not over the live view.
     assert "Uvicorn running" in server_log.read_text() and "Uvicorn" not in out
+
+
+def test_demo_vision_adds_a_tenant_that_names_an_images_colour(tmp_path: Path) -> None:
+    """`lockstep demo --vision` serves the tiny Qwen3-VL model and trains the colour tenant beside
+    a text tenant (few steps here: its loss falls; the README's default run names both colours)."""
+    summary_path = tmp_path / "summary.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    argv = [sys.executable, "-m", "lockstep.cli", "demo", "--data-dir", str(tmp_path / "data")]
+    argv += ["--port", str(free_port()), "--vision", "--tenants", "2", "--steps", "3"]
+    argv += ["--solo-steps", "1", "--summary-json", str(summary_path)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    server_log = tmp_path / "data" / "demo-serve.log"
+    assert proc.returncode == 0, proc.stdout + proc.stderr + server_log.read_text()[-5000:]
+    tenants = {t["name"]: t for t in json.loads(summary_path.read_text())["tenants"]}
+    assert list(tenants) == ["colours", "rl"]
+    colours = tenants["colours"]
+    assert colours["last"] < colours["first"]
+    assert "[new red image] -> " in colours["greedy"]
+    assert "[new blue image] -> " in colours["greedy"]
+    assert "greedy samples" in proc.stdout

@@ -17,7 +17,7 @@ from lockstep.engine.types import PassRequest, PassResult
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.wire.v1 import tinker_pb2 as wire
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 from .inprocess import OWNER, Scheduler, fb
 from .test_cycle_commit import started, url  # noqa: F401

@@ -9,6 +9,7 @@ Redis, real engine child process."""
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from lockstep.engine.types import Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.scheduler import translate
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from lockstep.workers.process import ProcessTrainingEngine
 
 from .inprocess import OWNER, Scheduler, fb
@@ -35,12 +36,20 @@ pytestmark = pytest.mark.skipif(
 HEADROOM = 600 << 20  # address space the capped trainer may still map once torch is loaded
 MICRO_BATCH_TOKENS = 128
 ADAM = pb.AdamParams(learning_rate=0.01, beta1=0.9, beta2=0.95, eps=1e-8)
+LONG_CONTEXT = 1 << 17  # a row this long needs GiBs: no capped budget reaches it
 GOOD = [[3, 9, 27, 17, 51, 8, 40], [5, 10, 20, 40, 80, 160, 320, 640, 7]]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("models"))
+    """The default tiny model with a context far past any row the capped budget fits, so the
+    budget (not the context) is what limits a row, whatever a pass costs per token."""
+    path = ensure_default_model(tmp_path_factory.mktemp("models"))
+    config = path / "config.json"
+    fields = json.loads(config.read_text())
+    fields["max_position_embeddings"] = LONG_CONTEXT
+    config.write_text(json.dumps(fields))
+    return path
 
 
 def _create(sched: Scheduler, session: str, n: int) -> str:

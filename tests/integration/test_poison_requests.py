@@ -120,7 +120,7 @@ def test_a_poison_sample_is_refused_and_the_others_answered(
         )
     ).sampler_id
     prompts = [([POISON] if i in poisoned else []) + GOOD[i % len(GOOD)] for i in range(samples)]
-    params = pb.SamplingParams(max_tokens=1)
+    params = pb.SamplingParams(max_tokens=1, top_p=1.0, top_k=-1)
     # Queued together (the lane is held) so they meet the engine in one batch.
     sched.run(sched.lane._engine_lock.acquire())
     rids = [

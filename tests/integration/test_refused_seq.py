@@ -36,7 +36,7 @@ import tinker
 from tinker import types
 
 from lockstep.gateway.body import PREFIX_BYTES
-from lockstep.gateway.refusals import SEQUENCED_PATHS
+from lockstep.gateway.ops import registry
 from lockstep.wire.v1 import tinker_pb2 as wire
 
 from .conftest import Server, start_server, stop_server
@@ -284,7 +284,7 @@ def _post(box: Box, path: str, content: bytes, headers: dict[str, str], stage: s
 
 
 def test_every_sequenced_route_is_in_the_table() -> None:
-    assert {f"/api/v1/{PATH[route]}" for route, _, _ in CASES} == SEQUENCED_PATHS
+    assert {f"/api/v1/{PATH[route]}" for route, _, _ in CASES} == registry.sequenced_paths()
 
 
 def _pipelined_next(http: httpx.Client, model_id: str, seq: int) -> None:

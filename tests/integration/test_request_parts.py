@@ -20,7 +20,7 @@ from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.scheduler.cycle.pace import MIN_CYCLE_TOKENS
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.wire.v1 import tinker_pb2 as wire
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 from .arithmetic_engine import features, initial_weights, read_weights
 from .inprocess import OWNER, Scheduler, fb

@@ -10,7 +10,7 @@ from pathlib import Path
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.rollout.local import LocalSamplingEngine
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 from .inprocess import OWNER, Scheduler
 from .test_cycle_commit import started, url  # noqa: F401

@@ -59,7 +59,7 @@ def _train(sched: Scheduler, model: str, first_seq: int) -> list[str]:
 
 def _durable(sched: Scheduler) -> None:
     for _ in range(2):  # the fake engine reports a background snapshot two calls later
-        sched.run(sched.clock.dispatcher.record_durable())
+        sched.run(sched.clock.recovery.record_durable())
 
 
 def _crash_and_check(
@@ -71,7 +71,7 @@ def _crash_and_check(
     sched.close()
     started.remove(sched)
     fresh = _start(started, url, data, NEVER)
-    seq = fresh.run(fresh.store.progress(model))[0]
+    seq = fresh.run(fresh.store.cycles.progress(model))[0]
     rid = fresh.stub.Submit(_save(model, seq, "after-crash")).request_id
     assert _result(fresh, rid).WhichOneof("state") == "result"
     expected = initial_weights(seed) - 2 * LR * features([TOKENS])
@@ -87,23 +87,23 @@ def test_steps_between_snapshots_replay_and_an_idle_run_is_snapshotted(
     model = _create(sched, session, 0, seed=3)  # durable snapshot at seq 0
     first = _train(sched, model, 1)
     _durable(sched)
-    assert sched.run(sched.store.progress(model)) == (3, 0), "a step within the interval"
-    log = sched.run(sched.store.replay_log(model, 0))
+    assert sched.run(sched.store.cycles.progress(model)) == (3, 0), "a step within the interval"
+    log = sched.run(sched.store.cycles.replay_log(model, 0))
     assert [j.seq_id for j in log] == [1, 2]
     raw = redis.Redis.from_url(url)
     assert raw.ttl(keys.job(first[1])) == -1, "a step no snapshot holds keeps its result"
 
-    sched.clock.dispatcher.cadence.interval_s = 0.0  # the interval has passed; no new step
+    sched.clock.recovery.cadence.interval_s = 0.0  # the interval has passed; no new step
     _durable(sched)  # the idle clock snapshots the pending step, then records it
-    assert sched.run(sched.store.progress(model)) == (3, 2)
-    assert sched.run(sched.store.replay_log(model, 0)) == []
+    assert sched.run(sched.store.cycles.progress(model)) == (3, 2)
+    assert sched.run(sched.store.cycles.replay_log(model, 0)) == []
     assert raw.ttl(keys.job(first[1])) > 0, "snapshotted: the result now expires"
     assert sorted(p.name for p in (tmp_path / "state" / model).iterdir()) == ["seq-2"]
 
-    sched.clock.dispatcher.cadence.interval_s = NEVER
+    sched.clock.recovery.cadence.interval_s = NEVER
     _train(sched, model, 3)  # in the log again, on top of the snapshot at seq 2
     _durable(sched)
-    assert sched.run(sched.store.progress(model)) == (5, 2)
+    assert sched.run(sched.store.cycles.progress(model)) == (5, 2)
     _crash_and_check(started, sched, url, tmp_path, model, seed=3)
 
 
@@ -115,25 +115,25 @@ def test_a_run_leaving_the_engine_takes_its_snapshot_with_it(
     model = _create(sched, session, 0, seed=4)
     _train(sched, model, 1)
     _train(sched, model, 3)
-    resident = sched.clock.dispatcher.resident
+    resident = sched.clock.recovery.resident
     resident.end([model])  # its session ended: freed at the next cycle boundary
     sched.tick()
     assert not sched.trainer.has_model(model)
     _durable(sched)
-    assert sched.run(sched.store.progress(model)) == (5, 4)  # the last step is durable
-    assert sched.run(sched.store.replay_log(model, 0)) == []
+    assert sched.run(sched.store.cycles.progress(model)) == (5, 4)  # the last step is durable
+    assert sched.run(sched.store.cycles.replay_log(model, 0)) == []
     _crash_and_check(started, sched, url, tmp_path, model, seed=4)
 
 
 def test_every_step_is_snapshotted_under_paging(tmp_path: Path) -> None:
     """With --max-resident-models a page-in must stay cheap: the interval does not apply."""
-    from lockstep.scheduler.cycle.dispatch import Dispatcher
+    from lockstep.scheduler.cycle.recovery import Recovery
 
     from .arithmetic_engine import ArithmeticTrainingEngine
 
     engine = ArithmeticTrainingEngine(tmp_path)
-    paged = Dispatcher(None, engine, tmp_path, max_resident=2, snapshot_interval_s=NEVER)  # type: ignore[arg-type]
-    unpaged = Dispatcher(None, engine, tmp_path, snapshot_interval_s=NEVER)  # type: ignore[arg-type]
+    paged = Recovery(None, engine, tmp_path, max_resident=2, snapshot_interval_s=NEVER)  # type: ignore[arg-type]
+    unpaged = Recovery(None, engine, tmp_path, snapshot_interval_s=NEVER)  # type: ignore[arg-type]
     for d in (paged, unpaged):
         d.cadence.taken("m")
     assert paged.cadence.due("m") and not unpaged.cadence.due("m")

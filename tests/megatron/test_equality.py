@@ -17,9 +17,9 @@ from lockstep.engine.parts import join_results, part_request
 from lockstep.engine.types import OptimRequest
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.tiny import ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine
-from lockstep.workers.megatron.engine import MegatronTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from lockstep.workers.megatron.parallel import ParallelConfig
+from lockstep.workers.megatron.trainer import MegatronTrainingEngine
 from tests.megatron.common import ADAM, TENANTS, assert_records_close, cycle_requests, run_workload
 
 CUTS = [(0, 1), (1, 3)]  # a 3-datum request in two parts

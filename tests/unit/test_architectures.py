@@ -39,7 +39,7 @@ from lockstep.modeling.lora import PEFT_PREFIX
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.tiny import init_weights, write_tokenizer
 from lockstep.rollout.local import LocalSamplingEngine
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 MOE = {"qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss", "deepseek_v3", "nemotron_h"}
 LENGTHS = (37, 5, 20, 64)  # longer and shorter than gpt-oss's 16-token window

@@ -12,7 +12,8 @@ import pytest
 
 from lockstep.gateway.app import create_app
 from lockstep.gateway.body import BodyLimitMiddleware, request_body
-from lockstep.gateway.refusals import SEQUENCED_PATHS, read_ids
+from lockstep.gateway.ops import registry
+from lockstep.gateway.refusals import read_ids
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.wire.v1 import tinker_pb2 as wire
 
@@ -91,7 +92,7 @@ def test_every_route_with_a_model_seq_id_is_sequenced() -> None:
             fields = schemas.get(ref.rsplit("/", 1)[-1], {}).get("properties", {})
             if {"model_id", "seq_id"} <= set(fields):
                 found.add(path)
-    assert found == SEQUENCED_PATHS
+    assert found == registry.sequenced_paths()
 
 
 @pytest.mark.parametrize("declared", [None, 10**9])

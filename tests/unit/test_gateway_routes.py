@@ -6,6 +6,7 @@ have their own files.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,10 @@ def api(standin: tuple[StandInScheduler, str], sched: StandInScheduler) -> Itera
 
 
 # ---------------------------------------------------------------- bootstrap and health
-def test_client_config_and_friends(api: Any) -> None:
+def test_client_config_and_friends(api: Any, sched: StandInScheduler) -> None:
+    sched.replies["GetServerCapabilities"] = pb.ServerCapabilities(
+        engines=pb.EngineCapabilities(trainer="local", custom_loss=True)
+    )
     config = api.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})
     assert config.json() == {
         "pjwt_auth_enabled": False,
@@ -44,6 +48,12 @@ def test_client_config_and_friends(api: Any) -> None:
         "sample_use_retrieve_futures": True,  # one session poller instead of one per sample
         "sample_join_sampling_session": True,  # unpickled clients ask for their clone id
     }
+    # A training engine that runs no server-side custom losses (Megatron): the SDK runs them.
+    sched.replies["GetServerCapabilities"] = pb.ServerCapabilities(
+        engines=pb.EngineCapabilities(trainer="megatron", custom_loss=False)
+    )
+    config = api.post("/api/v1/client/config", json={"sdk_version": "0.38.0"})
+    assert config.json()["custom_loss_server_side"] is False
     dynamic = api.post("/api/v1/client/dynamic_config", json={})
     assert dynamic.json() == {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
     telemetry = api.post("/api/v1/telemetry", json={"events": [], "session_id": "s"})
@@ -151,24 +161,13 @@ def test_create_model_and_get_info(api: Any, sched: StandInScheduler) -> None:
     assert info["optimizer_config"] == {"type": "adamw"}
 
 
+# The gateway checks the address; what the request carries is the scheduler's to judge
+# (tests/unit/test_request_rules.py names each of those rules once).
 @pytest.mark.parametrize(
     "change, detail",
     [
-        ({"optimizer_config": {"type": "dimuon", "version": 1}}, "optimizer_config.type:"),
-        ({"model_seq_id": -1}, "model_seq_id: must be >= 0"),
-        ({"lora_config": {"rank": 0}}, "lora_config.rank: must be >= 1"),
         ({"session_id": "bad id"}, "session_id: 'bad id' is not a valid id"),
-        (
-            {
-                "lora_config": {
-                    "rank": 4,
-                    "train_mlp": False,
-                    "train_attn": False,
-                    "train_unembed": False,
-                }
-            },
-            "lora_config: at least one",
-        ),
+        ({"model_seq_id": 2**31}, "model_seq_id: must be <= 2147483647"),
     ],
 )
 def test_create_model_rejects(api: Any, change: dict[str, Any], detail: str) -> None:
@@ -259,14 +258,8 @@ def test_optim_step_param_aliases(api: Any, sched: StandInScheduler, field: str)
             {"seq_id": 1, "optimizer_params": {"type": "dimuon", "learning_rate": 0.01}},
             "optimizer_params.type: optimizer 'dimuon' is not supported",
         ),
-        (
-            {"seq_id": 1, "adam_params": {"learning_rate": -1.0}},
-            "adam_params.learning_rate: must be >= 0",
-        ),
-        ({"seq_id": 1, "adam_params": {"beta1": 1.0}}, "adam_params.beta1: must be < 1"),
         ({"seq_id": 0, "adam_params": {}}, "seq_id: must be >= 1"),
         ({"adam_params": {}}, "seq_id: field required"),
-        ({"seq_id": 1}, "adam_params: field required"),
     ],
 )
 def test_optim_step_rejects(api: Any, body: dict[str, Any], detail: str) -> None:
@@ -274,10 +267,13 @@ def test_optim_step_rejects(api: Any, body: dict[str, Any], detail: str) -> None
     assert r.status_code == 400 and r.json()["detail"].startswith(detail)
 
 
-def test_optim_step_non_finite_learning_rate(api: Any) -> None:
-    raw = b'{"model_id": "m", "seq_id": 1, "adam_params": {"learning_rate": NaN}}'
+def test_optim_step_numbers_reach_the_scheduler_as_sent(api: Any, sched: StandInScheduler) -> None:
+    """Even a NaN: its rule is the scheduler's (scheduler/ops/optim_step.py)."""
+    raw = b'{"model_id": "m", "seq_id": 1, "adam_params": {"learning_rate": NaN, "beta1": 1.5}}'
     r = api.post("/api/v1/optim_step", content=raw, headers={"Content-Type": "application/json"})
-    assert r.json() == {"detail": "adam_params.learning_rate: must be a finite number"}
+    assert r.status_code == 200, r.json()
+    adam = sched.last("Submit").optim_step.adam
+    assert math.isnan(adam.learning_rate) and adam.beta1 == 1.5
 
 
 def test_save_weights_forms(api: Any, sched: StandInScheduler) -> None:
@@ -329,11 +325,7 @@ def test_save_weights_forms(api: Any, sched: StandInScheduler) -> None:
 @pytest.mark.parametrize(
     "route, body, detail",
     [
-        ("save_weights", {"path": "a/b"}, "path: 'a/b' is not a valid checkpoint name"),
-        ("save_weights", {"path": ".."}, "path: '..' is not a valid checkpoint name"),
-        ("save_weights", {}, "path: field required"),
-        ("save_weights", {"path": "x", "ttl_seconds": 0}, "ttl_seconds: must be >= 1"),
-        ("save_weights_for_sampler", {}, "path: give a name"),
+        ("save_weights", {"model_id": "a/b", "path": "x"}, "model_id: 'a/b' is not a valid id"),
         ("save_weights_for_sampler", {"path": "x", "kind": "live"}, "kind: must be"),
     ],
 )
@@ -370,10 +362,11 @@ def test_load_weights_forms(api: Any, sched: StandInScheduler) -> None:
     )
     assert dict(create.user_metadata) == {"created_by": "cli"}
 
-    bad = api.post(
+    # The path is the scheduler's to judge (it parses it by the same rule, lockstep.paths).
+    api.post(
         "/api/v1/load_weights",
         json={"path": "s3://x", "optimizer": False, "model_id": MODEL, "seq_id": 1},
     )
-    assert bad.json()["detail"].startswith("path: 's3://x' is not a tinker:// path")
+    assert sched.last("Submit").load_weights.path == "s3://x"
     neither = api.post("/api/v1/load_weights", json={"path": path, "optimizer": False})
     assert neither.status_code == 400

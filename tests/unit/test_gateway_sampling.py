@@ -35,11 +35,11 @@ def test_sampling_sessions(api: Any, sched: StandInScheduler) -> None:
     assert r.json() == {"type": "create_sampling_session", "sampling_session_id": "sess-1:sample:0"}
     req = sched.last("CreateSamplingSession")
     assert (req.owner, req.model_path, req.HasField("base_model")) == (OWNER, path, False)
-    missing = api.post(
+    bad_id = api.post(
         "/api/v1/create_sampling_session",
-        json={"session_id": "sess-1", "sampling_session_seq_id": 1},
+        json={"session_id": "bad id", "sampling_session_seq_id": 1, "model_path": path},
     )
-    assert missing.status_code == 400
+    assert bad_id.json()["detail"].startswith("session_id: 'bad id' is not a valid id")
 
     sched.replies["GetSampler"] = pb.SamplerInfo(sampler_id="sess-1:sample:1", base_model="B")
     assert api.get("/api/v1/samplers/sess-1:sample:1").json() == {
@@ -120,22 +120,42 @@ def test_asample(api: Any, sched: StandInScheduler) -> None:
 @pytest.mark.parametrize(
     "over, detail",
     [
-        ({"num_samples": 0}, "num_samples: must be >= 1"),
-        ({"sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens: must be >= 1"),
-        ({"sampling_params": {"temperature": -1}}, "sampling_params.temperature: must be >= 0"),
-        ({"prompt": {"chunks": []}}, "prompt: must contain at least one token"),
         (
-            {"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}},
-            "prompt.chunks[0]: chunk type 'image' is not supported",
+            {"sampling_params": {"max_tokens": 2**31}},
+            "sampling_params.max_tokens: must be <= 2147483647",
+        ),
+        (
+            {"prompt": {"chunks": [{"type": "image", "data": "!!", "format": "png"}]}},
+            "prompt.chunks[0].data: not valid base64",
         ),
         ({"sampling_session_id": None}, "sampling_session_id: field required"),
         ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k: not supported"),
-        ({"prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n: must be <= len(prompt) - 1"),
     ],
 )
 def test_asample_rejects(api: Any, over: dict[str, Any], detail: str) -> None:
+    """Only the address and what the contract cannot carry: the rest of a sample's rules are
+    the scheduler's (tests/unit/test_request_rules.py)."""
     r = api.post("/api/v1/asample", json=_sample(**over))
     assert r.status_code == 400 and r.json()["detail"].startswith(detail), r.json()
+
+
+def test_a_prompt_with_images_goes_as_its_chunks(api: Any, sched: StandInScheduler) -> None:
+    """How many tokens an image is, the scheduler says (it judges images): the gateway only
+    converts the chunks."""
+    sched.replies["Submit"] = pb.SubmitReply(request_id="req-i")
+    chunks = [
+        {"type": "encoded_text", "tokens": [1, 2]},
+        {"type": "image", "data": "iVBORw==", "format": "png", "expected_tokens": 4},
+        {"type": "encoded_text", "tokens": [3]},
+    ]
+    r = api.post("/api/v1/asample", json=_sample(prompt={"chunks": chunks}))
+    assert r.status_code == 200, r.json()
+    sample = sched.last("Submit").sample
+    assert list(sample.prompt_tokens) == []
+    kinds = [c.WhichOneof("chunk") for c in sample.prompt_chunks]
+    assert kinds == ["encoded_text", "image", "encoded_text"]
+    image = sample.prompt_chunks[1].image
+    assert (image.data, image.format, image.expected_tokens) == (b"\x89PNG", "png", 4)
 
 
 def test_asample_backpressure_is_429(api: Any, sched: StandInScheduler) -> None:

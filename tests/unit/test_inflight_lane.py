@@ -70,13 +70,13 @@ def test_target_versions_only_move_forward(clean_redis: str, tmp_path: Path) -> 
 
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        assert await store.advance_inflight_target(target(2, dirs))
-        assert not await store.advance_inflight_target(target(1, dirs))  # older: refused
-        assert not await store.advance_inflight_target(target(2, dirs))  # same: no-op
-        current = await store.inflight_target(MODEL)
+        assert await store.checkpoints.advance_inflight(target(2, dirs))
+        assert not await store.checkpoints.advance_inflight(target(1, dirs))  # older: refused
+        assert not await store.checkpoints.advance_inflight(target(2, dirs))  # same: no-op
+        current = await store.checkpoints.inflight(MODEL)
         assert current is not None and current.version == 2
-        assert await store.advance_inflight_target(target(3, dirs))
-        current = await store.inflight_target(MODEL)
+        assert await store.checkpoints.advance_inflight(target(3, dirs))
+        current = await store.checkpoints.inflight(MODEL)
         assert current is not None and current.version == 3
         await store.close()
 
@@ -92,12 +92,12 @@ def test_lane_serves_inflight_clients_never_older_than_their_save(
         store = Store.from_url(clean_redis)
         lane = SamplingLane(store, engine, FutureBoard(store))
         a, b = client(1, dirs), client(2, dirs)
-        await store.advance_inflight_target(target(1, dirs))
+        await store.checkpoints.advance_inflight(target(1, dirs))
         assert await lane._inflight_adapter(a) == target(1, dirs).adapter_id
 
         # W2 published; nothing loaded it yet. B (created at v2) must wait for it; A may not
         # see v1 once B's sample has loaded v2 (within one publish).
-        await store.advance_inflight_target(target(2, dirs))
+        await store.checkpoints.advance_inflight(target(2, dirs))
         assert await lane._inflight_adapter(b) == target(2, dirs).adapter_id
         assert await lane._inflight_adapter(a) == target(2, dirs).adapter_id
 
@@ -108,7 +108,7 @@ def test_lane_serves_inflight_clients_never_older_than_their_save(
 
         # W3 published by the clock: the old client keeps the loaded v2 until v3 is in, then
         # switches; v1 and v2 are unloaded between batches.
-        await store.advance_inflight_target(target(3, dirs))
+        await store.checkpoints.advance_inflight(target(3, dirs))
         lane.publish([], [target(3, dirs)])
         for task in list(lane._loading.values()):
             await task
@@ -132,10 +132,10 @@ def test_a_client_waits_for_its_version_when_an_older_one_is_served(
     async def go() -> None:
         store = Store.from_url(clean_redis)
         lane = SamplingLane(store, engine, FutureBoard(store))
-        await store.advance_inflight_target(target(1, dirs))
+        await store.checkpoints.advance_inflight(target(1, dirs))
         assert await lane._inflight_adapter(client(1, dirs)) == target(1, dirs).adapter_id
         # v2's record reached the client, but the lane has heard of no publish yet.
-        await store.advance_inflight_target(target(2, dirs))
+        await store.checkpoints.advance_inflight(target(2, dirs))
         assert await lane._inflight_adapter(client(2, dirs)) == target(2, dirs).adapter_id
         await store.close()
 

@@ -13,7 +13,7 @@ from lockstep.errors import UserInputError
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.tiny import ensure_default_model
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 V = 1024  # tiny model vocab
 ADAM = AdamConfig(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=0.0)
@@ -296,17 +296,8 @@ def test_user_input_errors(engine: LocalTrainingEngine) -> None:
     with pytest.raises(UserInputError) as info:
         engine.run_passes([_fb("nope", _data(1, "cross_entropy"))])
     assert info.value.field == "model_id"
-    bad = Datum(np.array([1, 2, V]), {"target_tokens": np.array([1, 2, 3])})
-    with pytest.raises(UserInputError) as info:
-        engine.run_passes([_fb("m", [bad])])
-    assert info.value.field == "data[0].model_input"
-    bad = Datum(np.array([1, 2, 3]), {"target_tokens": np.array([1, 2, V + 5])})
-    with pytest.raises(UserInputError, match="outside"):
-        engine.run_passes([_fb("m", [bad])])
-    with pytest.raises(UserInputError, match="loss_fn"):
-        engine.run_passes([_fb("m", _data(1, "cross_entropy"), loss_fn="stable_reinforce")])
-    with pytest.raises(UserInputError, match="learning_rate"):
-        engine.optim_step([OptimRequest("m", AdamConfig(learning_rate=-1.0))])
+    # What a request carries is judged at admission (tests/unit/test_request_rules.py): the
+    # engine refuses only what its own state decides (unknown models, above; an adapter spec).
     assert all(p.grad is None for p in engine._lora.adapter_parameters("m"))
     engine.delete_model("m")
     engine.delete_model("m")

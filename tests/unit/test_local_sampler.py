@@ -388,24 +388,16 @@ def test_lru_eviction_reloads_transparently(
 
 
 def test_per_request_errors_do_not_fail_the_batch(engine: LocalSamplingEngine) -> None:
+    """The engine's own refusal (an adapter it does not hold) fails that request alone; what a
+    request carries was judged at admission (tests/unit/test_request_rules.py)."""
     good = prompt(engine, "coding wizard")
-    context = engine.card().max_context_length
-    vocab = engine.card().vocab_size
     requests = [
-        req([1, 2, 3, vocab + 5], rid="vocab"),
-        req([], rid="empty"),
-        req(good, replace(GREEDY, max_tokens=context), rid="context"),
         req(good, adapter="nobody", rid="adapter"),
-        req(good, replace(GREEDY, top_p=0.0), rid="top_p"),
         req(good, rid="ok", prompt_logprobs=True),
     ]
     results = engine.sample(requests)
     errors = {r.request_id: r.error for r in results}
-    assert errors["vocab"] == f"prompt.tokens[3]: token id {vocab + 5} >= vocab size {vocab}"
-    assert errors["empty"] is not None and errors["empty"].startswith("prompt:")
-    assert errors["context"] is not None and "max_tokens" in errors["context"]
     assert errors["adapter"] is not None and "adapter_id" in errors["adapter"]
-    assert errors["top_p"] is not None and "top_p" in errors["top_p"]
     ok = results[-1]
     assert ok.error is None and ok.sequences[0].tokens == one(engine, req(good)).sequences[0].tokens
 

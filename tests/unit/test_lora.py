@@ -23,7 +23,7 @@ class Toy(nn.Module):
         super().__init__()
         self.q_proj = nn.Linear(16, 24)
         self.other = nn.Linear(24, 24)
-        self.lm_head = nn.Linear(24, 10, bias=False)
+        self.lm_head = nn.Linear(24, 12, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(torch.tanh(self.other(self.q_proj(x))))
@@ -80,11 +80,21 @@ def _reference(toy: Toy, lora: LoraModel, x: torch.Tensor, ids: list[str | None]
     return torch.stack(rows)
 
 
-def test_forward_and_backward_match_naive_reference() -> None:
+@pytest.mark.parametrize(
+    "ids",
+    [
+        # interleaved adapters: one GEMM pair per adapter over its gathered rows
+        ["r8", None, "r4", "head", "r4", "r8"],
+        # rows ordered by adapter (the trainer's layout): one grouped GEMM pair for all of them,
+        # ranks 8, 4 and 2 zero-padded to 8; the base-only rows on either side get no delta
+        [None, "r8", "r8", "r4", "r4", "head", None],
+    ],
+    ids=["per-adapter", "grouped"],
+)
+def test_forward_and_backward_match_naive_reference(ids: list[str | None]) -> None:
     toy, lora = _toy_lora()
-    ids: list[str | None] = ["r8", None, "r4", "head", "r4", "r8"]
     x = torch.randn(len(ids), 5, 16)
-    g = torch.randn(len(ids), 5, 10)
+    g = torch.randn(len(ids), 5, 12)
     x1 = x.clone().requires_grad_(True)
     with lora.row_adapters(ids):
         out = toy(x1)
@@ -209,3 +219,41 @@ def test_qwen_init_is_seeded_and_starts_at_base(model_dir: Path) -> None:
         with lora.row_adapters(["a", None, "c"]):
             routed = model(input_ids=ids).logits
     assert torch.equal(base, routed)  # B = 0: adapters start as the base model
+
+
+def test_grouped_layout_is_built_once_per_routing() -> None:
+    """Group ends and per-token scales go to the device once per routing, not once per layer
+    call: a second forward (or the backward's recompute) under the same routing reuses them."""
+    toy, lora = _toy_lora()
+    ids: list[str | None] = [None, "r8", "r8", "r4", "r4", "head", None]
+    x = torch.randn(len(ids), 8, 16)
+    with lora.row_adapters(ids):
+        routing = lora._slot.current
+        assert routing is not None
+        first = toy(x)
+        built = dict(routing.constants)
+        second = toy(x)
+    assert len(built) == 2  # q_proj's adapters (r8, r4) and lm_head's (r4, head)
+    assert routing.constants.keys() == built.keys()
+    assert all(a is b for a, b in zip(routing.constants.values(), built.values(), strict=True))
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_grouped_gemms_in_the_base_dtype_stay_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GROUPED_IN_BASE_DTYPE (bf16 GEMMs for the grouped LoRA, fp32 parameters and gradients)
+    stays within bf16 rounding of the fp32 computation."""
+    from lockstep.modeling import linear_lora
+
+    toy, lora = _toy_lora()
+    ids: list[str | None] = [None, "r8", "r8", "r4", "r4", "head", None]
+    x = torch.randn(len(ids), 8, 16)
+    with lora.row_adapters(ids):
+        ref = toy(x)
+    toy.to(torch.bfloat16)  # the base weights; adapters are held apart and stay fp32
+    monkeypatch.setattr(linear_lora, "GROUPED_IN_BASE_DTYPE", True)
+    with lora.row_adapters(ids):
+        low = toy(x.to(torch.bfloat16))
+        low.float().square().sum().backward()
+    torch.testing.assert_close(low.float(), ref, rtol=5e-2, atol=5e-2)
+    grads = [p.grad for p in lora.adapter_parameters("r8")]
+    assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from lockstep.observability import metrics
+from lockstep.observability import gateway_metrics, metrics
 from lockstep.observability.ops_server import OpsServer
 from lockstep.observability.tracking import OTHER, BusyWindow, OwnerCache, TenantLabels
 from lockstep.scheduler.cycle.dispatch import Outcome
@@ -256,7 +256,7 @@ def test_submission_counts_new_requests_and_deduplicated_retries() -> None:
     ],
 )
 def test_http_error_categories(status: int, category: str | None) -> None:
-    assert metrics.http_error_category(status) == category
+    assert gateway_metrics.http_error_category(status) == category
 
 
 # ---------------------------------------------------------------- the gateway's /metrics

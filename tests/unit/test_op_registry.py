@@ -79,3 +79,18 @@ def test_each_kind_runs_where_its_role_says() -> None:
     assert phases(OpKind.SAVE) == [Phase.PRE, Phase.POST, Phase.POST, Phase.POST]
     refused = registry.queued_as(OpKind.REJECTED)
     assert refused is not None and refused.holds_only
+
+
+def test_the_gateway_and_the_scheduler_register_the_same_ops() -> None:
+    """Every op the SDK submits has a gateway op (its route) and a scheduler op (its rules),
+    meeting at one SubmitRequest field; `refused` is the gateway's own report."""
+    from lockstep.gateway.ops import registry as gateway
+
+    built = {op.oneof for op in gateway.ops()}
+    assert built == set(registry.BY_ONEOF) - {"refused"}
+    assert len({op.path for op in gateway.ops()}) == len(gateway.ops())
+    assert gateway.sequenced_paths() == {
+        op.path
+        for op in gateway.ops()
+        if op.oneof in ("forward_backward", "optim_step", "save_weights", "load_weights")
+    }

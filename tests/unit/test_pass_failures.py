@@ -25,7 +25,7 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 MODELS = ("good", "bad", "broken", "builtin")
 # A huge eps makes one AdamW step ~ lr * g / eps: the new weights carry the gradient itself.

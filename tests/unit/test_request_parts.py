@@ -26,7 +26,7 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.modeling.tiny import ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 V = 1024  # the tiny model's vocab
 SPEC = LoraSpec(rank=8, seed=5)

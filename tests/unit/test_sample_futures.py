@@ -16,8 +16,9 @@ from lockstep.rollout.local import LocalSamplingEngine
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
 from lockstep.scheduler.state import keys, sample_futures
 from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.jobs import Job
 from lockstep.scheduler.state.records import SamplerRecord
-from lockstep.scheduler.state.store import Job, Store
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus
 
@@ -36,11 +37,11 @@ async def _claim(store: Store, seq_id: int, max_tokens: int = 2) -> Job:
             params=pb.SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=-1, top_p=1.0),
         ),
     ).SerializeToString()
-    rid, created = await store.claim_sample(
+    rid, created = await store.jobs.claim_sample(
         owner="o", sampler_id=SAMPLER, seq_id=seq_id, payload=payload
     )
     assert created
-    job = await store.job(rid)
+    job = await store.jobs.get(rid)
     assert job is not None
     return job
 
@@ -81,20 +82,21 @@ def test_cancel_and_finish_race_whoever_writes_first_wins(clean_redis: str) -> N
         store = Store.from_url(clean_redis)
         queued, done = await _claim(store, 1), await _claim(store, 2)
         assert await sample_futures.cancel(store, queued) == sample_futures.Outcome.CANCELLED
-        job = await store.job(queued.request_id)
+        job = await store.jobs.get(queued.request_id)
         assert job is not None and job.status == JobStatus.FAILED
         assert job.error == sample_futures.cancelled_message(queued.request_id)
         assert "cancelled" in (job.error or "")
-        assert queued.request_id not in [j.request_id for j in (await store.sample_batch(10))[1]]
+        _, batch, _ = await store.cycles.sample_batch(10)
+        assert queued.request_id not in [j.request_id for j in batch]
         # the lane finishing it afterwards (it was already in the engine) changes nothing
         assert not await sample_futures.finish(store, queued, result=b"late")
-        job = await store.job(queued.request_id)
+        job = await store.jobs.get(queued.request_id)
         assert job is not None and job.status == JobStatus.FAILED and job.result is None
         assert await sample_futures.cancel(store, queued) == sample_futures.Outcome.ALREADY_FAILED
 
         assert await sample_futures.finish(store, done, result=b"ok")
         assert await sample_futures.cancel(store, done) == sample_futures.Outcome.ALREADY_FINISHED
-        job = await store.job(done.request_id)
+        job = await store.jobs.get(done.request_id)
         assert job is not None and (job.status, job.result) == (JobStatus.DONE, b"ok")
         await store.close()
 
@@ -138,7 +140,7 @@ def test_a_cancelled_queued_sample_never_reaches_the_engine(
 ) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_sampler(
+        await store.samplers.put(
             SamplerRecord(sampler_id=SAMPLER, owner="o", session_id="sess-1", base_model="m")
         )
         board = FutureBoard(store)
@@ -158,10 +160,10 @@ def test_a_cancelled_queued_sample_never_reaches_the_engine(
         assert await lane.serve_once() == 1
         assert sampler.seen == [kept.request_id]
         found = await poll  # woken by the lane's finish, not by the timeout
-        job = await store.job(kept.request_id)
+        job = await store.jobs.get(kept.request_id)
         assert job is not None and job.status == JobStatus.DONE, job.error
         assert _ids(found) == [(cancelled.request_id, True), (kept.request_id, False)]
-        job = await store.job(kept.request_id)
+        job = await store.jobs.get(kept.request_id)
         assert job is not None and job.status == JobStatus.DONE
         await store.close()
 
@@ -176,7 +178,7 @@ def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
 
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_sampler(
+        await store.samplers.put(
             SamplerRecord(sampler_id=SAMPLER, owner="o", session_id="sess-1", base_model="m")
         )
         lane = SamplingLane(store, sampler, FutureBoard(store))
@@ -191,7 +193,7 @@ def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
         sampler.seen.clear()
         await lane.serve_once()
         assert sampler.seen == [kept.request_id]
-        job = await store.job(cancelled.request_id)
+        job = await store.jobs.get(cancelled.request_id)
         assert job is not None and job.status == JobStatus.FAILED
         await store.close()
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import ensure_default_model
-from lockstep.workers.local.engine import LocalTrainingEngine
+from lockstep.workers.local.trainer import LocalTrainingEngine
 from lockstep.workers.snapshots import SnapshotWriter
 
 

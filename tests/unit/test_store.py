@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 
+import lockstep
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.claims import ClaimConflict, TenantLimitReached, TrainingClaim
 from lockstep.scheduler.state.outcome import Outcome
@@ -43,14 +46,14 @@ def run(coro):  # type: ignore[no-untyped-def]
 def test_a_retried_request_is_claimed_once(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         kw = dict(owner="o", model_id="sess-1:train:0", seq_id=1, kind="forward_backward", tokens=5)
-        rid, created = await store.claim_training(TrainingClaim(payload=b"a", **kw))  # type: ignore[arg-type]
-        again, created_again = await store.claim_training(TrainingClaim(payload=b"a", **kw))  # type: ignore[arg-type]
+        rid, created = await store.jobs.claim_training(TrainingClaim(payload=b"a", **kw))  # type: ignore[arg-type]
+        again, created_again = await store.jobs.claim_training(TrainingClaim(payload=b"a", **kw))  # type: ignore[arg-type]
         assert created and not created_again and again == rid
         with pytest.raises(ClaimConflict):
-            await store.claim_training(TrainingClaim(payload=b"b", **kw))  # type: ignore[arg-type]
-        queues, next_seq = await store.queued_ops()
+            await store.jobs.claim_training(TrainingClaim(payload=b"b", **kw))  # type: ignore[arg-type]
+        queues, next_seq = await store.cycles.queued_ops()
         assert [op.request_id for op in queues["sess-1:train:0"]] == [rid]
         assert next_seq == {"sess-1:train:0": 0}
         await store.close()
@@ -61,10 +64,10 @@ def test_a_retried_request_is_claimed_once(clean_redis: str) -> None:
 def test_concurrent_claims_of_one_seq_enqueue_once(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         results = await asyncio.gather(
             *[
-                store.claim_training(
+                store.jobs.claim_training(
                     TrainingClaim(
                         owner="o",
                         model_id="sess-1:train:0",
@@ -79,7 +82,7 @@ def test_concurrent_claims_of_one_seq_enqueue_once(clean_redis: str) -> None:
         )
         assert len({rid for rid, _ in results}) == 1
         assert sum(created for _, created in results) == 1
-        queues, _ = await store.queued_ops()
+        queues, _ = await store.cycles.queued_ops()
         assert len(queues["sess-1:train:0"]) == 1
         await store.close()
 
@@ -89,8 +92,8 @@ def test_concurrent_claims_of_one_seq_enqueue_once(clean_redis: str) -> None:
 def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
-        rid, _ = await store.claim_training(
+        await store.runs.put(model_record())
+        rid, _ = await store.jobs.claim_training(
             TrainingClaim(
                 owner="o",
                 model_id="sess-1:train:0",
@@ -100,19 +103,19 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
                 tokens=3,
             )
         )
-        (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
-        assert await store.commit(op, done())
-        job = await store.job(rid)
+        (op,) = (await store.cycles.queued_ops())[0]["sess-1:train:0"]
+        assert await store.cycles.commit_one(op, done())
+        job = await store.jobs.get(rid)
         assert job is not None and job.status == "done" and job.result == RESULT.SerializeToString()
-        outcome = await store.job(rid, payload=False)  # what a future reads: all but the payload
+        outcome = await store.jobs.get(rid, payload=False)  # what a future reads: no payload
         assert outcome is not None and outcome.payload == b"" and job.payload == b"x"
         assert outcome == dataclasses.replace(job, payload=b"")
-        assert await store.job("req-unknown", payload=False) is None
-        assert await store.progress("sess-1:train:0") == (2, None)
-        (job,) = await store.replay_log("sess-1:train:0", after_seq=0)
+        assert await store.jobs.get("req-unknown", payload=False) is None
+        assert await store.cycles.progress("sess-1:train:0") == (2, None)
+        (job,) = await store.cycles.replay_log("sess-1:train:0", after_seq=0)
         assert job.request_id == rid and job.payload == b"x"  # kept until the next snapshot
-        assert (await store.queued_ops())[0] == {}
-        (c1, _), (c2, _) = await store.begin_cycle([]), await store.begin_cycle([])
+        assert (await store.cycles.queued_ops())[0] == {}
+        (c1, _), (c2, _) = await store.cycles.begin([]), await store.cycles.begin([])
         assert c2 == c1 + 1
         await store.close()
 
@@ -122,8 +125,8 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
 def test_a_rejected_request_is_failed_but_queued(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
-        rid, _ = await store.claim_training(
+        await store.runs.put(model_record())
+        rid, _ = await store.jobs.claim_training(
             TrainingClaim(
                 owner="o",
                 model_id="sess-1:train:0",
@@ -134,10 +137,10 @@ def test_a_rejected_request_is_failed_but_queued(clean_redis: str) -> None:
                 rejection="weights: wrong length",
             )
         )
-        job = await store.job(rid)
+        job = await store.jobs.get(rid)
         assert job is not None and job.status == "failed" and job.category == "user"
         assert job.error == "weights: wrong length"
-        (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
+        (op,) = (await store.cycles.queued_ops())[0]["sess-1:train:0"]
         assert op.kind == "rejected"
         await store.close()
 
@@ -151,11 +154,11 @@ def test_an_outcome_not_replayed_leaves_no_log_entry(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
         model = "sess-1:train:0"
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         (fwd,) = await _queue(store, model, ["forward"])
-        assert await store.commit(fwd, Outcome(RESULT))
-        assert await store.replay_log(model, after_seq=0) == []
-        job = await store.job(fwd.request_id)
+        assert await store.cycles.commit_one(fwd, Outcome(RESULT))
+        assert await store.cycles.replay_log(model, after_seq=0) == []
+        job = await store.jobs.get(fwd.request_id)
         assert job is not None and job.status == "done" and job.payload == b""
         await store.close()
 
@@ -166,14 +169,14 @@ def test_a_snapshot_empties_the_replay_log(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
         model = "sess-1:train:0"
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         for seq, kind in (
             (1, "forward_backward"),
             (2, "forward_backward"),
             (3, "optim_step"),
             (4, "forward_backward"),
         ):
-            await store.claim_training(
+            await store.jobs.claim_training(
                 TrainingClaim(
                     owner="o",
                     model_id=model,
@@ -183,15 +186,15 @@ def test_a_snapshot_empties_the_replay_log(clean_redis: str) -> None:
                     tokens=1,
                 )
             )
-        ops = (await store.queued_ops())[0][model]
+        ops = (await store.cycles.queued_ops())[0][model]
         for op in ops[:2]:
-            await store.commit(op, done())
-        assert [j.seq_id for j in await store.replay_log(model, after_seq=0)] == [1, 2]
-        await store.commit(ops[2], done(snapshot_seq=3))
-        await store.commit(ops[3], done())
-        assert await store.progress(model) == (5, 3)
-        assert [j.seq_id for j in await store.replay_log(model, after_seq=3)] == [4]
-        first = await store.job(ops[0].request_id)
+            await store.cycles.commit_one(op, done())
+        assert [j.seq_id for j in await store.cycles.replay_log(model, after_seq=0)] == [1, 2]
+        await store.cycles.commit_one(ops[2], done(snapshot_seq=3))
+        await store.cycles.commit_one(ops[3], done())
+        assert await store.cycles.progress(model) == (5, 3)
+        assert [j.seq_id for j in await store.cycles.replay_log(model, after_seq=3)] == [4]
+        first = await store.jobs.get(ops[0].request_id)
         assert first is not None and first.payload == b""  # dropped once a snapshot covers it
         await store.close()
 
@@ -205,8 +208,8 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
 
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
-        rid, _ = await store.claim_training(
+        await store.runs.put(model_record())
+        rid, _ = await store.jobs.claim_training(
             TrainingClaim(
                 owner="o",
                 model_id="sess-1:train:0",
@@ -216,13 +219,13 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
                 tokens=3,
             )
         )
-        (op,) = (await store.queued_ops())[0]["sess-1:train:0"]
-        await store.commit(op, done())  # the queue is empty, the model still active
+        (op,) = (await store.cycles.queued_ops())[0]["sess-1:train:0"]
+        await store.cycles.commit_one(op, done())  # the queue is empty, the model still active
         # The idle model leaves the active set in the same script that found its queue empty,
         # so a claim can only come before (it is read) or after (it re-adds the model).
-        assert (await store.queued_ops())[0] == {}
+        assert (await store.cycles.queued_ops())[0] == {}
         assert not await store.redis.sismember(keys.ACTIVE_MODELS, "sess-1:train:0")
-        await store.claim_training(
+        await store.jobs.claim_training(
             TrainingClaim(
                 owner="o",
                 model_id="sess-1:train:0",
@@ -232,7 +235,7 @@ def test_a_claim_racing_the_idle_check_keeps_the_model_active(clean_redis: str) 
                 tokens=3,
             )
         )
-        (late,) = (await store.queued_ops())[0]["sess-1:train:0"]
+        (late,) = (await store.cycles.queued_ops())[0]["sess-1:train:0"]
         assert late.seq_id == 2 and late.request_id != rid
         await store.close()
 
@@ -260,21 +263,21 @@ def test_a_retry_is_matched_by_its_identity_not_its_bytes(clean_redis: str) -> N
 
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         kw = dict(owner="o", model_id="sess-1:train:0", seq_id=3, kind="save_weights", tokens=0)
-        rid, created = await store.claim_training(
+        rid, created = await store.jobs.claim_training(
             TrainingClaim(  # type: ignore[arg-type]
                 payload=first.SerializeToString(), identity=retry_identity(first), **kw
             )
         )
-        again, created_again = await store.claim_training(
+        again, created_again = await store.jobs.claim_training(
             TrainingClaim(  # type: ignore[arg-type]
                 payload=retry.SerializeToString(), identity=retry_identity(retry), **kw
             )
         )
         assert created and not created_again and again == rid
         with pytest.raises(ClaimConflict):  # another name under the same seq_id is not a retry
-            await store.claim_training(
+            await store.jobs.claim_training(
                 TrainingClaim(  # type: ignore[arg-type]
                     payload=save(None, "b").SerializeToString(), **kw
                 )
@@ -300,7 +303,7 @@ def _new_run(n: int, owner: str) -> ModelRecord:
 async def _create(store: Store, n: int, owner: str, per_key: int, total: int) -> bool:
     run = _new_run(n, owner)
     try:
-        await store.claim_training(
+        await store.jobs.claim_training(
             TrainingClaim(
                 owner=owner,
                 model_id=run.model_id,
@@ -343,7 +346,7 @@ def test_concurrent_creations_never_pass_the_tenant_quotas(clean_redis: str) -> 
 
 async def _queue(store: Store, model: str, kinds: list[str]) -> list:  # type: ignore[type-arg]
     for seq, kind in enumerate(kinds, start=1):
-        await store.claim_training(
+        await store.jobs.claim_training(
             TrainingClaim(  # type: ignore[arg-type]
                 owner="o",
                 model_id=model,
@@ -354,7 +357,7 @@ async def _queue(store: Store, model: str, kinds: list[str]) -> list:  # type: i
                 rejection="tokens: out of range" if kind == "rejected" else None,
             )
         )
-    return (await store.queued_ops())[0][model]
+    return (await store.cycles.queued_ops())[0][model]
 
 
 def test_progress_never_moves_backwards_whatever_the_commit_order(clean_redis: str) -> None:
@@ -364,17 +367,17 @@ def test_progress_never_moves_backwards_whatever_the_commit_order(clean_redis: s
     async def go() -> None:
         store = Store.from_url(clean_redis)
         model = "sess-1:train:0"
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         rejected, fb, optim = await _queue(
             store, model, ["rejected", "forward_backward", "optim_step"]
         )
-        await store.commit(fb, done())
-        await store.commit(optim, done(snapshot_seq=3))
-        await store.commit(rejected, Outcome())  # late: must not move the model back
-        assert await store.progress(model) == (4, 3)
-        job = await store.job(rejected.request_id)
+        await store.cycles.commit_one(fb, done())
+        await store.cycles.commit_one(optim, done(snapshot_seq=3))
+        await store.cycles.commit_one(rejected, Outcome())  # late: must not move the model back
+        assert await store.cycles.progress(model) == (4, 3)
+        job = await store.jobs.get(rejected.request_id)
         assert job is not None and job.status == "failed" and job.error == "tokens: out of range"
-        assert (await store.queued_ops())[0] == {}
+        assert (await store.cycles.queued_ops())[0] == {}
         await store.close()
 
     run(go())
@@ -384,11 +387,11 @@ def test_a_snapshot_mark_never_moves_backwards(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
         model = "sess-1:train:0"
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         ops = await _queue(store, model, ["optim_step", "optim_step"])
-        await store.commit(ops[1], done(snapshot_seq=2))
-        await store.commit(ops[0], done(snapshot_seq=1))
-        assert await store.progress(model) == (3, 2)
+        await store.cycles.commit_one(ops[1], done(snapshot_seq=2))
+        await store.cycles.commit_one(ops[0], done(snapshot_seq=1))
+        assert await store.cycles.progress(model) == (3, 2)
         await store.close()
 
     run(go())
@@ -400,13 +403,13 @@ def test_commit_is_idempotent(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
         model = "sess-1:train:0"
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         (fb,) = await _queue(store, model, ["forward_backward"])
-        assert await store.commit(fb, done())
-        assert not await store.commit(fb, Outcome(error="boom"))
-        job = await store.job(fb.request_id)
+        assert await store.cycles.commit_one(fb, done())
+        assert not await store.cycles.commit_one(fb, Outcome(error="boom"))
+        job = await store.jobs.get(fb.request_id)
         assert job is not None and job.status == "done" and job.error is None
-        assert [j.seq_id for j in await store.replay_log(model, after_seq=0)] == [1]
+        assert [j.seq_id for j in await store.cycles.replay_log(model, after_seq=0)] == [1]
         await store.close()
 
     run(go())
@@ -418,7 +421,7 @@ def test_commit_records_the_checkpoint_the_model_and_the_sampler_together(clean_
     async def go() -> None:
         store = Store.from_url(clean_redis)
         model = "sess-1:train:0"
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         (save,) = await _queue(store, model, ["save"])
         ckpt = CheckpointRecord(
             checkpoint_id="sampler_weights/a",
@@ -430,12 +433,35 @@ def test_commit_records_the_checkpoint_the_model_and_the_sampler_together(clean_
         sampler = SamplerRecord(
             sampler_id="sess-1:sample:0", owner="o", session_id="sess-1", base_model="m"
         )
-        assert await store.commit(save, Outcome(RESULT, checkpoint=ckpt, sampler=sampler))
-        rec = await store.model(model)
+        saved = Outcome(RESULT, checkpoint=ckpt, sampler=sampler)
+        assert await store.cycles.commit_one(save, saved)
+        rec = await store.runs.get(model)
         assert rec is not None and rec.last_sampler_checkpoint == "sampler_weights/a"
-        assert (await store.checkpoint(model, "sampler_weights/a")) == ckpt
-        assert await store.sampler("sess-1:sample:0") == sampler
-        assert await store.progress(model) == (2, None)
+        assert (await store.checkpoints.get(model, "sampler_weights/a")) == ckpt
+        assert await store.samplers.get("sess-1:sample:0") == sampler
+        assert await store.cycles.progress(model) == (2, None)
         await store.close()
 
     run(go())
+
+
+def test_only_the_state_layer_talks_to_redis() -> None:
+    """Every Redis access in the scheduler goes through `scheduler/state/`: no other module
+    imports redis or reaches for a `.redis` connection."""
+    root = Path(lockstep.__file__).parent / "scheduler"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent == root / "state":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "redis":
+                offenders.append(f"{path.relative_to(root)}:{node.lineno} .redis")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            offenders += [
+                f"{path.relative_to(root)} imports {n}"
+                for n in names
+                if n == "redis" or n.startswith("redis.")
+            ]
+    assert offenders == []

@@ -52,15 +52,15 @@ def _checkpoint(name: str) -> CheckpointRecord:
 def test_a_full_queue_refuses_new_requests_but_answers_retries(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
-        first, _ = await store.claim_training(_claim(1, backlog=2))
-        await store.claim_training(_claim(2, backlog=2))
+        await store.runs.put(model_record())
+        first, _ = await store.jobs.claim_training(_claim(1, backlog=2))
+        await store.jobs.claim_training(_claim(2, backlog=2))
         with pytest.raises(QueueFull) as refused:
-            await store.claim_training(_claim(3, backlog=2))
+            await store.jobs.claim_training(_claim(3, backlog=2))
         assert refused.value.queued == 2
         # A retry of a queued request is answered, not refused (it adds nothing to the queue).
-        assert await store.claim_training(_claim(1, backlog=2)) == (first, False)
-        assert len((await store.queued_ops())[0][MODEL]) == 2
+        assert await store.jobs.claim_training(_claim(1, backlog=2)) == (first, False)
+        assert len((await store.cycles.queued_ops())[0][MODEL]) == 2
         await store.close()
 
     run(go())
@@ -70,12 +70,12 @@ def test_a_full_sample_queue_refuses_new_samples_but_answers_retries(clean_redis
     async def go() -> None:
         store = Store.from_url(clean_redis)
         kw = dict(owner="o", sampler_id="sess-1:sample:0", backlog=1)
-        rid, created = await store.claim_sample(seq_id=1, payload=b"a", **kw)  # type: ignore[arg-type]
+        rid, created = await store.jobs.claim_sample(seq_id=1, payload=b"a", **kw)  # type: ignore[arg-type]
         assert created
         with pytest.raises(QueueFull):
-            await store.claim_sample(seq_id=2, payload=b"b", **kw)  # type: ignore[arg-type]
-        assert await store.claim_sample(seq_id=1, payload=b"a", **kw) == (rid, False)  # type: ignore[arg-type]
-        assert [job.request_id for job in (await store.sample_batch(10))[1]] == [rid]
+            await store.jobs.claim_sample(seq_id=2, payload=b"b", **kw)  # type: ignore[arg-type]
+        assert await store.jobs.claim_sample(seq_id=1, payload=b"a", **kw) == (rid, False)  # type: ignore[arg-type]
+        assert [job.request_id for job in (await store.cycles.sample_batch(10))[1]] == [rid]
         await store.close()
 
     run(go())
@@ -84,23 +84,23 @@ def test_a_full_sample_queue_refuses_new_samples_but_answers_retries(clean_redis
 def test_two_saves_of_one_model_in_one_batch_both_reach_its_record(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         a, b = await _queue(store, MODEL, ["save", "save"])
-        done = await store.commit_cycle(
+        done = await store.cycles.commit(
             [
                 (a, Outcome(RESULT, checkpoint=_checkpoint("a"))),
                 (b, Outcome(RESULT, checkpoint=_checkpoint("b"))),
             ]
         )
         assert done == [True, True]
-        rec = await store.model(MODEL)
+        rec = await store.runs.get(MODEL)
         assert rec is not None and rec.last_checkpoint == "weights/b"
-        assert [c.checkpoint_id for c in await store.checkpoints(MODEL)] == [
+        assert [c.checkpoint_id for c in await store.checkpoints.of_run(MODEL)] == [
             "weights/a",
             "weights/b",
         ]
-        assert await store.progress(MODEL) == (3, None)
-        assert await store.commit_cycle([(a, Outcome(RESULT))]) == [False]  # committed already
+        assert await store.cycles.progress(MODEL) == (3, None)
+        assert await store.cycles.commit([(a, Outcome(RESULT))]) == [False]  # committed already
         await store.close()
 
     run(go())
@@ -114,7 +114,7 @@ def test_a_model_record_changed_under_a_commit_is_read_again(
 
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         (save,) = await _queue(store, MODEL, ["save"])
         read = commit._models_before
         calls = 0
@@ -126,13 +126,13 @@ def test_a_model_record_changed_under_a_commit_is_read_again(
             if calls == 1:  # someone else writes the record between the read and the script
                 changed = model_record()
                 changed.user_metadata = {"k": "v"}
-                await store.put_model(changed)
+                await store.runs.put(changed)
             return found
 
         monkeypatch.setattr(commit, "_models_before", read_then_change)
-        assert await store.commit(save, Outcome(RESULT, checkpoint=_checkpoint("a")))
+        assert await store.cycles.commit_one(save, Outcome(RESULT, checkpoint=_checkpoint("a")))
         assert calls == 2
-        rec = await store.model(MODEL)
+        rec = await store.runs.get(MODEL)
         assert rec is not None and rec.last_checkpoint == "weights/a"
         assert rec.user_metadata == {"k": "v"}
         await store.close()
@@ -143,14 +143,14 @@ def test_a_model_record_changed_under_a_commit_is_read_again(
 def test_a_model_is_read_with_its_session(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        assert await store.model_and_session(MODEL) == (None, None)
-        await store.put_model(model_record())
-        model, session = await store.model_and_session(MODEL)
+        assert await store.runs.with_session(MODEL) == (None, None)
+        await store.runs.put(model_record())
+        model, session = await store.runs.with_session(MODEL)
         assert model is not None and (model.model_id, model.owner) == (MODEL, "o")
         assert session is None  # the session record is gone
         rec = SessionRecord(session_id="sess-1", owner="o", created=1.0, last_heartbeat=1.0)
-        await store.put_session(rec)
-        assert (await store.model_and_session(MODEL))[1] == rec
+        await store.sessions.put(rec)
+        assert (await store.runs.with_session(MODEL))[1] == rec
         await store.close()
 
     run(go())
@@ -180,11 +180,11 @@ def test_decoded_passes_are_taken_once_and_bounded() -> None:
 def test_the_job_result_is_the_bytes_the_outcome_carried(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         (op,) = await _queue(store, MODEL, ["forward_backward"])
         result = pb.JobResult(optim_step=pb.OptimStepResult(metrics={"x": 2.0}))
-        assert await store.commit_cycle([(op, Outcome(result))]) == [True]
-        job = await store.job(op.request_id)
+        assert await store.cycles.commit([(op, Outcome(result))]) == [True]
+        job = await store.jobs.get(op.request_id)
         assert job is not None and job.result == result.SerializeToString()
         await store.close()
 
@@ -197,7 +197,7 @@ def test_a_waiting_future_gets_the_committed_outcome_without_reading_it_back(
     async def go() -> None:
         store = Store.from_url(clean_redis)
         board = FutureBoard(store)
-        await store.put_model(model_record())
+        await store.runs.put(model_record())
         (op,) = await _queue(store, MODEL, ["forward_backward"])
         waiting = asyncio.create_task(board.wait(op.request_id, timeout=30))
         while not board.waiting(op.request_id):  # registered: a wake-up from now on reaches it
@@ -206,7 +206,7 @@ def test_a_waiting_future_gets_the_committed_outcome_without_reading_it_back(
         job = await waiting
         assert job is not None and job.status == "done" and job.result == RESULT.SerializeToString()
         assert job.owner == "o" and job.request_id == op.request_id  # from its first read
-        stored = await store.job(op.request_id, payload=False)
+        stored = await store.jobs.get(op.request_id, payload=False)
         assert stored is not None and stored.status == "pending"  # so it was not read back
         # A wake-up without the outcome (a sample, a cancel) reads it.
         again = asyncio.create_task(board.wait(op.request_id, timeout=30))

@@ -124,7 +124,7 @@ def test_residency_pages_lru_and_frees_ended_models_once_idle(tmp_path: Path) ->
     cycle; an ended model with queued work stays until its queue drains."""
     from lockstep.engine.types import LoraSpec
     from lockstep.modeling.tiny import ensure_default_model
-    from lockstep.workers.local.engine import LocalTrainingEngine
+    from lockstep.workers.local.trainer import LocalTrainingEngine
 
     engine = LocalTrainingEngine(ensure_default_model(tmp_path / "cache"), "tiny", device="cpu")
     residency = Residency(engine, max_resident=2)

@@ -33,7 +33,7 @@ async def _cycle() -> None:
 def test_a_cycle_is_recorded_per_session_and_nests(clean_redis: str) -> None:
     async def go() -> tuple[dict, dict, int]:  # type: ignore[type-arg]
         store = Store.from_url(clean_redis)
-        tracing.configure(store.redis, retention_s=600)
+        tracing.configure(store.traces, retention_s=600)
         try:
             await _cycle()
             mine = await tracing.export("sess-1")
@@ -79,7 +79,7 @@ def test_a_cycle_is_recorded_per_session_and_nests(clean_redis: str) -> None:
 def test_retention_zero_records_nothing(clean_redis: str) -> None:
     async def go() -> dict:  # type: ignore[type-arg]
         store = Store.from_url(clean_redis)
-        tracing.configure(store.redis, retention_s=0)
+        tracing.configure(store.traces, retention_s=0)
         try:
             await _cycle()
             return await tracing.export("sess-1")

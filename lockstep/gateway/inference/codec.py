@@ -19,7 +19,10 @@ from typing import Any
 
 from fastapi import Request
 
+from lockstep.engine.images import RUN_AGAIN, VisionSpec, read_image
+from lockstep.errors import UserInputError
 from lockstep.gateway.errors import ApiError, bad_request
+from lockstep.gateway.inference.images import ChatImage
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,38 @@ class TextCodec:
             value = json.loads(generation.read_text()).get("eos_token_id")
             eos |= set(value if isinstance(value, list) else [value] if value is not None else [])
         self.eos_ids: tuple[int, ...] = tuple(sorted(int(t) for t in eos))
+        config = Path(directory) / "config.json"
+        # A vision-language model's image processing: its placeholder id, and image token
+        # counts for usage (the scheduler judges the images themselves).
+        self.vision = (
+            VisionSpec.from_dir(Path(directory), json.loads(config.read_text()))
+            if config.is_file()
+            else None
+        )
+
+    @property
+    def placeholder(self) -> int | None:
+        """The id the chat template renders an image as (None: the model takes no images)."""
+        return None if self.vision is None else self.vision.image_token_id
+
+    def image_tokens(self, images: Sequence[ChatImage]) -> int:
+        """Tokens the images add beyond their placeholders (from their headers)."""
+        if self.vision is None:
+            return 0
+        total = 0
+        for i, image in enumerate(images):
+            try:
+                size = read_image(image.data, image.format, f"images[{i}]", RUN_AGAIN, False)
+            except UserInputError as exc:
+                raise bad_request(exc.field, exc.detail) from exc
+            total += self.vision.tokens(self.vision.grid(*size)) - 1
+        return total
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
 
     def encode_chat(
-        self, messages: list[dict[str, str]], continue_final: bool = False
+        self, messages: list[dict[str, Any]], continue_final: bool = False
     ) -> list[int]:
         """The prompt of a chat: the model's chat template, ending where the reply starts."""
         if not self._tok.chat_template:

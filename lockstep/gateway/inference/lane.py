@@ -49,9 +49,11 @@ class Target:
     base_model: str
     context_length: int
 
-    def room(self, prompt: list[int]) -> int:
-        """Tokens left after `prompt` (the default max_tokens where a route has none)."""
-        return max(1, self.context_length - len(prompt))
+    def room(self, prompt: list[int] | int) -> int:
+        """Tokens left after `prompt` (or that many tokens): the default max_tokens where a
+        route has none."""
+        length = prompt if isinstance(prompt, int) else len(prompt)
+        return max(1, self.context_length - length)
 
 
 @dataclass
@@ -193,14 +195,17 @@ async def sample(
     params: pb.SamplingParams,
     topk: int = 0,
     prompt_logprobs: bool = False,
+    chunks: list[wire.Chunk] | None = None,
 ) -> Sampled:
-    """Submit one `Sample` and wait for its future (the same path as `/api/v1/asample`)."""
+    """Submit one `Sample` and wait for its future (the same path as `/api/v1/asample`).
+    `chunks`: the prompt with images, as text and image chunks (`inference/images.py`)."""
     if not prompt:
         raise bad_request("prompt", "must contain at least one token")
     op = pb.Sample(
         sampling_session_id=target.sampler_id,
         seq_id=1,
-        prompt_tokens=prompt,
+        prompt_tokens=[] if chunks else prompt,
+        prompt_chunks=chunks or [],
         num_samples=num_samples,
         params=params,
         prompt_logprobs=prompt_logprobs,

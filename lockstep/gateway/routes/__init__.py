@@ -1,9 +1,11 @@
-"""HTTP routes, one module per resource (FastAPI full-stack template layout)."""
+"""HTTP routes, one module per resource (FastAPI full-stack template layout); the routes of the
+submissions are built from the op registry (`gateway/ops/`)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
+from lockstep.gateway.ops import registry
 from lockstep.gateway.routes import (
     accounting,
     anthropic_messages,
@@ -20,18 +22,26 @@ from lockstep.gateway.routes import (
     training,
 )
 
-api_router = APIRouter()
-api_router.include_router(client.health_router)
-api_router.include_router(client.router)
-api_router.include_router(sessions.router)
-api_router.include_router(training.router)
-api_router.include_router(sampling.router)
-api_router.include_router(futures.router)
-api_router.include_router(runs.router)
-api_router.include_router(files.router)
-api_router.include_router(oai_completions.router)
-api_router.include_router(oai_chat.router)
-api_router.include_router(oai_models.router)
-api_router.include_router(anthropic_messages.router)
-api_router.include_router(accounting.router)
-api_router.include_router(traces.router)
+
+def api_router() -> APIRouter:
+    """Every route; the ops' from the registry as it is now."""
+    out = APIRouter()
+    for router in (
+        client.health_router,
+        client.router,
+        sessions.router,
+        registry.router(),
+        training.router,
+        sampling.router,
+        futures.router,
+        runs.router,
+        files.router,
+        oai_completions.router,
+        oai_chat.router,
+        oai_models.router,
+        anthropic_messages.router,
+        accounting.router,
+        traces.router,
+    ):
+        out.include_router(router)
+    return out

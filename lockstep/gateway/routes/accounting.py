@@ -11,9 +11,9 @@ from fastapi import APIRouter, Query
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
 from lockstep.gateway.errors import bad_request
+from lockstep.gateway.schema import accounting as wa
 from lockstep.gateway.translate.common import utc
 from lockstep.gateway.validate import check_id, parse_tinker_path
-from lockstep.gateway.wire import accounting as wa
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["accounting"])

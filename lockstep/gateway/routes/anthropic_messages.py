@@ -14,11 +14,12 @@ from fastapi.responses import JSONResponse
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, BearerOwner, Scheduler
 from lockstep.gateway.errors import ApiError
-from lockstep.gateway.inference import lane
+from lockstep.gateway.inference import images, lane
 from lockstep.gateway.inference.codec import TextCodec, get_codec
 from lockstep.gateway.inference.errors import anthropic_error, compat_route
+from lockstep.gateway.inference.images import ChatImage
 from lockstep.gateway.inference.sse import event, new_id, refuse, stream
-from lockstep.gateway.wire.anthropic import CountTokensRequest, MessagesRequest
+from lockstep.gateway.schema.anthropic import CountTokensRequest, MessagesRequest
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(
@@ -26,10 +27,14 @@ router = APIRouter(
 )
 
 
-def _prompt(codec: TextCodec, body: MessagesRequest | CountTokensRequest) -> list[int]:
+def _prompt(
+    codec: TextCodec, body: MessagesRequest | CountTokensRequest
+) -> tuple[list[int], list[ChatImage]]:
     if body.tools:
         refuse(["tools"])
-    return codec.encode_chat(body.chat(), continue_final=body.messages[-1].role == "assistant")
+    messages, pictures = images.anthropic_chat(body)
+    final = body.messages[-1].role == "assistant"
+    return codec.encode_chat(messages, continue_final=final), pictures
 
 
 def _events(
@@ -68,12 +73,14 @@ async def messages(
 ) -> Response:
     codec = await get_codec(request)
     target = await lane.resolve(request, stub, owner, body.model)
-    prompt = _prompt(codec, body)
+    prompt, pictures = _prompt(codec, body)
+    chunks = images.chunks(prompt, codec.placeholder, pictures) if pictures else None
     stops = list(body.stop_sequences or [])
     params = lane.sampling_params(
         body.max_tokens, body.temperature, body.top_p, body.top_k, None, stops, codec.eos_ids
     )
-    (seq,) = (await lane.sample(request, stub, owner, target, prompt, 1, params)).sequences
+    sampled = await lane.sample(request, stub, owner, target, prompt, 1, params, chunks=chunks)
+    (seq,) = sampled.sequences
     done = codec.finish(seq.tokens, stops)
     if done.stop_string is not None:
         reason = "stop_sequence"
@@ -87,7 +94,10 @@ async def messages(
         "content": [{"type": "text", "text": done.text}],
         "stop_reason": reason,
         "stop_sequence": done.stop_string,
-        "usage": {"input_tokens": len(prompt), "output_tokens": len(seq.tokens)},
+        "usage": {
+            "input_tokens": len(prompt) + codec.image_tokens(pictures),
+            "output_tokens": len(seq.tokens),
+        },
     }
     if body.stream:
         return stream(_events(message, codec, seq.tokens, done.text))
@@ -105,4 +115,6 @@ async def count_tokens(
     if path is not None:  # readable by this caller (own, or published), else 404
         ref = pb.CheckpointRef(owner=owner, tinker_path=path)
         await stub.GetWeightsInfo(ref, timeout=CALL_TIMEOUT_S)
-    return {"input_tokens": len(_prompt(codec, body))}
+    prompt, pictures = _prompt(codec, body)
+    images.chunks(prompt, codec.placeholder, pictures)  # every image placed, or a 400
+    return {"input_tokens": len(prompt) + codec.image_tokens(pictures)}

@@ -6,10 +6,10 @@ import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from lockstep.gateway.deps import Owner, Scheduler
+from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
 from lockstep.gateway.errors import ApiError
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate.futures import json_response
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 HEALTH_TIMEOUT_S = 3.0
@@ -19,16 +19,19 @@ health_router = APIRouter(tags=["health"])
 
 
 @router.post("/client/config")
-async def client_config(request: Request, owner: Owner) -> rs.ClientConfigResponse:
+async def client_config(request: Request, owner: Owner, stub: Scheduler) -> rs.ClientConfigResponse:
     # Plain X-API-Key auth, plain httpx transport; zstd fwd/bwd bodies as the settings say (any
     # body may be compressed anyway: see lockstep.gateway.body). The SDK chunks its fwd/bwd
-    # batches below the server's limits, so a large batch never meets a 400 or a 413.
+    # batches below the server's limits, so a large batch never meets a 400 or a 413. Custom
+    # losses are uploaded only where the training engine runs them (its capabilities, asked of
+    # the scheduler: once per SDK client); elsewhere the SDK runs them itself.
     settings = request.app.state.settings
+    caps = await stub.GetServerCapabilities(pb.CapabilitiesRequest(), timeout=CALL_TIMEOUT_S)
     return rs.ClientConfigResponse(
         proto_compress_fwdbwd=settings.proto_compress_fwdbwd,
         fwdbwd_max_chunk_len=min(1024, settings.max_datums_per_request),
         fwdbwd_max_chunk_bytes_count=min(5_000_000, settings.max_body_bytes // 2),
-        custom_loss_server_side=settings.custom_loss_server_side,
+        custom_loss_server_side=caps.engines.custom_loss,
         sample_use_retrieve_futures=settings.sample_session_polling,
         sample_join_sampling_session=True,
     )

@@ -10,10 +10,11 @@ import grpc
 from fastapi import APIRouter, Header, Response
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler, Settings
+from lockstep.gateway.ops import registry
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate import futures as tr
 from lockstep.gateway.validate import check_id
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["futures"])
@@ -55,7 +56,9 @@ async def retrieve_future(
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             await asyncio.sleep(UNAVAILABLE_PAUSE_S)
         raise
-    return tr.future_response(request_id, reply, request_type)
+    return tr.future_response(
+        request_id, reply, lambda result: registry.answer(result, request_type)
+    )
 
 
 @router.post("/retrieve_futures")

@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from lockstep.gateway.deps import BearerOwner, Scheduler
-from lockstep.gateway.inference import lane
+from lockstep.gateway.inference import images, lane
 from lockstep.gateway.inference.codec import TextCodec, get_codec
 from lockstep.gateway.inference.errors import compat_route, openai_error
 from lockstep.gateway.inference.sse import event, new_id, refuse, stream
-from lockstep.gateway.wire.openai import ChatCompletionRequest
+from lockstep.gateway.schema.openai import ChatCompletionRequest
 
 router = APIRouter(prefix="/oai/api/v1", tags=["openai"], route_class=compat_route(openai_error))
 
@@ -63,20 +63,27 @@ async def chat_completions(
     refuse(body.unsupported())
     codec = await get_codec(request)
     target = await lane.resolve(request, stub, owner, body.model)
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages
-    ]
+    messages, pictures = images.openai_chat(body.messages)
     prompt = codec.encode_chat(messages)
+    chunks = images.chunks(prompt, codec.placeholder, pictures) if pictures else None
+    prompt_len = len(prompt) + codec.image_tokens(pictures)  # images' placeholders expanded
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
     limit = limit if limit is not None else body.max_tokens
-    max_tokens = target.room(prompt) if limit is None else max(1, limit)
+    max_tokens = target.room(prompt_len) if limit is None else max(1, limit)
     params = lane.sampling_params(
         max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stops(), codec.eos_ids
     )
     top_n = body.top_logprobs or 0
     sampled = await lane.sample(
-        request, stub, owner, target, prompt, body.n, params, top_n if body.logprobs else 0
+        request,
+        stub,
+        owner,
+        target,
+        prompt,
+        body.n,
+        params,
+        top_n if body.logprobs else 0,
+        chunks=chunks,
     )
     outs = []
     for seq in sampled.sequences:
@@ -85,9 +92,9 @@ async def chat_completions(
         outs.append((seq, done.text, finish))
     completion_tokens = sum(len(seq.tokens) for seq, _, _ in outs)
     usage = {
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": prompt_len,
         "completion_tokens": completion_tokens,
-        "total_tokens": len(prompt) + completion_tokens,
+        "total_tokens": prompt_len + completion_tokens,
     }
     head = {
         "id": new_id("chatcmpl-"),

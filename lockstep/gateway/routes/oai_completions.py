@@ -16,7 +16,7 @@ from lockstep.gateway.inference import lane
 from lockstep.gateway.inference.codec import TextCodec, get_codec
 from lockstep.gateway.inference.errors import compat_route, openai_error
 from lockstep.gateway.inference.sse import event, new_id, refuse, stream
-from lockstep.gateway.wire.openai import CompletionRequest
+from lockstep.gateway.schema.openai import CompletionRequest
 
 router = APIRouter(prefix="/oai/api/v1", tags=["openai"], route_class=compat_route(openai_error))
 

@@ -17,12 +17,12 @@ from lockstep.gateway.deps import (
     Settings,
 )
 from lockstep.gateway.errors import ApiError, bad_request
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.signing import FileRef, check_relative_path, signed_url
 from lockstep.gateway.translate import runs as tr
 from lockstep.gateway.translate.common import utc
 from lockstep.gateway.validate import check_id, checkpoint_path, parse_tinker_path
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 log = logging.getLogger("lockstep.gateway")

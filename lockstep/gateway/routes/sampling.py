@@ -1,14 +1,15 @@
-"""Sampling: create_sampling_session, GET samplers/{id}, asample."""
+"""Sampling sessions: create_sampling_session, join_sampling_session, GET samplers/{id}. The
+submission (asample) is an op, `gateway/ops/sample.py`."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate import sampling as tr
 from lockstep.gateway.validate import check_id
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["sampling"])
@@ -40,11 +41,3 @@ async def join_sampling_session(
 async def get_sampler(sampler_id: str, owner: Owner, stub: Scheduler) -> rs.GetSamplerResponse:
     ref = pb.SamplerRef(owner=owner, sampler_id=check_id("sampler_id", sampler_id))
     return tr.sampler_info(await stub.GetSampler(ref, timeout=CALL_TIMEOUT_S))
-
-
-@router.post("/asample")
-async def asample(body: rq.SampleRequest, owner: Owner, stub: Scheduler) -> rs.SampleFuture:
-    """RESOURCE_EXHAUSTED from the scheduler becomes 429, which the SDK treats as sampling
-    backpressure (back off, resubmit the same seq_id)."""
-    reply = await stub.Submit(tr.sample(owner, body), timeout=CALL_TIMEOUT_S)
-    return tr.sample_future(reply, body.num_samples)

@@ -7,10 +7,10 @@ from fastapi import APIRouter
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Limit, Offset, Owner, Scheduler
 from lockstep.gateway.errors import ApiError
+from lockstep.gateway.schema import requests as rq
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate import sessions as tr
 from lockstep.gateway.validate import check_id
-from lockstep.gateway.wire import requests as rq
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["sessions"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate.common import utc
-from lockstep.gateway.wire import responses as rs
 from lockstep.v1 import scheduler_pb2 as pb
 
 CheckpointType = Literal["training", "sampler", "external"]

@@ -1,5 +1,5 @@
 """In-process torch sampling backend: `LocalSamplingEngine`."""
 
-from lockstep.rollout.local.engine import LocalSamplingEngine
+from lockstep.rollout.local.sampler import LocalSamplingEngine
 
 __all__ = ["LocalSamplingEngine"]

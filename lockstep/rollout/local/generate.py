@@ -31,6 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -39,6 +40,7 @@ from lockstep.engine.types import SampledSequence, SampleRequest, SampleResult, 
 from lockstep.modeling.lora import LoraModel
 from lockstep.rollout.local.kvcache import BatchCache, UnpaddedBatch, merge
 from lockstep.rollout.local.prefix_cache import Hit, PrefixCache
+from lockstep.rollout.local.prompt_images import PromptImages, prompt_key, whole_images
 from lockstep.rollout.local.prompts import micro_batches, prompt_scores, wants_prompt_scores
 from lockstep.rollout.local.sampling import (
     RowSampling,
@@ -73,6 +75,7 @@ class _Row:
     sampling: RowSampling
     stop: StopChecker
     topk: int
+    delta: int = 0  # M-RoPE: a generated token's position is its index + delta
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
@@ -128,10 +131,14 @@ class Generation:
 
 
 class Generator:
-    """Runs batches of valid requests through a LoRA-wrapped HF causal LM."""
+    """Runs batches of valid requests through a LoRA-wrapped HF causal LM (and, for a
+    vision-language model, its vision tower: `images`)."""
 
-    def __init__(self, lora: LoraModel, cfg: GenerateConfig) -> None:
+    def __init__(
+        self, lora: LoraModel, cfg: GenerateConfig, images: PromptImages | None = None
+    ) -> None:
         self.lora = lora
+        self.images = images
         self.model: PreTrainedModel = lora.base
         self.cfg = cfg
         self.device = next(self.model.parameters()).device
@@ -153,18 +160,42 @@ class Generator:
         adapters: Sequence[str | None],
         logits_to_keep: int,
         valid: torch.Tensor | None,
+        images: dict[str, Any] | None = None,
     ) -> torch.Tensor:
+        """`images`: a prefill's embeddings and M-RoPE positions (`PromptImages.inputs`), fed
+        to the language model, whose last hidden states the LM head turns into logits."""
         with self.lora.row_adapters(adapters, valid=valid):
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
-        logits: torch.Tensor = out.logits
+            if images is None:
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                )
+                logits: torch.Tensor = out.logits
+            else:
+                decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+                assert isinstance(head, torch.nn.Module)
+                hidden = decoder(
+                    attention_mask=mask, past_key_values=cache, use_cache=True, **images
+                ).last_hidden_state
+                logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return logits.float()
+
+    def _images(
+        self,
+        requests: Sequence[SampleRequest],
+        rows: list[tuple[int, int, int]],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> dict[str, Any] | None:
+        """A prefill's image input (None: no image in it); rows: (request, first fed column,
+        cached prompt tokens) per batch row."""
+        if self.images is None:
+            return None
+        return self.images.inputs(ids, positions, [(requests[i], c, k) for i, c, k in rows])
 
     def _prefill(
         self, requests: Sequence[SampleRequest], batch: list[int], results: list[SampleResult]
@@ -181,6 +212,7 @@ class Generator:
         positions = (mask.cumsum(dim=-1) - 1).clamp_(min=0)
         full = any(wants_prompt_scores(requests[i]) for i in batch)
         cache = DynamicCache(config=self.model.config)
+        rows = [(i, width - len(requests[i].prompt), 0) for i in batch]
         logits = self._forward(
             ids,
             mask,
@@ -189,6 +221,7 @@ class Generator:
             [requests[i].adapter_id for i in batch],
             logits_to_keep=0 if full else 1,
             valid=mask.bool(),
+            images=self._images(requests, rows, ids, positions),
         )
         for row, i in enumerate(batch):
             req = requests[i]
@@ -221,7 +254,7 @@ class Generator:
             real = torch.nonzero(part.mask[row], as_tuple=True)[0]
             kv = [(k[row : row + 1, :, real, :], v[row : row + 1, :, real, :]) for k, v in layers]
             assert req.cache_namespace is not None
-            self.prefix_cache.store(req.cache_namespace, req.adapter_id, req.prompt, kv)
+            self.prefix_cache.store(req.cache_namespace, req.adapter_id, prompt_key(req), kv)
 
     def _prefill_cached(
         self, requests: Sequence[SampleRequest], hits: list[tuple[int, Hit]]
@@ -253,6 +286,7 @@ class Generator:
             positions[row, width - len(rest) :] = torch.arange(h.length, h.length + len(rest))
         ids, new, positions = ids.to(self.device), new.to(self.device), positions.to(self.device)
         mask = torch.cat([past.mask, new], dim=1)
+        rows = [(i, width - len(r), h.length) for (i, h), r in zip(hits, rests, strict=True)]
         logits = self._forward(
             ids,
             mask,
@@ -261,6 +295,7 @@ class Generator:
             [requests[i].adapter_id for i, _ in hits],
             logits_to_keep=1,
             valid=new.bool(),
+            images=self._images(requests, rows, ids, positions),
         )
         self.prefilled_tokens += sum(len(r) for r in rests)
         self.reused_tokens += sum(h.length for _, h in hits)
@@ -278,8 +313,10 @@ class Generator:
             hit = None
             if self._cacheable(req):
                 assert req.cache_namespace is not None
-                hit = self.prefix_cache.lookup(req.cache_namespace, req.adapter_id, req.prompt)
-            if hit is None:
+                hit = self.prefix_cache.lookup(req.cache_namespace, req.adapter_id, prompt_key(req))
+                if hit is not None:  # a prefix never ends inside an image
+                    hit.length = whole_images(req, hit.length)
+            if hit is None or hit.length == 0:
                 rest.append(i)
             else:
                 hits.append((i, hit))
@@ -363,18 +400,19 @@ class Generator:
         results: list[SampleResult],
         samples: list[list[_Row]],
     ) -> _Live | None:
-        ids = torch.tensor([requests[i].prompt for i in batch], dtype=torch.long)
-        positions = torch.arange(length).expand(len(batch), length)
+        ids = torch.tensor([requests[i].prompt for i in batch], dtype=torch.long).to(self.device)
+        positions = torch.arange(length).expand(len(batch), length).to(self.device)
         full = any(wants_prompt_scores(requests[i]) for i in batch)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(
-            ids.to(self.device),
+            ids,
             None,
-            positions.to(self.device),
+            positions,
             cache,
             [requests[i].adapter_id for i in batch],
             logits_to_keep=0 if full else 1,
             valid=None,
+            images=self._images(requests, [(i, 0, 0) for i in batch], ids, positions),
         )
         for row, i in enumerate(batch):
             if wants_prompt_scores(requests[i]):
@@ -404,6 +442,7 @@ class Generator:
             stop=StopChecker(p, self.cfg.eos_ids, self.cfg.decode),
             topk=req.topk_sample_logprobs,
             done=p.max_tokens <= 0,  # nothing to decode
+            delta=0 if self.images is None or not req.images else self.images.delta(req),
         )
 
     def _decode(self, live: _Live, steps: int | None) -> bool:
@@ -443,7 +482,7 @@ class Generator:
                 batch.trim_padding()
             mask = batch.append_real_column()
             positions = torch.tensor(
-                [[r.prompt_len + len(r.tokens) - 1] for r in rows],
+                [[r.prompt_len + r.delta + len(r.tokens) - 1] for r in rows],
                 dtype=torch.long,
                 device=self.device,
             )

@@ -1,6 +1,7 @@
 """A bounded per-session prefix KV cache for the local sampler.
 
 Each sampling session (`SampleRequest.cache_namespace`) keeps the prompt KV of its recent requests,
+keyed by the prompt's content (token ids; an image's placeholders by the image's digest),
 per adapter (an adapter's LoRA changes keys and values). A later prompt of the same session and
 adapter whose first m tokens match a kept prompt reuses those m positions' keys and values and
 prefills only the rest. Entries are exact: positions are absolute (RoPE applied at 0..m-1), and
@@ -15,6 +16,7 @@ entries.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,7 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, head
 @dataclass
 class _Entry:
     adapter_id: str | None
-    tokens: tuple[int, ...]
+    tokens: tuple[object, ...]  # token ids; an image's placeholders as (its digest, k)
     kv: KV
 
     @property
@@ -41,7 +43,7 @@ class Hit:
     kv: KV
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def _common_prefix(a: tuple[object, ...], b: Sequence[object]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -62,7 +64,9 @@ class PrefixCache:
         self._sessions: OrderedDict[str, list[_Entry]] = OrderedDict()
         self._bytes = 0
 
-    def lookup(self, namespace: str, adapter_id: str | None, prompt: list[int]) -> Hit | None:
+    def lookup(
+        self, namespace: str, adapter_id: str | None, prompt: Sequence[object]
+    ) -> Hit | None:
         """The longest cached prefix of `prompt` in this session, leaving >= 1 token to feed
         (the last position's logits are needed for the first new token)."""
         entries = self._sessions.get(namespace)
@@ -79,7 +83,9 @@ class PrefixCache:
                 best, length = entry, m
         return Hit(length, best.kv) if best is not None else None
 
-    def store(self, namespace: str, adapter_id: str | None, prompt: list[int], kv: KV) -> None:
+    def store(
+        self, namespace: str, adapter_id: str | None, prompt: Sequence[object], kv: KV
+    ) -> None:
         """Keep `prompt`'s KV for the session; a kept prompt it extends is replaced."""
         if len(prompt) > self.max_tokens_per_session:
             return

@@ -47,7 +47,7 @@ def prompt_scores(
 ) -> None:
     """Fill prompt logprobs / top-k from `logits` [L, V] (row i predicts prompt token i + 1)."""
     n = len(req.prompt)
-    start = 1 if req.prompt_logprobs_last_n is None else max(1, n - req.prompt_logprobs_last_n)
+    start = req.prompt_logprob_start
     if req.prompt_logprobs:
         result.prompt_logprobs = [math.nan] * n
     if req.topk_prompt_logprobs > 0:

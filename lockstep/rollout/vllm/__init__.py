@@ -1,5 +1,5 @@
 """vLLM sampling engine: Lockstep's SamplingEngine over vLLM's OpenAI-compatible server."""
 
-from lockstep.rollout.vllm.engine import VllmLaunchConfig, VllmSamplingEngine
+from lockstep.rollout.vllm.sampler import VllmLaunchConfig, VllmSamplingEngine
 
 __all__ = ["VllmLaunchConfig", "VllmSamplingEngine"]

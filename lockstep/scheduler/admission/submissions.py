@@ -13,6 +13,8 @@ from pathlib import Path
 
 from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
+from lockstep.engine.capabilities import Engines, InputKind
+from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
@@ -50,12 +52,14 @@ class Submissions:
         store: Store,
         catalog: Catalog,
         card: ModelCard,
+        engines: Engines,
         data_dir: Path,
         on_training: Callable[[], None],
         on_sample: Callable[[], None],
         limits: Limits | None = None,
         memory_budget: MemoryBudget = NO_MEMORY_LIMIT,
         decoded: DecodedPasses | None = None,
+        image_dir: Path | None = None,
         custom_loss_created: Created | None = None,
     ) -> None:
         self.limits = limits or Limits()
@@ -69,22 +73,49 @@ class Submissions:
             catalog,
             CostBound.for_model(card, self.memory),
             self.max_tokens_per_datum(),
+            engines.trainer,
             custom_loss_created,
         )
         self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
         # What an op's admission reads (scheduler/ops/base.py).
+        self.engines = engines
+        image_limits = ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels)
+        trainer, sampler = engines.trainer, engines.sampler
         self.ctx = SubmitContext(
-            store, catalog, card, self.limits, self.memory, data_dir, self.custom_losses
+            store,
+            catalog,
+            card,
+            self.limits,
+            self.memory,
+            data_dir,
+            self.custom_losses,
+            ImageReader.for_engine(
+                card.vision,
+                InputKind.IMAGE in trainer.inputs,
+                f"the {trainer.engine} training engine",
+                image_limits,
+                image_dir,
+            ),
+            engines,
+            ImageReader.for_engine(
+                card.vision,
+                InputKind.IMAGE in sampler.inputs,
+                f"the {sampler.engine} sampler",
+                image_limits,
+                image_dir,
+            ),
         )
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
-        payload = req.SerializeToString(deterministic=True)
         try:
             try:
                 admitted = await registry.arriving_as(req.WhichOneof("op")).admit(self.ctx, req)
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
-                await self._hold_seq(req, payload, str(exc))
+                await self._hold_seq(req, req.SerializeToString(deterministic=True), str(exc))
                 raise
+            # Serialized after admission: an op may resolve what it judged into the request
+            # (an image file's bytes in place of its pointer), so what runs is what was judged.
+            payload = req.SerializeToString(deterministic=True)
             if isinstance(admitted, Hold):  # the gateway refused it: hold its seq_id only
                 await self._hold_seq(req, payload, admitted.reason)
                 return pb.SubmitReply()
@@ -122,7 +153,7 @@ class Submissions:
             max_runs=self.limits.max_tenants,
         )
         try:
-            rid, created = await self.store.claim_training(claim)
+            rid, created = await self.store.jobs.claim_training(claim)
         except QueueFull as exc:
             raise OverCapacity(
                 f"model {model_id} has {exc.queued} requests queued; retry later"
@@ -148,11 +179,11 @@ class Submissions:
         model_id, seq_id = self._addressed(req)
         if not model_id or seq_id < 1:
             return
-        model = await self.store.model(model_id)
+        model = await self.store.runs.get(model_id)
         if model is None or model.owner != req.owner:
             return
         try:
-            await self.store.claim_training(
+            await self.store.jobs.claim_training(
                 TrainingClaim(
                     owner=req.owner,
                     model_id=model_id,
@@ -172,7 +203,7 @@ class Submissions:
     ) -> pb.SubmitReply:
         """Queue a validated sample for the sampling lane."""
         try:
-            rid, created = await self.store.claim_sample(
+            rid, created = await self.store.jobs.claim_sample(
                 owner=req.owner,
                 sampler_id=s.sampler_id,
                 seq_id=s.seq_id,
@@ -202,7 +233,7 @@ class Submissions:
 
     @staticmethod
     def _tenant_error(exc: TenantLimitReached) -> UserInputError:
-        """The tenant quotas are checked atomically with the run's creation (Store.claim_training);
+        """The tenant quotas are checked atomically with the run's creation (Jobs.claim_training);
         a retried create_model (its run already exists) passes."""
         if exc.limit == "max_tenants_per_key":
             return UserInputError(

@@ -1,7 +1,7 @@
 """Tenancy: the end of a session frees its models' engine state; accounting answers per key.
 
-`Tenancy` holds the settings and the logic; `TenancyRpcs` is the slice of the gRPC service that
-serves it (mixed into SchedulerService). A session ends when its client closes it, when it sends
+`Tenancy` holds the settings and the logic; `tenancy_rpcs.TenancyRpcs` is the role of the gRPC
+servicer that serves it. A session ends when its client closes it, when it sends
 no heartbeat for `session_expiry_s`, or (for one run) on `unload_model`; its durable state
 (snapshots, replay log, checkpoints) stays, so an unloaded run of a live session is restored on
 its next request, while requests for an ended session get a 400.
@@ -21,14 +21,15 @@ from typing import Any
 from lockstep.config import TenancyConfig
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
-from lockstep.scheduler.observers.accounting import Accounting, AuditEvent
-from lockstep.scheduler.state import custom_losses, keys
+from lockstep.scheduler.api.audit import AuditTrail
+from lockstep.scheduler.observers.accounting import Accounting
+from lockstep.scheduler.state import custom_losses
 from lockstep.scheduler.state.catalog import Catalog
 from lockstep.scheduler.state.records import CheckpointRecord, SessionRecord
 from lockstep.scheduler.state.residency import Residency
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import AuditEvent, OpKind
 
 log = logging.getLogger(__name__)
 
@@ -49,37 +50,36 @@ class Tenancy:
         self.catalog = catalog
         self.residency = residency
         self.accounting = accounting
+        self.trail = AuditTrail(accounting)  # entries after the action: best effort
         self.wake_clock = wake_clock
         self.unload_adapters = unload_adapters  # the sampling lane's
 
     # ---------------------------------------------------------------- lifecycle
     async def session_started(self, rec: SessionRecord) -> None:
-        await self.store.redis.zadd(keys.SESSION_BEATS, {rec.session_id: rec.created})
-        await self.accounting.audit(
-            rec.owner, AuditEvent.SESSION_CREATED, session_id=rec.session_id
-        )
+        await self.store.sessions.beat(rec.session_id, at=rec.created)
+        await self.trail.record(rec.owner, AuditEvent.SESSION_CREATED, session_id=rec.session_id)
 
     async def heartbeat(self, session_id: str) -> None:
-        await self.store.redis.zadd(keys.SESSION_BEATS, {session_id: time.time()}, xx=True)
+        await self.store.sessions.beat(session_id)
 
     async def end_session(self, rec: SessionRecord, event: AuditEvent) -> None:
         """Mark the session ended, free its models' engine state at the next cycle and delete
         its custom losses (a request already queued with one still has it attached)."""
         if not rec.finished:
             rec.finished = True
-            await self.store.put_session(rec)
-        await self.store.redis.zrem(keys.SESSION_BEATS, rec.session_id)
+            await self.store.sessions.put(rec)
+        await self.store.sessions.stop_beats(rec.session_id)
         losses = await custom_losses.delete_session(self.store, rec.session_id)
-        models, samplers = await self.store.session_members(rec.session_id)
+        models, samplers = await self.store.sessions.members(rec.session_id)
         self.residency.end(models)
         self.wake_clock()
         adapters = []
         for sampler_id in samplers:
-            sampler = await self.store.sampler(sampler_id)
+            sampler = await self.store.samplers.get(sampler_id)
             if sampler is not None and sampler.adapter_id is not None:
                 adapters.append(sampler.adapter_id)
         await self.unload_adapters(adapters)
-        await self.accounting.audit(
+        await self.trail.record(
             rec.owner, event, session_id=rec.session_id, models=models, custom_losses=losses
         )
 
@@ -90,8 +90,8 @@ class Tenancy:
         self.residency.end([model.model_id])
         self.wake_clock()
         result = pb.JobResult(unload_model=pb.UnloadModelResult(model_id=model.model_id))
-        rid = await self.store.finished_job(OpKind.UNLOAD_MODEL, owner, result, model.model_id)
-        await self.accounting.audit(owner, AuditEvent.MODEL_UNLOADED, model_id=model.model_id)
+        rid = await self.store.jobs.finished(OpKind.UNLOAD_MODEL, owner, result, model.model_id)
+        await self.trail.record(owner, AuditEvent.MODEL_UNLOADED, model_id=model.model_id)
         return pb.SubmitReply(request_id=rid, model_id=model.model_id)
 
     async def expire_silent(self) -> int:
@@ -99,11 +99,11 @@ class Tenancy:
         if not self.config.session_expiry_s:
             return 0
         cutoff = time.time() - self.config.session_expiry_s
-        silent = await self.store.redis.zrangebyscore(keys.SESSION_BEATS, "-inf", cutoff)
-        for raw in silent:
-            rec = await self.store.session(raw.decode())
+        silent = await self.store.sessions.silent_since(cutoff)
+        for session_id in silent:
+            rec = await self.store.sessions.get(session_id)
             if rec is None:
-                await self.store.redis.zrem(keys.SESSION_BEATS, raw)
+                await self.store.sessions.stop_beats(session_id)
                 continue
             log.info("session %s silent for %.0f s: ended", rec.session_id, time.time() - cutoff)
             await self.end_session(rec, AuditEvent.SESSION_EXPIRED)
@@ -126,11 +126,11 @@ class Tenancy:
         )
 
     async def search_sessions(self, req: pb.SearchSessionsRequest) -> pb.SessionSummaryList:
-        ids, _ = await self.store.owner_sessions(req.owner, 0, 1 << 30)
+        ids, _ = await self.store.sessions.of_owner(req.owner, 0, 1 << 30)
         limit = req.limit or 50
         out: list[pb.SessionSummary] = []
         for sid in ids:  # newest first
-            rec = await self.store.session(sid)
+            rec = await self.store.sessions.get(sid)
             if rec is None or not self._matches(rec, req):
                 continue
             if req.HasField("before_created") and (rec.created, rec.session_id) >= (
@@ -160,10 +160,10 @@ class Tenancy:
         )
 
     async def _summary(self, rec: SessionRecord) -> pb.SessionSummary:
-        models, _ = await self.store.session_members(rec.session_id)
+        models, _ = await self.store.sessions.members(rec.session_id)
         count = size = 0
         for m in models:
-            for c in await self.store.checkpoints(m):
+            for c in await self.store.checkpoints.of_run(m):
                 count += 1
                 size += c.size_bytes
         s = pb.SessionSummary(
@@ -197,7 +197,7 @@ class Tenancy:
         if req.HasField("ttl_seconds") and req.ttl_seconds < 3600:
             raise UserInputError("ttl_seconds", "must be at least 3600 (or absent)")
         dest = TinkerPath(dest_id, source.segment, source.name)
-        if await self.store.checkpoint(dest_id, dest.checkpoint_id) is not None:
+        if await self.store.checkpoints.get(dest_id, dest.checkpoint_id) is not None:
             raise UserInputError("source_path", f"{dest} already exists in the destination run")
         directory = checkpoint_dir(self.catalog.data_dir, dest)
         await asyncio.to_thread(shutil.copytree, Path(src.directory), directory)
@@ -212,8 +212,8 @@ class Tenancy:
             expires_at=now + req.ttl_seconds if req.HasField("ttl_seconds") else None,
             user_metadata=dict(src.user_metadata),
         )
-        await self.store.put_checkpoint(dest_id, rec)
-        await self.accounting.audit(
+        await self.store.checkpoints.put(dest_id, rec)
+        await self.trail.record(
             req.owner, AuditEvent.CHECKPOINT_COPIED, source=req.source_path, tinker_path=str(dest)
         )
         return pb.CopyWeightsReply(tinker_path=str(dest))

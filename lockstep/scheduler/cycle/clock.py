@@ -18,6 +18,7 @@ from lockstep.config import ClockConfig
 from lockstep.scheduler.cycle.dispatch import CycleAborted, Dispatcher
 from lockstep.scheduler.cycle.pace import CyclePace
 from lockstep.scheduler.cycle.partners import Partners
+from lockstep.scheduler.cycle.recovery import Recovery
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
 from lockstep.scheduler.observers.observers import (
     CycleFailure,
@@ -46,6 +47,7 @@ class Clock:
         self,
         store: Store,
         dispatcher: Dispatcher,
+        recovery: Recovery,
         board: FutureBoard,
         lane: SamplingLane,
         config: ClockConfig,
@@ -53,7 +55,8 @@ class Clock:
         observers: Sequence[CycleObserver] = (),
     ) -> None:
         self.store = store
-        self.dispatcher = dispatcher
+        self.dispatcher = dispatcher  # runs a cycle's plan on the engine
+        self.recovery = recovery  # snapshots, restore and the resident set, between cycles
         self.board = board
         self.lane = lane
         self.config = config
@@ -65,7 +68,7 @@ class Clock:
         self.deficits: dict[str, int] = {}  # fairness: pass tokens each waiting model is owed
         # Who watches each cycle (observers.py): traces, the caller's (accounting), then the
         # metrics last, so the cycle time they report covers the other observers' writes.
-        meter = MeterObserver(ClockMeter(config.token_budget, store.model))
+        meter = MeterObserver(ClockMeter(config.token_budget, store.runs.get))
         self.observers = Observers([TraceObserver(), *observers, meter])
         # Pass tokens per cycle: what the engine does in --cycle-target seconds (pace.py).
         self.pace = CyclePace(config.token_budget, config.cycle_target_s)
@@ -133,19 +136,19 @@ class Clock:
         self.partners.after(plan, time.monotonic() - started)
         self.cycles_run += 1
         await self.observers.finished(plan, outcomes)  # traces, usage, metrics
-        await self.dispatcher.prune(plan, outcomes)  # old snapshot files, once the new ones count
-        await self.dispatcher.record_durable()  # snapshots the engine finished in the background
+        await self.recovery.prune(plan, outcomes)  # old snapshot files, once the new ones count
+        await self.recovery.record_durable()  # snapshots the engine finished in the background
         if not plan.empty and _left_queued(queues, plan):
             self.wake.set()  # ready now that this cycle advanced the queues (else: a submission)
         return plan
 
     async def plan(self) -> tuple[CyclePlan, dict[str, list[QueuedOp]]]:
         """Read the queues and plan the cycle (pure `plan_cycle`); keeps the fairness debts."""
-        queues, next_seq = await self.store.queued_ops()
+        queues, next_seq = await self.store.cycles.queued_ops()
         if ClockPolicy(self.config.policy) == ClockPolicy.TRIGGERED:
             queues, next_seq = await self._wait_for_partners(queues, next_seq)
-        ready = self.dispatcher.resident.admit(queues, next_seq)  # paging: what fits the engine
-        owners = await self.store.owners(list(ready)) if self.key_token_cap else None
+        ready = self.recovery.resident.admit(queues, next_seq)  # paging: what fits the engine
+        owners = await self.store.runs.owners(list(ready)) if self.key_token_cap else None
         pace = self.pace.budget(
             m for m, ops in queues.items() if any(registry.is_pass(op.kind) for op in ops)
         )
@@ -163,7 +166,7 @@ class Clock:
         self.deficits = plan.deficits  # the models that had to wait for room in this cycle
         self._backlog = bool(plan.deficits)
         # Models of ended sessions leave the engine once their queues drain (durable state stays).
-        await self.dispatcher.resident.free_ended(w.model_id for w in plan.models)
+        await self.recovery.resident.free_ended(w.model_id for w in plan.models)
         return plan, queues
 
     async def _wait_for_partners(
@@ -179,7 +182,7 @@ class Clock:
                 await asyncio.wait_for(self.wake.wait(), timeout=left)
             except TimeoutError:
                 break
-            queues, next_seq = await self.store.queued_ops()
+            queues, next_seq = await self.store.cycles.queued_ops()
             missing = self.partners.missing(queues)
         self.partners.gone(missing)
         return queues, next_seq
@@ -193,7 +196,7 @@ class Clock:
         pairs = [
             (op, outcomes.get(op.request_id, NO_OUTCOME)) for w in plan.models for op in w.ops()
         ]
-        recorded = await self.store.commit_cycle(pairs)
+        recorded = await self.store.cycles.commit(pairs)
         return [
             (op, o if now and op.kind != OpKind.REJECTED else None)
             for (op, o), now in zip(pairs, recorded, strict=True)
@@ -221,7 +224,7 @@ class Clock:
 
     async def _record_durable(self) -> None:
         try:
-            await self.dispatcher.record_durable()
+            await self.recovery.record_durable()
         except Exception:  # the next cycle records them; never stop the clock for this
             log.exception("recording durable snapshots failed")
 

@@ -29,8 +29,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from lockstep.engine.images import RUN_AGAIN, ImageReader
 from lockstep.engine.interface import EngineDied, SamplingEngine
 from lockstep.engine.types import SampleRequest, SampleResult
+from lockstep.errors import UserInputError
 from lockstep.observability import metrics
 from lockstep.scheduler import translate
 from lockstep.scheduler.cycle.poison import PoisonHunt
@@ -38,8 +40,9 @@ from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
 from lockstep.scheduler.state import sample_futures
 from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.jobs import Job
 from lockstep.scheduler.state.records import InflightTarget, SamplerRecord
-from lockstep.scheduler.state.store import Job, Store
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus
 
@@ -69,6 +72,8 @@ class SamplingLane:
         self.store = store
         self.colocate = colocate  # sampler and trainer share one accelerator
         self.engine = engine
+        # Prompts' images were judged at submission: the lane reads their headers only.
+        self.images = ImageReader(engine.card().vision, RUN_AGAIN, decode=False)
         self.board = board
         self.max_batch = max_batch
         self.slice_steps = slice_steps  # decode steps per engine call
@@ -136,7 +141,7 @@ class SamplingLane:
         model_id = sampler.inflight_model
         assert model_id is not None and sampler.adapter_id and sampler.adapter_dir
         own = InflightTarget(model_id, sampler.min_version, sampler.adapter_id, sampler.adapter_dir)
-        target = await self.store.inflight_target(model_id)
+        target = await self.store.checkpoints.inflight(model_id)
         if target is None or target.version < own.version:
             target = own
         task = self._start_target(target)  # no-op when the target is already served
@@ -243,7 +248,7 @@ class SamplingLane:
 
     async def serve_once(self) -> int:
         await self._unload_retired()
-        backlog, read, samplers = await self.store.sample_batch(
+        backlog, read, samplers = await self.store.cycles.sample_batch(
             self.max_batch + len(self._running)  # the running ones are still queued
         )
         metrics.sample_backlog(backlog)
@@ -270,11 +275,11 @@ class SamplingLane:
                 adapter_id = await self._adapter_for(
                     sample.sampling_session_id, samplers.get(sample.sampling_session_id)
                 )
-            except (LookupError, RuntimeError) as exc:
+                request = translate.sample_request(job.request_id, sample, adapter_id, self.images)
+            except (LookupError, RuntimeError, UserInputError) as exc:
                 refused.append((job, str(exc)))
                 continue
             jobs.append(job)
-            request = translate.sample_request(job.request_id, sample, adapter_id)
             # Each sampling session is its own KV-cache namespace (prefixes reused within it).
             request.cache_namespace = sample.sampling_session_id
             requests.append(request)

@@ -1,9 +1,10 @@
 """Accounting per API key: usage counters by hour and session, and an append-only audit log.
 
-Both live in Redis beside the rest of the state. Usage is a hash per (owner, UTC hour) of
-`<session>|<base_model>|<counter>` -> amount, written by the clock (training) and the sampling
-lane (samples); a range query reads the hours it covers. The audit log is a Redis stream per
-owner (XADD only: entries are never edited), trimmed by age to the retention.
+Both live in Redis beside the rest of the state (`state/ledger.py`). Usage is a hash per
+(owner, UTC hour) of `<session>|<base_model>|<counter>` -> amount, written by the clock
+(training) and the sampling lane (samples); a range query reads the hours it covers. The audit
+log is a Redis stream per owner (XADD only: entries are never edited), trimmed by age to the
+retention.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.scheduler.ops import registry
-from lockstep.scheduler.state import keys
-from lockstep.scheduler.state.store import Job, Store
+from lockstep.scheduler.state.jobs import Job
+from lockstep.scheduler.state.ledger import LedgerBatch
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import AuditEvent
 
 if TYPE_CHECKING:
     from lockstep.scheduler.planner import CyclePlan
@@ -38,27 +41,9 @@ class Counter(StrEnum):
     CUSTOM_LOSSES = "custom_losses"
 
 
-class AuditEvent(StrEnum):
-    """`<resource>_<action>`, the SDK's AuditLogEntry.event convention."""
-
-    SESSION_CREATED = "session_created"
-    SESSION_FINISHED = "session_finished"
-    SESSION_EXPIRED = "session_expired"
-    TRAINING_RUN_CREATED = "training_run_created"
-    MODEL_UNLOADED = "model_unloaded"
-    CHECKPOINT_CREATED = "checkpoint_created"
-    CHECKPOINT_LOADED = "checkpoint_loaded"
-    CHECKPOINT_READ = "checkpoint_read"
-    CHECKPOINT_DELETED = "checkpoint_deleted"
-    CHECKPOINT_PUBLISHED = "checkpoint_published"
-    CHECKPOINT_UNPUBLISHED = "checkpoint_unpublished"
-    CHECKPOINT_COPIED = "checkpoint_copied"
-    CUSTOM_LOSS_CREATED = "custom_loss_created"
-
-
 class Accounting:
     def __init__(self, store: Store, retention_s: float) -> None:
-        self.redis = store.redis
+        self.ledger = store.ledger
         self.store = store
         self.retention_s = retention_s
         # Who a model or sampler belongs to (immutable once created): read once each.
@@ -69,28 +54,25 @@ class Accounting:
     async def add(
         self, owner: str, session_id: str, base_model: str, counts: dict[Counter, float]
     ) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self._add(pipe, owner, session_id, base_model, counts)
-            await pipe.execute()
+        async with self.ledger.batch() as batch:
+            self._add(batch, owner, session_id, base_model, counts)
 
     def _add(
         self,
-        pipe: Any,
+        batch: LedgerBatch,
         owner: str,
         session_id: str,
         base_model: str,
         counts: dict[Counter, float],
     ) -> None:
-        """Queue one usage increment on `pipe` (a caller's batch: one round trip for all)."""
-        key = keys.usage(owner, int(time.time() // HOUR_S))
-        for counter, amount in counts.items():
-            if amount:
-                pipe.hincrbyfloat(key, f"{session_id}|{base_model}|{counter}", amount)
-        pipe.expire(key, int(self.retention_s) + HOUR_S)
+        """Queue one usage increment on `batch` (a caller's batch: one round trip for all)."""
+        amounts = {f"{session_id}|{base_model}|{c}": amount for c, amount in counts.items()}
+        hour = int(time.time() // HOUR_S)
+        batch.usage(owner, hour, amounts, int(self.retention_s) + HOUR_S)
 
     async def _model(self, model_id: str) -> tuple[str, str, str] | None:
         if model_id not in self._models:
-            rec = await self.store.model(model_id)
+            rec = await self.store.runs.get(model_id)
             if rec is None:
                 return None
             self._models[model_id] = (rec.owner, rec.session_id, rec.base_model)
@@ -103,7 +85,7 @@ class Accounting:
         and steps, its share of the cycle's wall time (by pass tokens; equal shares in a cycle
         without passes), the checkpoints it saved, and an audit entry per new checkpoint."""
         total = plan.tokens
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.ledger.batch() as batch:
             for work in plan.models:
                 who = await self._model(work.model_id)
                 if who is None:
@@ -115,7 +97,7 @@ class Accounting:
                 ]
                 share = work.tokens / total if total else 1 / len(plan.models)
                 self._add(
-                    pipe,
+                    batch,
                     *who,
                     {
                         Counter.TOKENS_TRAINED: sum(
@@ -128,30 +110,28 @@ class Accounting:
                 )
                 for ckpt in saved:
                     self._audit(
-                        pipe,
+                        batch,
                         who[0],
                         AuditEvent.CHECKPOINT_CREATED,
                         tinker_path=ckpt.tinker_path,
                         size_bytes=ckpt.size_bytes,
                         session_id=who[1],
                     )
-            await pipe.execute()
 
     async def custom_loss_created(
         self, owner: str, session_id: str, base_model: str, loss_id: str, name: str
     ) -> None:
         """A session stored a custom loss (it leaves with the session): counted and audited."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self._add(pipe, owner, session_id, base_model, {Counter.CUSTOM_LOSSES: 1})
+        async with self.ledger.batch() as batch:
+            self._add(batch, owner, session_id, base_model, {Counter.CUSTOM_LOSSES: 1})
             self._audit(
-                pipe,
+                batch,
                 owner,
                 AuditEvent.CUSTOM_LOSS_CREATED,
                 session_id=session_id,
                 loss_id=loss_id,
                 name=name,
             )
-            await pipe.execute()
 
     async def on_sampled(
         self,
@@ -160,12 +140,12 @@ class Accounting:
         results: Sequence[SampleResult],
     ) -> None:
         """The sampling lane's hook after a batch: prompt and generated tokens, samples."""
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.ledger.batch() as batch:
             for job, req, res in zip(jobs, requests, results, strict=True):
                 if res.error is not None:
                     continue
                 self._add(
-                    pipe,
+                    batch,
                     job.owner,
                     *await self._sampler(job.model_id),
                     {
@@ -174,11 +154,10 @@ class Accounting:
                         Counter.SAMPLES: len(res.sequences),
                     },
                 )
-            await pipe.execute()
 
     async def _sampler(self, sampler_id: str) -> tuple[str, str]:
         if sampler_id not in self._samplers:
-            sampler = await self.store.sampler(sampler_id)
+            sampler = await self.store.samplers.get(sampler_id)
             if sampler is None:
                 return "", ""
             self._samplers[sampler_id] = (sampler.session_id, sampler.base_model)
@@ -187,14 +166,12 @@ class Accounting:
     async def usage(self, owner: str, start: float, end: float) -> list[pb.UsageBucket]:
         buckets: dict[tuple[int, str, str], pb.UsageBucket] = {}
         for hour in range(int(start // HOUR_S), int((end - 1e-9) // HOUR_S) + 1):
-            raw = await self.redis.hgetall(keys.usage(owner, hour))
-            for field, value in raw.items():
-                session, base, counter = field.decode().rsplit("|", 2)
+            for field, amount in (await self.ledger.usage(owner, hour)).items():
+                session, base, counter = field.rsplit("|", 2)
                 b = buckets.setdefault(
                     (hour, session, base),
                     pb.UsageBucket(start=hour * HOUR_S, session_id=session, base_model=base),
                 )
-                amount = float(value)
                 if counter == Counter.CYCLE_SECONDS:
                     b.cycle_seconds += amount
                 else:
@@ -203,30 +180,18 @@ class Accounting:
 
     # ---------------------------------------------------------------- audit log
     async def audit(self, owner: str, event: AuditEvent, **details: Any) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self._audit(pipe, owner, event, **details)
-            await pipe.execute()
+        async with self.ledger.batch() as batch:
+            self._audit(batch, owner, event, **details)
 
-    def _audit(self, pipe: Any, owner: str, event: AuditEvent, **details: Any) -> None:
-        """Queue one audit entry on `pipe`; entries older than the retention go as it grows."""
+    def _audit(self, batch: LedgerBatch, owner: str, event: AuditEvent, **details: Any) -> None:
+        """Queue one audit entry on `batch`; entries older than the retention go as it grows."""
         entry = json.dumps({"api_key_owner": owner, **details}, sort_keys=True, default=str)
-        pipe.xadd(
-            keys.audit(owner),
-            {"event": str(event), "details": entry},
-            minid=str(int((time.time() - self.retention_s) * 1000)),
-            approximate=True,
-        )
+        batch.audit(owner, str(event), entry, self.retention_s)
 
     async def audit_log(self, owner: str, start: float, end: float) -> list[pb.AuditEntry]:
-        low = str(max(int(start * 1000), int((time.time() - self.retention_s) * 1000), 0))
-        high = str(max(int(end * 1000) - 1, 0))
-        out = []
-        for entry_id, fields in await self.redis.xrange(keys.audit(owner), low, high):
-            out.append(
-                pb.AuditEntry(
-                    time=int(entry_id.decode().split("-")[0]) / 1000,
-                    event=fields[b"event"].decode(),
-                    details_json=fields[b"details"].decode(),
-                )
-            )
-        return out
+        low = max(int(start * 1000), int((time.time() - self.retention_s) * 1000), 0)
+        high = max(int(end * 1000) - 1, 0)
+        return [
+            pb.AuditEntry(time=t, event=event, details_json=details)
+            for t, event, details in await self.ledger.audit_entries(owner, low, high)
+        ]

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lockstep.observability import metrics
+from lockstep.observability import clock_metrics, metrics
 from lockstep.observability.metrics import RedisCaller
 from lockstep.observability.tracking import BusyWindow, HasOwner
 from lockstep.scheduler.ops import registry
@@ -35,7 +35,7 @@ class CycleSpan:
     def mark(self, phase: str) -> None:
         now = time.monotonic()
         previous = max(self.marks.values(), default=self.start)
-        metrics.CYCLE_PHASE_SECONDS.labels(phase).observe(now - previous)
+        clock_metrics.CYCLE_PHASE_SECONDS.labels(phase).observe(now - previous)
         self.marks[phase] = now
 
 
@@ -51,8 +51,8 @@ class ClockMeter:
     ) -> None:
         self.lookup_model = lookup_model
         self.busy = BusyWindow(window_s)
-        metrics.CLOCK_TOKEN_BUDGET.set(token_budget)
-        metrics.CLOCK_BUSY_RATIO.set_function(self.busy.ratio)
+        clock_metrics.CLOCK_TOKEN_BUDGET.set(token_budget)
+        clock_metrics.CLOCK_BUSY_RATIO.set_function(self.busy.ratio)
         self._queued_owners: set[str] = set()
 
     def begin(self) -> CycleSpan:
@@ -79,8 +79,8 @@ class ClockMeter:
             metrics.TENANTS.track(label, metrics.QUEUE_DEPTH, (label,))
         self._queued_owners = set(depth)
         metrics.FUTURES_PENDING.labels("training").set(sum(depth.values()))
-        metrics.TENANTS_WAITING.set(len(plan.deficits))
-        metrics.CLOCK_TOKEN_BUDGET.set(plan.pace or plan.budget)
+        clock_metrics.TENANTS_WAITING.set(len(plan.deficits))
+        clock_metrics.CLOCK_TOKEN_BUDGET.set(plan.pace or plan.budget)
         if runs:
             span.mark("plan")
             if not plan.empty:
@@ -94,16 +94,16 @@ class ClockMeter:
     def finished(self, span: CycleSpan, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
         span.mark("collect")
         seconds = time.monotonic() - span.start
-        metrics.CYCLE_SECONDS.observe(seconds)
-        metrics.CYCLES.labels("idle" if plan.empty else "work").inc()
-        metrics.CYCLE_TOKENS.inc(plan.tokens)
-        metrics.CYCLE_BUDGET.inc(plan.budget)
+        clock_metrics.CYCLE_SECONDS.observe(seconds)
+        clock_metrics.CYCLES.labels("idle" if plan.empty else "work").inc()
+        clock_metrics.CYCLE_TOKENS.inc(plan.tokens)
+        clock_metrics.CYCLE_BUDGET.inc(plan.budget)
         if plan.budget > 0:
-            metrics.CYCLE_TOKEN_UTILIZATION.observe(plan.tokens / plan.budget)
+            clock_metrics.CYCLE_TOKEN_UTILIZATION.observe(plan.tokens / plan.budget)
         if plan.empty:
             return
-        metrics.CLOCK_BUSY_SECONDS.inc(self.busy.end())
-        metrics.CYCLE_TENANTS.observe(len(plan.models))
+        clock_metrics.CLOCK_BUSY_SECONDS.inc(self.busy.end())
+        clock_metrics.CYCLE_TENANTS.observe(len(plan.models))
         for work in plan.models:
             owner = metrics.OWNERS.get(work.model_id)
             for op in work.ops():
@@ -124,5 +124,5 @@ class ClockMeter:
     def failed(self, category: str = "cycle") -> None:
         """The cycle raised ("cycle"; the clock logs it and goes on) or was abandoned because
         the engine died ("engine"; it runs again on a fresh engine)."""
-        metrics.CLOCK_BUSY_SECONDS.inc(self.busy.end())
+        clock_metrics.CLOCK_BUSY_SECONDS.inc(self.busy.end())
         metrics.scheduler_error(category)

@@ -12,7 +12,7 @@ Layout (Chrome trace "X" events, wall-clock microseconds):
 - the process "clock" with one thread, "cycles": each cycle the session took part in, with the
   tenants and tokens it packed and its phases.
 
-Events are appended to a Redis list per session (`keys.session_trace`) that expires
+Events are appended to a Redis list per session (`state/traces.py`) that expires
 `retention_s` after its last write (0: tracing off).
 """
 
@@ -31,8 +31,8 @@ from typing import Any
 from lockstep.config.sections import TRACE_RETENTION_S
 from lockstep.observability import metrics
 from lockstep.observability.metrics import RedisCaller
-from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.records import QueuedOp
+from lockstep.scheduler.state.traces import TraceLog
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ class CycleTrace:
 
 
 class Tracer:
-    def __init__(self, redis: Any, retention_s: int = DEFAULT_RETENTION_S) -> None:
-        self.redis = redis
+    def __init__(self, log: TraceLog, retention_s: int = DEFAULT_RETENTION_S) -> None:
+        self.log = log
         self.retention_s = retention_s
         self._submitted: dict[str, float] = {}
 
@@ -144,21 +144,16 @@ class Tracer:
     async def _write(self, per_session: dict[str, list[dict[str, Any]]]) -> None:
         if not self.retention_s or not per_session:
             return
+        encoded = {s: [json.dumps(e) for e in events] for s, events in per_session.items()}
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for session_id, events in per_session.items():
-                key = keys.session_trace(session_id)
-                pipe.rpush(key, *(json.dumps(e) for e in events))
-                pipe.ltrim(key, -MAX_EVENTS_PER_SESSION, -1)
-                pipe.expire(key, self.retention_s)
-            await pipe.execute()
+            await self.log.append(encoded, MAX_EVENTS_PER_SESSION, self.retention_s)
         except Exception:  # a trace is a diagnostic: never fail the cycle over it
             log.exception("could not record the session trace")
 
     # ------------------------------------------------------------------ export
     async def export(self, session_id: str) -> dict[str, Any]:
         """The session's Chrome-trace JSON object (open it in ui.perfetto.dev)."""
-        raw = await self.redis.lrange(keys.session_trace(session_id), 0, -1)
+        raw = await self.log.read(session_id)
         events: list[dict[str, Any]] = []
         names: dict[tuple[int, int | None], str] = {}
         for item in raw:
@@ -236,9 +231,9 @@ def model_phase(name: str, model_id: str) -> Iterator[None]:
 _tracer: Tracer | None = None  # set by the scheduler at start-up; None: hooks do nothing
 
 
-def configure(redis: Any, retention_s: int) -> Tracer:
+def configure(log: TraceLog, retention_s: int) -> Tracer:
     global _tracer
-    _tracer = Tracer(redis, retention_s)
+    _tracer = Tracer(log, retention_s)
     return _tracer
 
 

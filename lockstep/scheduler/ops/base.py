@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol, TypeVar
 
 from lockstep.config import Limits
+from lockstep.engine.capabilities import Engines
+from lockstep.engine.images import ImageReader
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.types import (
     MemoryBudget,
@@ -42,7 +44,7 @@ from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.scheduler.state.residency import Residency
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import AuditEvent, OpKind
 
 R = TypeVar("R")
 
@@ -108,6 +110,13 @@ class Hold(NamedTuple):
 Admission = Claim | SampleClaim | Hold
 
 
+class AuditEntry(NamedTuple):
+    """What an accepted submission leaves in its owner's audit log."""
+
+    event: AuditEvent
+    details: dict[str, str]
+
+
 def finite(value: float, field: str, minimum: float | None = None) -> None:
     if not math.isfinite(value):
         raise UserInputError(field, f"must be a finite number, got {value}")
@@ -132,6 +141,9 @@ class SubmitContext:
     memory: MemoryBudget  # the training engine's (TrainingEngine.memory_budget)
     data_dir: Path
     custom_losses: CustomLosses  # create_custom_loss, and what a request naming one must pass
+    images: ImageReader  # judges a training input's image chunks (engine/images.py)
+    engines: Engines  # what the configured engines run (engine/capabilities.py)
+    sample_images: ImageReader  # judges a sample prompt's image chunks (the sampler's)
 
     async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
         return await self.catalog.live_model(owner, model_id)  # tenancy: session ended?
@@ -188,6 +200,10 @@ class Op(ABC):
         """Validate the request (a UserInputError or NotFound refuses it) and say what to
         queue."""
 
+    def audit(self, req: pb.SubmitRequest, reply: pb.SubmitReply) -> AuditEntry | None:
+        """The audit entry its accepted submission leaves (None: none)."""
+        return None
+
     def phase(self, current: Phase) -> Phase | None:
         """The phase it runs in, given its model's current phase; None = next cycle."""
         return None
@@ -211,7 +227,9 @@ class PassOp(Op):
         restore must replay it."""
 
     @abstractmethod
-    async def decode(self, store: Store, request_id: str, req: pb.SubmitRequest) -> PassRequest:
+    async def decode(
+        self, store: Store, images: ImageReader, request_id: str, req: pb.SubmitRequest
+    ) -> PassRequest:
         """Its engine request from the stored payload (when not held decoded; replays)."""
 
     @abstractmethod

@@ -11,11 +11,19 @@ from typing import ClassVar
 
 from lockstep.engine.types import LoraSpec
 from lockstep.errors import UserInputError
-from lockstep.scheduler.ops.base import Claim, Phase, RunContext, SingleOp, SubmitContext, new_run
+from lockstep.scheduler.ops.base import (
+    AuditEntry,
+    Claim,
+    Phase,
+    RunContext,
+    SingleOp,
+    SubmitContext,
+    new_run,
+)
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import LoraRecord, QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import AuditEvent, OpKind, Optimizer
 
 
 def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
@@ -36,16 +44,18 @@ class CreateModel(SingleOp):
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
         owner, c = req.owner, req.create_model
         session = await ctx.catalog.live_session(owner, c.session_id)
+        if c.model_seq_id < 0:
+            raise UserInputError("model_seq_id", f"must be >= 0, got {c.model_seq_id}")
         ctx.catalog.resolve_base_model(c.base_model)
         lc = c.lora_config
         if not 1 <= lc.rank <= ctx.limits.max_lora_rank:
             raise UserInputError("lora_config.rank", f"must be in [1, {ctx.limits.max_lora_rank}]")
         if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
-            raise UserInputError("lora_config", "at least one of train_* must be true")
-        if c.optimizer_type not in ("", "adamw"):
             raise UserInputError(
-                "optimizer_config.type", f"{c.optimizer_type!r} is not supported; use adamw"
+                "lora_config", "at least one of train_mlp, train_attn, train_unembed must be true"
             )
+        if c.optimizer_type:
+            Optimizer.named("optimizer_config.type", c.optimizer_type)
         record = new_run(
             owner,
             session.session_id,
@@ -61,6 +71,9 @@ class CreateModel(SingleOp):
             c.user_metadata,
         )
         return Claim(record.model_id, 0, OpKind.CREATE_MODEL, 0, record)
+
+    def audit(self, req: pb.SubmitRequest, reply: pb.SubmitReply) -> AuditEntry:
+        return AuditEntry(AuditEvent.TRAINING_RUN_CREATED, {"model_id": reply.model_id})
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PRE if current == Phase.PRE else None

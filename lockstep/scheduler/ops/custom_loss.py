@@ -24,6 +24,7 @@ import msgspec
 from lockstep.custom_loss import graph
 from lockstep.custom_loss.bound import CostBound
 from lockstep.custom_loss.pricer import Pricer
+from lockstep.engine.capabilities import TrainerCapabilities
 from lockstep.engine.losses import CUSTOM, custom_loss_id
 from lockstep.engine.types import CustomLoss, PassRequest
 from lockstep.errors import UserInputError
@@ -44,6 +45,7 @@ class CustomLosses:
         catalog: Catalog,
         bound: CostBound,
         max_tokens: int,
+        trainer: TrainerCapabilities,
         created: Created | None = None,
     ) -> None:
         self.store = store
@@ -51,11 +53,13 @@ class CustomLosses:
         self.bound = bound  # what one datum's loss may cost (reported by get_info)
         self.max_tokens = max_tokens  # the longest datum the server accepts
         self.created = created
+        self.trainer = trainer  # whether the training engine runs them at all
         self.pricer = Pricer()  # its own process: pricing never holds the scheduler's loop
 
     async def create(self, req: pb.CreateCustomLossRequest) -> pb.SubmitReply:
         """Check, price and store a loss; answered as an already finished future."""
         session = await self.catalog.live_session(req.owner, req.session_id)
+        self.trainer.check_custom_losses()
         if req.custom_loss_seq_id < 0:
             raise UserInputError("custom_loss_seq_id", "must be >= 0")
         loss_id = f"{session.session_id}:loss:{req.custom_loss_seq_id}"
@@ -79,7 +83,7 @@ class CustomLosses:
         if await stored.put(self.store, rec) and self.created is not None:
             await self.created(rec)
         result = pb.JobResult(custom_loss=pb.CustomLossResult(loss_id=loss_id))
-        rid = await self.store.finished_job(OpKind.CREATE_CUSTOM_LOSS, req.owner, result)
+        rid = await self.store.jobs.finished(OpKind.CREATE_CUSTOM_LOSS, req.owner, result)
         return pb.SubmitReply(request_id=rid)
 
     async def named(self, model: ModelRecord, req: PassRequest) -> CustomLoss | None:

@@ -9,9 +9,11 @@ restore and counts as trained tokens.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from lockstep.engine import losses, memory
+from lockstep.engine.images import ImageReader
 from lockstep.engine.types import PassRequest, PassResult
 from lockstep.errors import UserInputError
 from lockstep.scheduler import translate
@@ -38,13 +40,18 @@ class ForwardBackward(PassOp):
         check_seq(fb.seq_id)
         if not fb.data:
             raise UserInputError("data", "no datums given")
-        check_sizes(ctx, fb)
-        pass_req = translate.pass_request("", fb)  # its request id once claimed
+        check_datums(ctx, fb)
+        ctx.engines.trainer.check_loss(fb.loss_fn)  # e.g. custom losses where none run
+        for i, datum in enumerate(fb.data):
+            translate.inline_assets(datum.model_input, f"data[{i}].model_input", ctx.images)
+        pass_req = translate.pass_request("", fb, ctx.images)  # its request id once claimed
+        check_sizes(ctx, pass_req)
         pass_req.custom_loss = await ctx.custom_losses.named(model, pass_req)
         losses.validate_pass_request(pass_req, ctx.card.vocab_size, ctx.card.max_context_length)
         await ctx.custom_losses.check_data(pass_req)  # its inputs' ranks, its price per datum
         kind = OpKind.FORWARD if fb.forward_only else OpKind.FORWARD_BACKWARD
-        return Claim(fb.model_id, fb.seq_id, kind, translate.pass_tokens(fb), decoded=pass_req)
+        tokens = translate.pass_tokens(pass_req)
+        return Claim(fb.model_id, fb.seq_id, kind, tokens, decoded=pass_req)
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PASS if current <= Phase.PASS else None
@@ -52,8 +59,10 @@ class ForwardBackward(PassOp):
     def backward(self, kind: OpKind) -> bool:
         return kind == OpKind.FORWARD_BACKWARD
 
-    async def decode(self, store: Store, request_id: str, req: pb.SubmitRequest) -> PassRequest:
-        pass_req = translate.pass_request(request_id, req.forward_backward)
+    async def decode(
+        self, store: Store, images: ImageReader, request_id: str, req: pb.SubmitRequest
+    ) -> PassRequest:
+        pass_req = translate.pass_request(request_id, req.forward_backward, images)
         await custom_losses.attach(store, pass_req)
         return pass_req
 
@@ -62,9 +71,8 @@ class ForwardBackward(PassOp):
         return Outcome(pb.JobResult(forward_backward=output), replayed=self.backward(op.kind))
 
 
-def check_sizes(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
-    """The request-size limits: datums per request, model-input tokens per datum, and the
-    admission rule: a datum whose pass the training engine's memory cannot hold."""
+def check_datums(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
+    """Datums per request: checked before any datum is decoded."""
     most = ctx.limits.max_datums_per_request
     if len(fb.data) > most:
         raise UserInputError(
@@ -72,9 +80,16 @@ def check_sizes(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
             f"has {len(fb.data)} datums; this server accepts at "
             f"most {most} per request (max_datums_per_request)",
         )
+
+
+def check_sizes(ctx: SubmitContext, req: PassRequest) -> None:
+    """The size limits of each decoded datum: model-input tokens (image placeholders included)
+    and the admission rule: a datum whose pass the training engine's memory cannot hold, an
+    image the vision tower's pass cannot."""
     per_datum, fits = ctx.limits.max_tokens_per_datum, ctx.memory.max_row_tokens
-    for i, datum in enumerate(fb.data):
-        n = sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input)
+    patches = ctx.memory.max_image_patches
+    for i, datum in enumerate(req.data):
+        n = len(datum.tokens)
         if per_datum and n > per_datum:
             raise UserInputError(
                 f"data[{i}].model_input",
@@ -86,3 +101,12 @@ def check_sizes(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
                 f"has {n} tokens; a training pass fits rows of at most {fits} tokens in "
                 f"the training engine's memory budget of {memory.describe(ctx.memory)}",
             )
+        for image in datum.images:
+            size = math.prod(image.grid)
+            if patches and size > patches:
+                raise UserInputError(
+                    f"data[{i}].model_input",
+                    f"has an image of {size} patches at position {image.position}; the vision "
+                    f"tower's pass fits images of at most {patches} patches in the training "
+                    f"engine's memory budget of {memory.describe(ctx.memory)}",
+                )

@@ -13,6 +13,7 @@ from typing import ClassVar
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler.ops.base import (
+    AuditEntry,
     Claim,
     Phase,
     RunContext,
@@ -25,7 +26,7 @@ from lockstep.scheduler.state.catalog import NotFound
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import AuditEvent, OpKind
 
 
 class Load(SingleOp):
@@ -34,6 +35,10 @@ class Load(SingleOp):
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.load_weights.model_id, req.load_weights.seq_id  # ("", 0): create-via-load
+
+    def audit(self, req: pb.SubmitRequest, reply: pb.SubmitReply) -> AuditEntry:
+        details = {"tinker_path": req.load_weights.path, "model_id": reply.model_id}
+        return AuditEntry(AuditEvent.CHECKPOINT_LOADED, details)
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
         owner, load = req.owner, req.load_weights
@@ -51,7 +56,9 @@ class Load(SingleOp):
             return Claim(load.model_id, load.seq_id, OpKind.LOAD, 0)
         # create-via-load: a new model whose id the SDK computes itself
         session = await ctx.catalog.live_session(owner, load.session_id)
-        source = await ctx.store.model(path.model_id)
+        if load.model_seq_id < 0:
+            raise UserInputError("model_seq_id", f"must be >= 0, got {load.model_seq_id}")
+        source = await ctx.store.runs.get(path.model_id)
         if source is None:
             raise NotFound(f"training run {path.model_id} does not exist")
         record = new_run(

@@ -28,6 +28,8 @@ class OptimStep(StepOp):
         o = req.optim_step
         await ctx.owned_model(req.owner, o.model_id)
         check_seq(o.seq_id)
+        if not o.HasField("adam"):
+            raise UserInputError("adam_params", "field required")
         a = o.adam
         finite(a.learning_rate, "adam_params.learning_rate", 0.0)
         finite(a.weight_decay, "adam_params.weight_decay", 0.0)

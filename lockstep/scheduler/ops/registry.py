@@ -1,11 +1,13 @@
 """The op registry: every op kind's module, looked up by the SubmitRequest oneof it arrives in
 or by the `OpKind` it is queued as. Adding an op is adding its module to `OPS` (and its proto
-message and gateway route); tests/unit/test_op_registry.py fails for a queued kind without one.
+message and its gateway op, `lockstep/gateway/ops/`); tests/unit/test_op_registry.py fails for a
+queued kind without one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from lockstep.errors import UserInputError
 from lockstep.scheduler.ops.base import Op, PassOp, SingleOp, StepOp
@@ -47,6 +49,20 @@ def _index(ops: Iterable[Op]) -> tuple[dict[str, Op], dict[OpKind, Op]]:
 
 
 BY_ONEOF, BY_KIND = _index(OPS)
+
+
+@contextmanager
+def registered(*ops: Op) -> Iterator[None]:
+    """Run `ops` while the block runs, each in place of the op that arrives as its oneof (a
+    new oneof needs a proto change: a test reuses an existing message this way)."""
+    global BY_ONEOF, BY_KIND
+    before = BY_ONEOF, BY_KIND
+    replaced = {op.oneof for op in ops}
+    BY_ONEOF, BY_KIND = _index([*(op for op in OPS if op.oneof not in replaced), *ops])
+    try:
+        yield
+    finally:
+        BY_ONEOF, BY_KIND = before
 
 
 def arriving_as(oneof: str | None) -> Op:

@@ -65,9 +65,15 @@ class Save(SingleOp):
         await ctx.owned_model(req.owner, s.model_id)
         check_seq(s.seq_id)
         if s.HasField("name"):
-            validate_name(s.name)
-            if s.HasField("ttl_seconds") and s.ttl_seconds <= 0:
-                raise UserInputError("ttl_seconds", "must be positive")
+            validate_name(s.name, "path")
+        elif s.kind != pb.CHECKPOINT_KIND_SAMPLER:
+            raise UserInputError("path", "field required")
+        elif not s.HasField("sampling_session_seq_id"):
+            raise UserInputError("path", "give a name (path) or a sampling_session_seq_id")
+        elif s.sampling_session_seq_id < 0:
+            raise UserInputError("sampling_session_seq_id", "must be >= 0")
+        if s.HasField("ttl_seconds") and s.ttl_seconds <= 0:
+            raise UserInputError("ttl_seconds", "must be positive")
         if s.age_recipients:
             if s.kind != pb.CHECKPOINT_KIND_EXTERNAL:
                 raise UserInputError(encryption.FIELD, "only save_weights_external encrypts")
@@ -78,7 +84,7 @@ class Save(SingleOp):
         return Phase.PRE if current == Phase.PRE else Phase.POST
 
     async def run(self, ctx: RunContext, op: QueuedOp, req: pb.SubmitRequest) -> Outcome:
-        model = await ctx.store.model(op.model_id)
+        model = await ctx.store.runs.get(op.model_id)
         if model is None:
             raise RuntimeError(f"model {op.model_id} has no record")
         await ctx.ensure_resident(op.model_id)  # after a failed snapshot earlier this cycle
@@ -124,7 +130,7 @@ async def _checkpoint(ctx: RunContext, op: QueuedOp, save: pb.SaveWeights) -> Ou
     """A named checkpoint: training state, sampler or external weights."""
     now = time.time()
     path = TinkerPath(op.model_id, _SEGMENTS[save.kind], save.name)
-    existing = await ctx.store.checkpoint(op.model_id, path.checkpoint_id)
+    existing = await ctx.store.checkpoints.get(op.model_id, path.checkpoint_id)
     if existing is not None and not save.overwrite:
         raise UserInputError("path", f"checkpoint {path} already exists (pass overwrite)")
     directory = checkpoint_dir(ctx.data_dir, path)

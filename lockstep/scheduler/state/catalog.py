@@ -68,11 +68,11 @@ class Catalog:
             display_name=display_name,
             project_id=project_id,
         )
-        await self.store.new_session(rec)
+        await self.store.sessions.create(rec)
         return rec
 
     async def owned_session(self, owner: str, session_id: str) -> SessionRecord:
-        return _owned_session(await self.store.session(session_id), owner, session_id)
+        return _owned_session(await self.store.sessions.get(session_id), owner, session_id)
 
     async def live_session(
         self, owner: str, session_id: str, field: str = "session_id"
@@ -85,7 +85,7 @@ class Catalog:
     async def live_model(self, owner: str, model_id: str) -> ModelRecord:
         """A model of `owner` whose session has not ended (what a training request needs), read
         with its session in one round trip."""
-        model, session = await self.store.model_and_session(model_id)
+        model, session = await self.store.runs.with_session(model_id)
         if model is None or model.owner != owner:
             raise NotFound(f"model {model_id} does not exist")
         _live(_owned_session(session, owner, model.session_id), "model_id")
@@ -94,7 +94,7 @@ class Catalog:
     async def live_sampler(self, owner: str, sampler_id: str) -> SamplerRecord:
         """A sampler of `owner` whose session has not ended (what a sample needs), read with its
         session in one round trip."""
-        sampler, session = await self.store.sampler_and_session(sampler_id)
+        sampler, session = await self.store.samplers.with_session(sampler_id)
         if sampler is None or sampler.owner != owner:
             raise NotFound(f"sampler {sampler_id} does not exist")
         _live(_owned_session(session, owner, sampler.session_id), "sampling_session_id")
@@ -103,23 +103,18 @@ class Catalog:
     async def heartbeat(self, owner: str, session_id: str) -> bool:
         rec = await self.owned_session(owner, session_id)
         rec.last_heartbeat = time.time()
-        await self.store.put_session(rec)
+        await self.store.sessions.put(rec)
         return rec.finished
-
-    async def finish_session(self, owner: str, session_id: str) -> None:
-        rec = await self.owned_session(owner, session_id)
-        rec.finished = True
-        await self.store.put_session(rec)
 
     # ------------------------------------------------------------------ models and samplers
     async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
-        rec = await self.store.model(model_id)
+        rec = await self.store.runs.get(model_id)
         if rec is None or rec.owner != owner:
             raise NotFound(f"model {model_id} does not exist")
         return rec
 
     async def owned_sampler(self, owner: str, sampler_id: str) -> SamplerRecord:
-        rec = await self.store.sampler(sampler_id)
+        rec = await self.store.samplers.get(sampler_id)
         if rec is None or rec.owner != owner:
             raise NotFound(f"sampler {sampler_id} does not exist")
         return rec
@@ -133,14 +128,16 @@ class Catalog:
         base_model: str | None,
     ) -> SamplerRecord:
         session = await self.owned_session(owner, session_id)
+        if seq < 0:
+            raise UserInputError("sampling_session_seq_id", f"must be >= 0, got {seq}")
         sampler_id = f"{session.session_id}:sample:{seq}"
-        existing = await self.store.sampler(sampler_id)
+        existing = await self.store.samplers.get(sampler_id)
         if existing is not None:  # a retried create: same answer
             return existing
         if model_path:
             path = TinkerPath.parse(model_path, "model_path")
             ckpt = await self.readable_checkpoint(owner, path, field="model_path")
-            source = await self.store.model(path.model_id)
+            source = await self.store.runs.get(path.model_id)
             rec = SamplerRecord(
                 sampler_id=sampler_id,
                 owner=owner,
@@ -162,7 +159,7 @@ class Catalog:
             )
         else:
             raise UserInputError("model_path", "give model_path or base_model")
-        await self.store.put_sampler(rec)
+        await self.store.samplers.put(rec)
         return rec
 
     # ------------------------------------------------------------------ checkpoints
@@ -170,8 +167,8 @@ class Catalog:
         self, owner: str, path: TinkerPath, field: str = "path"
     ) -> CheckpointRecord:
         """A live checkpoint the owner may read (their own, or a published one)."""
-        rec = await self.store.checkpoint(path.model_id, path.checkpoint_id)
-        model = await self.store.model(path.model_id)
+        rec = await self.store.checkpoints.get(path.model_id, path.checkpoint_id)
+        model = await self.store.runs.get(path.model_id)
         if rec is None or model is None or self._expired(rec):
             raise NotFound(f"checkpoint {path} does not exist")
         if model.owner != owner and not rec.public:
@@ -181,7 +178,7 @@ class Catalog:
     async def owned_checkpoint(self, owner: str, tinker_path: str) -> CheckpointRecord:
         path = TinkerPath.parse(tinker_path)
         await self.owned_model(owner, path.model_id)
-        rec = await self.store.checkpoint(path.model_id, path.checkpoint_id)
+        rec = await self.store.checkpoints.get(path.model_id, path.checkpoint_id)
         if rec is None or self._expired(rec):
             raise NotFound(f"checkpoint {tinker_path} does not exist")
         return rec
@@ -191,11 +188,11 @@ class Catalog:
         return rec.expires_at is not None and rec.expires_at <= time.time()
 
     async def list_checkpoints(self, owner: str, run_id: str | None) -> list[CheckpointRecord]:
-        run_ids = [run_id] if run_id else await self.store.all_owner_runs(owner)
+        run_ids = [run_id] if run_id else await self.store.runs.all_of_owner(owner)
         out: list[CheckpointRecord] = []
         for rid in run_ids:
             await self.owned_model(owner, rid)
-            for rec in await self.store.checkpoints(rid):
+            for rec in await self.store.checkpoints.of_run(rid):
                 if self._expired(rec):
                     await self._remove(rid, rec)
                 else:
@@ -207,7 +204,7 @@ class Catalog:
         await self._remove(TinkerPath.parse(tinker_path).model_id, rec)
 
     async def _remove(self, model_id: str, rec: CheckpointRecord) -> None:
-        await self.store.delete_checkpoint(model_id, rec.checkpoint_id)
+        await self.store.checkpoints.delete(model_id, rec.checkpoint_id)
         directory = Path(rec.directory)
         if directory.is_dir() and self.data_dir in directory.parents:
             shutil.rmtree(directory, ignore_errors=True)
@@ -215,14 +212,14 @@ class Catalog:
     async def set_public(self, owner: str, tinker_path: str, public: bool) -> None:
         rec = await self.owned_checkpoint(owner, tinker_path)
         rec.public = public
-        await self.store.put_checkpoint(TinkerPath.parse(tinker_path).model_id, rec)
+        await self.store.checkpoints.put(TinkerPath.parse(tinker_path).model_id, rec)
 
     async def set_ttl(self, owner: str, tinker_path: str, ttl_seconds: int | None) -> None:
         rec = await self.owned_checkpoint(owner, tinker_path)
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise UserInputError("ttl_seconds", "must be positive (or null to keep forever)")
         rec.expires_at = None if ttl_seconds is None else time.time() + ttl_seconds
-        await self.store.put_checkpoint(TinkerPath.parse(tinker_path).model_id, rec)
+        await self.store.checkpoints.put(TinkerPath.parse(tinker_path).model_id, rec)
 
     async def checkpoint_files(self, owner: str, tinker_path: str) -> tuple[Path, list[str]]:
         path = TinkerPath.parse(tinker_path)

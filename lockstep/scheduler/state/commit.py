@@ -1,4 +1,4 @@
-"""How a cycle's outcomes reach Redis (`Store.commit_cycle` delegates here).
+"""How a cycle's outcomes reach Redis (`Cycles.commit` delegates here).
 
 Each op's outcome is ONE Lua script: the job's result or error, the checkpoint / sampler /
 inflight records it made, its model record, the model's progress and its replay log, all or

@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TypeVar
 
+from lockstep.scheduler.state.jobs import Job
 from lockstep.scheduler.state.outcome import Recorded
-from lockstep.scheduler.state.store import Job, Store
+from lockstep.scheduler.state.store import Store
 from lockstep.vocab import JobStatus
 
 T = TypeVar("T")
@@ -52,7 +53,7 @@ class FutureBoard:
 
         return await self.wait_until(
             request_id,
-            lambda: self.store.job(request_id, payload=False),
+            lambda: self.store.jobs.get(request_id, payload=False),
             lambda job: job is None or job.status != JobStatus.PENDING,
             timeout,
             finished,

@@ -1,4 +1,4 @@
-"""What one executed op produced: the unit `Store.commit` records in ONE Redis transaction.
+"""What one executed op produced: the unit `Cycles.commit` records in ONE Redis transaction.
 
 Dispatch builds these (no Redis writes there); the clock commits them in seq_id order.
 """

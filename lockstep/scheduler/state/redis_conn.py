@@ -22,6 +22,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lockstep.observability import metrics
@@ -35,6 +36,8 @@ BACKOFF_CAP_S = 2.0
 # What a client of the store may treat as "Redis is away for now": answer try_again / 503, never
 # a permanent error.
 UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError)
+# Any failed Redis command (unavailable, or refused: a wrong type, out of memory).
+ERRORS = RedisError
 
 
 class _CountsRoundTrips(AbstractConnection):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 
 from lockstep.scheduler.state import keys
-from lockstep.scheduler.state.store import Job, Store
+from lockstep.scheduler.state.jobs import Job
+from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, JobStatus
 

@@ -230,14 +230,16 @@ class SampledProvenanceSpan(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("encoded_text", "image", "dmel")
+    __slots__ = ("encoded_text", "image", "dmel", "image_asset_pointer")
     ENCODED_TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     DMEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ASSET_POINTER_FIELD_NUMBER: _ClassVar[int]
     encoded_text: EncodedTextChunk
     image: ImageChunk
     dmel: DmelChunk
-    def __init__(self, encoded_text: _Optional[_Union[EncodedTextChunk, _Mapping]] = ..., image: _Optional[_Union[ImageChunk, _Mapping]] = ..., dmel: _Optional[_Union[DmelChunk, _Mapping]] = ...) -> None: ...
+    image_asset_pointer: ImageAssetPointerChunk
+    def __init__(self, encoded_text: _Optional[_Union[EncodedTextChunk, _Mapping]] = ..., image: _Optional[_Union[ImageChunk, _Mapping]] = ..., dmel: _Optional[_Union[DmelChunk, _Mapping]] = ..., image_asset_pointer: _Optional[_Union[ImageAssetPointerChunk, _Mapping]] = ...) -> None: ...
 
 class EncodedTextChunk(_message.Message):
     __slots__ = ("tokens",)
@@ -256,6 +258,16 @@ class ImageChunk(_message.Message):
     expected_tokens: int
     override_dimensions: ImageDimensions
     def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ..., expected_tokens: _Optional[int] = ..., override_dimensions: _Optional[_Union[ImageDimensions, _Mapping]] = ...) -> None: ...
+
+class ImageAssetPointerChunk(_message.Message):
+    __slots__ = ("format", "location", "expected_tokens")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    location: str
+    expected_tokens: int
+    def __init__(self, format: _Optional[str] = ..., location: _Optional[str] = ..., expected_tokens: _Optional[int] = ...) -> None: ...
 
 class ImageDimensions(_message.Message):
     __slots__ = ("width", "height")

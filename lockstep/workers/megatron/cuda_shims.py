@@ -8,8 +8,9 @@ megatron-core assumes CUDA in a few spots that CPU tests (and CPU serving) reach
    our configs, so the tracked states never change any number.
 2. `torch.cuda.current_device()` / `synchronize()` / `current_stream()`: p2p communication
    allocates receive buffers on `current_device()`; on CPU that is "cpu".
-3. `pipeline_parallel/schedules.py` allocates its token counter with `device="cuda"`: the module
-   sees a `torch` whose `zeros` maps a CUDA device to the CPU.
+3. `pipeline_parallel/schedules.py` allocates its token counter with `device="cuda"`, and
+   `transformer/utils.py` the sliding-window mask of the local attention: these modules see a
+   `torch` whose `zeros` / `ones` map a CUDA device to the CPU.
 4. The MoE all-to-all dispatcher makes a side `torch.cuda.Stream()` for its device-to-host copies
    and syncs on an event of it: on CPU a stream whose waits and events do nothing; its
    device-to-host helper hands split sizes to the all-to-all as numpy arrays only for CUDA
@@ -38,8 +39,8 @@ def _cpu_device(device: Any) -> Any:
     return device
 
 
-class _CpuZerosTorch(types.ModuleType):
-    """`torch`, except that `zeros(..., device="cuda")` allocates on the CPU."""
+class _CpuAllocTorch(types.ModuleType):
+    """`torch`, except that `zeros` / `ones(..., device="cuda")` allocate on the CPU."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -52,6 +53,12 @@ class _CpuZerosTorch(types.ModuleType):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
         return torch.zeros(*args, **kwargs)
+
+    @staticmethod
+    def ones(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return torch.ones(*args, **kwargs)
 
 
 class _CpuEvent:
@@ -90,6 +97,7 @@ def apply() -> None:
         return
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.moe import token_dispatcher
 
     def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> Any:
@@ -109,6 +117,7 @@ def apply() -> None:
     cuda.current_stream = lambda device=None: None
     cuda.Stream = _CpuStream
     cuda.stream = lambda stream=None: contextlib.nullcontext()
-    schedules.torch = _CpuZerosTorch()
+    schedules.torch = _CpuAllocTorch()
+    transformer_utils.torch = _CpuAllocTorch()
     token_dispatcher.maybe_move_tensor_to_cpu = _to_host
     _applied = True

@@ -1,11 +1,12 @@
 """Build a megatron-core GPTModel (this rank's TP shard of this rank's PP stage) from a HF
-Qwen3 / Llama-family config, with the settings that keep fp32 numbers equal to transformers'.
+Llama-family config, with the settings that keep fp32 numbers equal to transformers'.
 
-Qwen3-MoE layers become megatron MoE layers: the local spec's SequentialMLP experts (whole
-experts, split over EP ranks; never over TP: expert_tensor_parallel_size 1), a frozen softmax
-top-k router in fp32, dropless all-to-all dispatch, no load-balancing loss. Other MoE families
-(gpt-oss biases and clamped SwiGLU, DeepSeek shared experts and group-limited routing, Qwen3.5
-linear attention) are refused by name.
+What megatron's layers compute is decided from the model's shape (`engine.shape.ModelShape`,
+built once by `modeling.architecture`): sliding windows become megatron's `window_size` (one size,
+per-layer on/off), Qwen3-MoE layers megatron MoE layers (the local spec's SequentialMLP experts,
+whole experts split over EP ranks, never over TP; a frozen softmax top-k router in fp32, dropless
+all-to-all dispatch, no load-balancing loss). Every feature whose numbers megatron's layers would
+not reproduce is refused by name, all of a model's at once (`support.py`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.engine.shape import ModelShape
-
-# Families the converter is tested on (tests/megatron); what else a model needs is read from
-# its Architecture and refused by name where megatron's layers would compute something else.
-SUPPORTED = ("qwen3", "llama", "mistral", "qwen2", "qwen3_moe")
+from lockstep.workers.megatron.support import UnsupportedByMegatron, refused_features
 
 
 @dataclass(frozen=True)
@@ -47,6 +45,8 @@ class HFArch:
     topk: int = 0  # experts per token
     moe_intermediate: int = 0
     norm_topk_prob: bool = True  # top-k weights renormalised to sum to 1
+    window: int = 0  # sliding window: tokens a query sees, itself included (0: none)
+    windowed: tuple[bool, ...] = ()  # per layer: whether it uses the window
 
     @property
     def moe(self) -> bool:
@@ -61,9 +61,11 @@ class HFArch:
 
     @staticmethod
     def from_shape(shape: ModelShape, cfg: dict[str, Any]) -> HFArch:
-        """Raises ValueError naming what megatron's layers would not compute as the model does."""
-        _refuse(shape)
-        att = shape.attention()[0]
+        """Raises UnsupportedByMegatron naming every feature megatron would compute otherwise."""
+        found = refused_features(shape)
+        if found:
+            raise UnsupportedByMegatron(shape.family, found)
+        att = shape.attention()
         ffns = [la.ffn for la in shape.layers if la.ffn is not None]
         moe = next((f for f in ffns if f.routed), None)
         dense = next((f for f in ffns if not f.routed), None)
@@ -73,50 +75,36 @@ class HFArch:
             model_type=shape.family,
             hidden=shape.hidden,
             layers=len(shape.layers),
-            heads=att.heads,
-            kv_heads=att.kv_heads,
-            head_dim=att.head_dim,
+            heads=att[0].heads,
+            kv_heads=att[0].kv_heads,
+            head_dim=att[0].head_dim,
             intermediate=dense.width if dense else int(cfg.get("intermediate_size") or 0),
             vocab=shape.vocab,
             eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            qk_norm=att.qk_norm,
-            qkv_bias=att.bias,
+            qk_norm=att[0].qk_norm,
+            qkv_bias=att[0].bias,
             tie_embeddings=shape.tied_embeddings,
             max_positions=int(cfg.get("max_position_embeddings", 2048)),
             experts=moe.experts if moe else 0,
             topk=moe.top_k if moe else 0,
             moe_intermediate=moe.width if moe else 0,
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            window=max((a.window or 0 for a in att), default=0),
+            windowed=tuple(bool(a.window) for a in att),
         )
 
 
-def _refuse(shape: ModelShape) -> None:
-    if shape.family not in SUPPORTED:
-        raise ValueError(f"the megatron engine converts {SUPPORTED} models, not {shape.family!r}")
-    if shape.rope != "default":
-        raise ValueError(
-            f"the megatron engine supports plain RoPE only (this model's is {shape.rope!r})"
-        )
-    if any(la.attention is None for la in shape.layers):
-        raise ValueError("the megatron engine converts attention layers only")
-    window = next((a.window for a in shape.attention() if a.window), None)
-    if window:
-        raise ValueError(
-            f"the megatron engine computes full attention; this model uses a sliding window "
-            f"of {window} tokens (serve it with the local engine)"
-        )
-    ffns = [la.ffn for la in shape.layers]
-    routed = [f for f in ffns if f is not None and f.routed]
-    if routed and len(routed) != len(ffns):
-        raise ValueError(
-            "the megatron engine converts MoE models whose every layer is MoE "
-            "(mlp_only_layers / decoder_sparse_step mix in dense layers)"
-        )
-    if any(f.shared_width or f.expert_bias or not f.gated for f in routed):
-        raise ValueError(
-            "the megatron engine converts gated experts without biases or shared experts"
-        )
+def _window_settings(arch: HFArch) -> dict[str, Any]:
+    """HF's window W: a query sees itself and the W - 1 keys before it. megatron's
+    `window_size=(left, right)` keeps keys i - left .. i + right (local spec: masked softmax),
+    switched on per layer by `window_attn_skip_freq` (1 = windowed, by global layer number)."""
+    if not arch.window:
+        return {}
+    return {
+        "window_size": (arch.window - 1, 0),
+        "window_attn_skip_freq": [int(w) for w in arch.windowed],
+    }
 
 
 def _moe_settings(arch: HFArch, ep: int) -> dict[str, Any]:
@@ -150,6 +138,7 @@ def transformer_config(
 
     return TransformerConfig(
         **_moe_settings(arch, ep),
+        **_window_settings(arch),
         num_layers=arch.layers,
         hidden_size=arch.hidden,
         ffn_hidden_size=arch.intermediate,

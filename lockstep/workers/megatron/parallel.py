@@ -1,6 +1,6 @@
 """Apply the parallel axes of a Megatron worker group to a process.
 
-`ParallelConfig` (lockstep/config/sections.py, where its flags are) says how many ranks split
+`ParallelConfig` (lockstep/config/training.py, where its flags are) says how many ranks split
 each axis (tensor, pipeline, context, data); `init_parallel(...)` is the one function that
 applies it: torch.distributed, then megatron's process groups, then the RNG tracker megatron's
 attention needs.

@@ -1,0 +1,94 @@
+"""What an engine runs, said by the engine itself: the one place admission and the client
+config read it from.
+
+Each engine declares its capabilities (`TrainingEngine.capabilities`,
+`SamplingEngine.capabilities`) once it has loaded the model: the losses it computes (server-side
+custom losses included or not), the kinds of model input it takes (text; images only for a
+vision-language model on an engine that runs its tower), the optimizers it steps. Admission
+refuses anything else with a 400 that names the engine, before the request is queued, and the
+client config tells the SDK only what the configured engines run (`custom_loss_server_side`:
+the SDK then runs custom losses itself). So an engine never meets a request it cannot run, and
+no engine re-checks what admission already judged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from lockstep.engine.losses import CUSTOM, LOSSES
+from lockstep.errors import UserInputError
+from lockstep.vocab import Optimizer
+
+
+class InputKind(StrEnum):
+    """Kinds of model input chunk an engine takes."""
+
+    TEXT = "text"
+    IMAGE = "image"
+
+
+TEXT_INPUTS = frozenset({InputKind.TEXT})
+TEXT_AND_IMAGES = frozenset({InputKind.TEXT, InputKind.IMAGE})
+
+
+@dataclass(frozen=True)
+class TrainerCapabilities:
+    """What a training engine runs."""
+
+    engine: str  # its name in refusals: "local", "megatron"
+    losses: frozenset[str] = frozenset(LOSSES)  # built-in loss_fn names
+    custom_loss: bool = False  # server-side custom losses (create_custom_loss, loss_fn "custom")
+    inputs: frozenset[InputKind] = TEXT_INPUTS
+    optimizers: frozenset[Optimizer] = field(default_factory=lambda: frozenset(Optimizer))
+
+    def check_loss(self, loss_fn: str, field: str = "loss_fn") -> None:
+        """Raises UserInputError naming `field` and the engine if it does not compute the loss
+        (an unknown name is the loss table's refusal, `engine.losses.loss_def`)."""
+        if loss_fn == CUSTOM and not self.custom_loss:
+            raise UserInputError(
+                field,
+                f"server-side custom losses do not run on the {self.engine} training engine; "
+                "pass forward_backward_custom a plain callable instead (the SDK runs it)",
+            )
+        if loss_fn in LOSSES and loss_fn not in self.losses:
+            raise UserInputError(
+                field, f"loss {loss_fn!r} does not run on the {self.engine} training engine"
+            )
+
+    def check_custom_losses(self) -> None:
+        """create_custom_loss: refused where the engine does not run them."""
+        self.check_loss(CUSTOM, "loss")
+
+    def check_input(self, kind: InputKind, field: str) -> None:
+        check_input(self.inputs, kind, field, f"the {self.engine} training engine")
+
+    def check_optimizer(self, optimizer: Optimizer, field: str) -> None:
+        if optimizer not in self.optimizers:
+            raise UserInputError(
+                field, f"optimizer {optimizer.value} does not run on the {self.engine} engine"
+            )
+
+
+@dataclass(frozen=True)
+class SamplerCapabilities:
+    """What a sampling engine runs."""
+
+    engine: str  # "local", "vllm", "sglang"
+    inputs: frozenset[InputKind] = TEXT_INPUTS
+
+    def check_input(self, kind: InputKind, field: str) -> None:
+        check_input(self.inputs, kind, field, f"the {self.engine} sampler")
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The configured engines' capabilities, as admission and the client config read them."""
+
+    trainer: TrainerCapabilities
+    sampler: SamplerCapabilities
+
+
+def check_input(taken: frozenset[InputKind], kind: InputKind, field: str, who: str) -> None:
+    if kind not in taken:
+        raise UserInputError(field, f"{kind.value} chunks are not supported by {who}")

@@ -1,6 +1,0 @@
-"""Wire types: the JSON the tinker SDK sends and expects, as pydantic models.
-
-Kept apart from the gRPC translation (`lockstep.gateway.translate`) on purpose: these mirror
-the SDK's types (tinker 0.38, see tinker-protocol.md §3), ignore unknown fields, and know
-nothing about the scheduler.
-"""

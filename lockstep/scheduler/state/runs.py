@@ -1,0 +1,96 @@
+"""Training runs and sampling sessions: their records (a run's with its session's in one round
+trip), each owner's index of runs, and the owners the clock's per-key quota reads."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.records import (
+    ModelRecord,
+    SamplerRecord,
+    SessionRecord,
+    decode,
+    encoder,
+)
+
+R = TypeVar("R")
+
+# A model's or sampler's record and its session's (the session id is in the record).
+_WITH_SESSION = """
+local model = redis.call('GET', KEYS[1])
+if not model then return {false, false} end
+return {model, redis.call('GET', ARGV[1] .. cjson.decode(model)['session_id'])}
+"""
+
+
+async def _with_session(
+    redis: Any, key: str, kind: type[R]
+) -> tuple[R | None, SessionRecord | None]:
+    rec, session = await redis.eval(_WITH_SESSION, 1, key, keys.session(""))
+    return (
+        None if rec is None else decode(rec, kind),
+        None if session is None else decode(session, SessionRecord),
+    )
+
+
+class Runs:
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+
+    async def put(self, rec: ModelRecord) -> None:
+        await self.redis.set(keys.model(rec.model_id), encoder.encode(rec))
+
+    async def get(self, model_id: str) -> ModelRecord | None:
+        raw = await self.redis.get(keys.model(model_id))
+        return None if raw is None else decode(raw, ModelRecord)
+
+    async def with_session(self, model_id: str) -> tuple[ModelRecord | None, SessionRecord | None]:
+        """A run's record and its session's, in one round trip."""
+        return await _with_session(self.redis, keys.model(model_id), ModelRecord)
+
+    async def of_owner(self, owner: str, offset: int, limit: int) -> tuple[list[str], int]:
+        """A page of the owner's run ids, newest first, and how many there are."""
+        key = keys.owner_runs(owner)
+        ids = await self.redis.zrevrange(key, offset, offset + max(limit, 1) - 1)
+        return [i.decode() for i in ids], int(await self.redis.zcard(key))
+
+    async def all_of_owner(self, owner: str) -> list[str]:
+        return [i.decode() for i in await self.redis.zrevrange(keys.owner_runs(owner), 0, -1)]
+
+    async def owners(self, model_ids: list[str]) -> dict[str, str]:
+        """The API key (owner) of each run that still exists (the per-key cycle quota)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model_id in model_ids:
+                pipe.get(keys.model(model_id))
+            raw = await pipe.execute()
+        return {
+            m: decode(r, ModelRecord).owner
+            for m, r in zip(model_ids, raw, strict=True)
+            if r is not None
+        }
+
+    async def last_request_time(self, model_id: str) -> float | None:
+        raw = await self.redis.hget(keys.progress(model_id), "last_request_time")
+        return None if raw is None else float(raw)
+
+
+class Samplers:
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+
+    async def put(self, rec: SamplerRecord) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.sampler(rec.sampler_id), encoder.encode(rec))
+            pipe.sadd(keys.session_samplers(rec.session_id), rec.sampler_id)
+            await pipe.execute()
+
+    async def get(self, sampler_id: str) -> SamplerRecord | None:
+        raw = await self.redis.get(keys.sampler(sampler_id))
+        return None if raw is None else decode(raw, SamplerRecord)
+
+    async def with_session(
+        self, sampler_id: str
+    ) -> tuple[SamplerRecord | None, SessionRecord | None]:
+        """A sampler's record and its session's, in one round trip."""
+        return await _with_session(self.redis, keys.sampler(sampler_id), SamplerRecord)
