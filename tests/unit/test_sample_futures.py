@@ -26,6 +26,15 @@ SAMPLER = "sess-1:sample:0"
 CLONE_1 = sample_futures.CLONE_SPAN  # the first seq_id of clone 1
 
 
+async def _store(url: str) -> Store:
+    """A store holding SAMPLER's record (owner "o")."""
+    store = Store.from_url(url)
+    await store.samplers.put(
+        SamplerRecord(sampler_id=SAMPLER, owner="o", session_id="sess-1", base_model="m")
+    )
+    return store
+
+
 async def _claim(store: Store, seq_id: int, max_tokens: int = 2) -> Job:
     payload = pb.SubmitRequest(
         owner="o",
@@ -52,26 +61,29 @@ def _ids(found: sample_futures.Completions) -> list[tuple[str, bool]]:
 
 def test_completions_are_logged_per_clone_once_and_dropped_once_seen(clean_redis: str) -> None:
     async def go() -> None:
-        store = Store.from_url(clean_redis)
+        store = await _store(clean_redis)
         a, b, c = [await _claim(store, s) for s in (1, 2, CLONE_1 + 1)]
         assert await sample_futures.finish(store, a, result=b"12345")
         assert await sample_futures.finish(store, c, error="engine said no")
         assert not await sample_futures.finish(store, a, result=b"again")  # once only
         assert await sample_futures.cancel(store, b) == sample_futures.Outcome.CANCELLED
 
-        first = await sample_futures.since(store, SAMPLER, 0, 0)
+        # another caller's poll is refused and acknowledges nothing
+        assert await sample_futures.since(store, "intruder", SAMPLER, 0, 2) is None
+        assert await sample_futures.since(store, "o", "sess-1:sample:9", 0, 0) is None
+        first = await sample_futures.since(store, "o", SAMPLER, 0, 0)
         assert _ids(first) == [(a.request_id, False), (b.request_id, True)]
         assert first.entries[0].payload_size == 5
         assert first.cursor == 2
-        other = await sample_futures.since(store, SAMPLER, 1, 0)
+        other = await sample_futures.since(store, "o", SAMPLER, 1, 0)
         assert _ids(other) == [(c.request_id, True)]
 
         # prev_cursor acknowledges: those entries are gone, the cursor stays
-        empty = await sample_futures.since(store, SAMPLER, 0, first.cursor)
+        empty = await sample_futures.since(store, "o", SAMPLER, 0, first.cursor)
         assert (empty.entries, empty.cursor) == ([], first.cursor)
         assert await store.redis.zcard(keys.sample_done(SAMPLER, 0)) == 0
         with pytest.raises(sample_futures.CursorAhead, match="past the last completion"):
-            await sample_futures.since(store, SAMPLER, 0, first.cursor + 1)
+            await sample_futures.since(store, "o", SAMPLER, 0, first.cursor + 1)
         await store.close()
 
     asyncio.run(go())
@@ -121,9 +133,9 @@ class RecordingSampler(LocalSamplingEngine):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.seen: list[str] = []
 
-    def sample(self, requests: list[SampleRequest]) -> list[SampleResult]:
-        self.seen.extend(r.request_id for r in requests)
-        return super().sample(requests)
+    def sample_slice(self, requests: list[SampleRequest], steps: int) -> list[SampleResult]:
+        self.seen.extend(r.request_id for r in requests)  # the lane's one way in
+        return super().sample_slice(requests, steps)
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +151,14 @@ def test_a_cancelled_queued_sample_never_reaches_the_engine(
     clean_redis: str, sampler: RecordingSampler
 ) -> None:
     async def go() -> None:
-        store = Store.from_url(clean_redis)
-        await store.samplers.put(
-            SamplerRecord(sampler_id=SAMPLER, owner="o", session_id="sess-1", base_model="m")
-        )
+        store = await _store(clean_redis)
         board = FutureBoard(store)
         lane = SamplingLane(store, sampler, board)
         kept, cancelled = await _claim(store, 1), await _claim(store, 2)
         poll = asyncio.create_task(
             board.wait_until(
                 sample_futures.topic(SAMPLER, 0),
-                lambda: sample_futures.since(store, SAMPLER, 0, 0),
+                lambda: sample_futures.since(store, "o", SAMPLER, 0, 0),
                 lambda found: len(found.entries) == 2,
                 timeout=60,
             )
@@ -177,10 +186,7 @@ def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
     sit in between) still keeps the sample out of the engine."""
 
     async def go() -> None:
-        store = Store.from_url(clean_redis)
-        await store.samplers.put(
-            SamplerRecord(sampler_id=SAMPLER, owner="o", session_id="sess-1", base_model="m")
-        )
+        store = await _store(clean_redis)
         lane = SamplingLane(store, sampler, FutureBoard(store))
         kept, cancelled = await _claim(store, 1), await _claim(store, 2)
         adapter_for = lane._adapter_for
@@ -207,11 +213,11 @@ def test_a_log_nobody_acknowledges_keeps_only_its_newest_completions(
     monkeypatch.setattr(sample_futures, "MAX_LOGGED", 3)
 
     async def go() -> None:
-        store = Store.from_url(clean_redis)
+        store = await _store(clean_redis)
         jobs = [await _claim(store, s) for s in range(1, 6)]
         for job in jobs:
             assert await sample_futures.finish(store, job, result=b"x")
-        found = await sample_futures.since(store, SAMPLER, 0, 0)
+        found = await sample_futures.since(store, "o", SAMPLER, 0, 0)
         assert [c.request_id for c in found.entries] == [j.request_id for j in jobs[2:]]
         assert found.cursor == 5
         await store.close()

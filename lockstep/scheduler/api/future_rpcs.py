@@ -80,18 +80,21 @@ class FutureRpcs:
         return pb.FutureReply(result=pb.JobResult.FromString(job.result or b""))
 
     async def retrieve_futures(self, request: pb.RetrieveFuturesRequest) -> pb.RetrieveFuturesReply:
-        sampler = await self.catalog.owned_sampler(request.owner, request.sampler_id)
         timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
 
         async def read() -> sample_futures.Completions:
-            return await sample_futures.since(
-                self.store, sampler.sampler_id, request.clone, request.prev_cursor
+            # The ownership check and the read are one script: one round trip per read.
+            found = await sample_futures.since(
+                self.store, request.owner, request.sampler_id, request.clone, request.prev_cursor
             )
+            if found is None:
+                raise NotFound(f"sampler {request.sampler_id} does not exist")
+            return found
 
         try:
             with metrics.FUTURE_WAITERS.track_inprogress():
                 found = await self.board.wait_until(
-                    sample_futures.topic(sampler.sampler_id, request.clone),
+                    sample_futures.topic(request.sampler_id, request.clone),
                     read,
                     lambda c: bool(c.entries),
                     timeout,

@@ -155,17 +155,37 @@ class Completions:
     cursor: int
 
 
+# One poll in one round trip. KEYS: the sampler's record, completion log, its cursor. ARGV: the
+# caller, prev_cursor, most entries. Nil: no such sampler of the caller's (nothing touched);
+# else {last cursor, entries after prev_cursor} once the entries at or before it are dropped.
+_SINCE = """
+local rec = redis.call('GET', KEYS[1])
+if not rec or cjson.decode(rec)['owner'] ~= ARGV[1] then return nil end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
+local last = redis.call('GET', KEYS[3]) or '0'
+return {last, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf', 'LIMIT', 0, ARGV[3])}
+"""
+
+
 async def since(
-    store: Store, sampling_session_id: str, clone: int, prev_cursor: int
-) -> Completions:
-    """The completions after `prev_cursor`; those at or before it are dropped (seen)."""
-    log = keys.sample_done(sampling_session_id, clone)
-    async with store.redis.pipeline(transaction=True) as pipe:
-        pipe.zremrangebyscore(log, "-inf", prev_cursor)
-        pipe.get(keys.sample_done_cursor(sampling_session_id, clone))
-        pipe.zrangebyscore(log, f"({prev_cursor}", "+inf", start=0, num=MAX_PER_POLL)
-        _, last_raw, raw = await pipe.execute()
-    last = int(last_raw or 0)
+    store: Store, owner: str, sampling_session_id: str, clone: int, prev_cursor: int
+) -> Completions | None:
+    """The completions after `prev_cursor`; those at or before it are dropped (seen). None: the
+    sampling session is not `owner`'s (or does not exist), and nothing was dropped."""
+    found = await store.redis.eval(
+        _SINCE,
+        3,
+        keys.sampler(sampling_session_id),
+        keys.sample_done(sampling_session_id, clone),
+        keys.sample_done_cursor(sampling_session_id, clone),
+        owner,
+        prev_cursor,
+        MAX_PER_POLL,
+    )
+    if found is None:
+        return None
+    last_raw, raw = found
+    last = int(last_raw)
     if prev_cursor > last:
         raise CursorAhead(
             f"{prev_cursor} is past the last completion ({last}) of sampling "
