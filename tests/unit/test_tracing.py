@@ -16,7 +16,7 @@ OPT = QueuedOp("req-b", "sess-1:train:0", 2, "optim_step", 0)
 OTHER = QueuedOp("req-c", "sess-2:train:0", 1, "forward_backward", 8)
 
 
-async def _cycle() -> None:
+async def _cycle(store: Store) -> None:
     for op in (FB, OPT, OTHER):
         tracing.submitted(op.request_id)
     planned = time.time()
@@ -27,7 +27,8 @@ async def _cycle() -> None:
     with tracing.phase("optimizer step", [OPT]):
         with tracing.model_phase("snapshot", OPT.model_id):
             await asyncio.sleep(0.01)
-    await tracing.cycle_done(trace)
+    async with store.batch() as batch:  # the clock's batch of the cycle's writes
+        tracing.cycle_done(trace, batch)
 
 
 def test_a_cycle_is_recorded_per_session_and_nests(clean_redis: str) -> None:
@@ -35,7 +36,7 @@ def test_a_cycle_is_recorded_per_session_and_nests(clean_redis: str) -> None:
         store = Store.from_url(clean_redis)
         tracing.configure(store.traces, retention_s=600)
         try:
-            await _cycle()
+            await _cycle(store)
             mine = await tracing.export("sess-1")
             other = await tracing.export("sess-2")
             ttl = await store.redis.ttl(keys.session_trace("sess-1"))
@@ -81,7 +82,7 @@ def test_retention_zero_records_nothing(clean_redis: str) -> None:
         store = Store.from_url(clean_redis)
         tracing.configure(store.traces, retention_s=0)
         try:
-            await _cycle()
+            await _cycle(store)
             return await tracing.export("sess-1")
         finally:
             tracing._tracer = None

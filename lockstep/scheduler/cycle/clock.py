@@ -135,7 +135,9 @@ class Clock:
         self.notify(await self.commit(plan, outcomes))
         self.partners.after(plan, time.monotonic() - started)
         self.cycles_run += 1
-        await self.observers.finished(plan, outcomes)  # traces, usage, metrics
+        async with self.store.batch() as batch:  # traces and usage: one round trip
+            await self.observers.recording(plan, outcomes, batch)
+        await self.observers.finished(plan, outcomes)  # metrics
         await self.recovery.prune(plan, outcomes)  # old snapshot files, once the new ones count
         await self.recovery.record_durable()  # snapshots the engine finished in the background
         if not plan.empty and _left_queued(queues, plan):

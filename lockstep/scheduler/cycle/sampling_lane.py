@@ -321,30 +321,32 @@ class SamplingLane:
             await self._answer(done, timer.seconds)
 
     async def _answer(self, done: list[tuple[_Running, SampleResult]], seconds: float) -> None:
+        """Answer these samples, with their usage and trace, in one round trip; wake their
+        futures."""
         jobs = [run.job for run, _ in done]
         results = [result for _, result in done]
         metrics.sampled([job.owner for job in jobs], results, seconds)
-        if self.accounting is not None:  # tenancy: usage per key
-            await self.accounting.on_sampled(jobs, [run.request for run, _ in done], results)
-        await self._finish_all(
-            [
-                (run.job, None, result.error)
-                if result.error is not None
-                else (
-                    run.job,
-                    pb.JobResult(sample=translate.sample_response(result, run.topk)),
-                    None,
-                )
-                for run, result in done
-            ]
-        )
-        for started in sorted({run.started for run, _ in done}):  # [trace hook]
-            jobs_done = [
-                (r.job.request_id, r.job.model_id, r.job.seq_id)
-                for r, _ in done
-                if r.started == started
-            ]
-            await tracing.sampled(jobs_done, started)  # [trace hook]
+        answers = [
+            (run.job, None, result.error)
+            if result.error is not None
+            else (run.job, pb.JobResult(sample=translate.sample_response(result, run.topk)), None)
+            for run, result in done
+        ]
+        try:
+            async with self.store.batch() as batch:
+                if self.accounting is not None:  # tenancy: usage per key
+                    requests = [run.request for run, _ in done]
+                    await self.accounting.on_sampled(jobs, requests, results, batch)
+                sample_futures.queue_finish(batch, self.store.result_ttl_s, _encoded(answers))
+                for started in sorted({run.started for run, _ in done}):  # [trace hook]
+                    jobs_done = [
+                        (r.job.request_id, r.job.model_id, r.job.seq_id)
+                        for r, _ in done
+                        if r.started == started
+                    ]
+                    tracing.sampled(batch, jobs_done, started)  # [trace hook]
+        finally:  # a refused write still sent the answers beside it
+            self._notify(jobs)
 
     async def _live(
         self, call: list[tuple[Job, SampleRequest, int]]
@@ -367,12 +369,17 @@ class SamplingLane:
 
     async def _finish_all(self, done: list[tuple[Job, pb.JobResult | None, str | None]]) -> None:
         """Answer these samples (one round trip) and wake their futures."""
-        await sample_futures.finish_all(
-            self.store,
-            [
-                (job, result.SerializeToString() if result else None, error)
-                for job, result, error in done
-            ],
-        )
-        for job, _, _ in done:
+        await sample_futures.finish_all(self.store, _encoded(done))
+        self._notify([job for job, _, _ in done])
+
+    def _notify(self, jobs: list[Job]) -> None:
+        for job in jobs:
             self.board.notify(job.request_id, sample_futures.job_topic(job))
+
+
+def _encoded(
+    done: Sequence[tuple[Job, pb.JobResult | None, str | None]],
+) -> list[tuple[Job, bytes | None, str | None]]:
+    return [
+        (job, result.SerializeToString() if result else None, error) for job, result, error in done
+    ]

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.scheduler.ops import registry
+from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.jobs import Job
-from lockstep.scheduler.state.ledger import LedgerBatch
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import AuditEvent
@@ -54,12 +54,12 @@ class Accounting:
     async def add(
         self, owner: str, session_id: str, base_model: str, counts: dict[Counter, float]
     ) -> None:
-        async with self.ledger.batch() as batch:
+        async with self.store.batch() as batch:
             self._add(batch, owner, session_id, base_model, counts)
 
     def _add(
         self,
-        batch: LedgerBatch,
+        batch: WriteBatch,
         owner: str,
         session_id: str,
         base_model: str,
@@ -79,50 +79,50 @@ class Accounting:
         return self._models[model_id]
 
     async def on_cycle(
-        self, plan: CyclePlan, outcomes: Mapping[str, Outcome], seconds: float
+        self, plan: CyclePlan, outcomes: Mapping[str, Outcome], seconds: float, batch: WriteBatch
     ) -> None:
-        """After collect (the clock's `observers.AccountingObserver`): each model's pass tokens
-        and steps, its share of the cycle's wall time (by pass tokens; equal shares in a cycle
-        without passes), the checkpoints it saved, and an audit entry per new checkpoint."""
+        """After collect (the clock's `observers.AccountingObserver`), queued on the cycle's
+        batch: each model's pass tokens and steps, its share of the cycle's wall time (by pass
+        tokens; equal shares in a cycle without passes), the checkpoints it saved, and an audit
+        entry per new checkpoint."""
         total = plan.tokens
-        async with self.ledger.batch() as batch:
-            for work in plan.models:
-                who = await self._model(work.model_id)
-                if who is None:
-                    continue
-                saved = [
-                    o.checkpoint
-                    for op in work.ops()
-                    if (o := outcomes.get(op.request_id)) is not None and o.checkpoint is not None
-                ]
-                share = work.tokens / total if total else 1 / len(plan.models)
-                self._add(
+        for work in plan.models:
+            who = await self._model(work.model_id)
+            if who is None:
+                continue
+            saved = [
+                o.checkpoint
+                for op in work.ops()
+                if (o := outcomes.get(op.request_id)) is not None and o.checkpoint is not None
+            ]
+            share = work.tokens / total if total else 1 / len(plan.models)
+            self._add(
+                batch,
+                *who,
+                {
+                    Counter.TOKENS_TRAINED: sum(
+                        op.tokens for op in work.passes if registry.trains(op.kind)
+                    ),
+                    Counter.STEPS: int(work.optim is not None),
+                    Counter.CYCLE_SECONDS: seconds * share,
+                    Counter.CHECKPOINTS: len(saved),
+                },
+            )
+            for ckpt in saved:
+                self._audit(
                     batch,
-                    *who,
-                    {
-                        Counter.TOKENS_TRAINED: sum(
-                            op.tokens for op in work.passes if registry.trains(op.kind)
-                        ),
-                        Counter.STEPS: int(work.optim is not None),
-                        Counter.CYCLE_SECONDS: seconds * share,
-                        Counter.CHECKPOINTS: len(saved),
-                    },
+                    who[0],
+                    AuditEvent.CHECKPOINT_CREATED,
+                    tinker_path=ckpt.tinker_path,
+                    size_bytes=ckpt.size_bytes,
+                    session_id=who[1],
                 )
-                for ckpt in saved:
-                    self._audit(
-                        batch,
-                        who[0],
-                        AuditEvent.CHECKPOINT_CREATED,
-                        tinker_path=ckpt.tinker_path,
-                        size_bytes=ckpt.size_bytes,
-                        session_id=who[1],
-                    )
 
     async def custom_loss_created(
         self, owner: str, session_id: str, base_model: str, loss_id: str, name: str
     ) -> None:
         """A session stored a custom loss (it leaves with the session): counted and audited."""
-        async with self.ledger.batch() as batch:
+        async with self.store.batch() as batch:
             self._add(batch, owner, session_id, base_model, {Counter.CUSTOM_LOSSES: 1})
             self._audit(
                 batch,
@@ -138,22 +138,23 @@ class Accounting:
         jobs: Sequence[Job],
         requests: Sequence[SampleRequest],
         results: Sequence[SampleResult],
+        batch: WriteBatch,
     ) -> None:
-        """The sampling lane's hook after a batch: prompt and generated tokens, samples."""
-        async with self.ledger.batch() as batch:
-            for job, req, res in zip(jobs, requests, results, strict=True):
-                if res.error is not None:
-                    continue
-                self._add(
-                    batch,
-                    job.owner,
-                    *await self._sampler(job.model_id),
-                    {
-                        Counter.TOKENS_PREFILL: len(req.prompt),
-                        Counter.TOKENS_SAMPLED: sum(len(s.tokens) for s in res.sequences),
-                        Counter.SAMPLES: len(res.sequences),
-                    },
-                )
+        """The sampling lane's hook after a batch, queued on the batch that answers it: prompt
+        and generated tokens, samples."""
+        for job, req, res in zip(jobs, requests, results, strict=True):
+            if res.error is not None:
+                continue
+            self._add(
+                batch,
+                job.owner,
+                *await self._sampler(job.model_id),
+                {
+                    Counter.TOKENS_PREFILL: len(req.prompt),
+                    Counter.TOKENS_SAMPLED: sum(len(s.tokens) for s in res.sequences),
+                    Counter.SAMPLES: len(res.sequences),
+                },
+            )
 
     async def _sampler(self, sampler_id: str) -> tuple[str, str]:
         if sampler_id not in self._samplers:
@@ -180,10 +181,10 @@ class Accounting:
 
     # ---------------------------------------------------------------- audit log
     async def audit(self, owner: str, event: AuditEvent, **details: Any) -> None:
-        async with self.ledger.batch() as batch:
+        async with self.store.batch() as batch:
             self._audit(batch, owner, event, **details)
 
-    def _audit(self, batch: LedgerBatch, owner: str, event: AuditEvent, **details: Any) -> None:
+    def _audit(self, batch: WriteBatch, owner: str, event: AuditEvent, **details: Any) -> None:
         """Queue one audit entry on `batch`; entries older than the retention go as it grows."""
         entry = json.dumps({"api_key_owner": owner, **details}, sort_keys=True, default=str)
         batch.audit(owner, str(event), entry, self.retention_s)

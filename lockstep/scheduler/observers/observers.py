@@ -10,8 +10,9 @@ bookkeeping and never changes the cycle. The scheduler's observers:
 - `AccountingObserver`: usage per API key and the audit log (`accounting.Accounting`).
 
 Phases, in order: `begun` -> `planned` (an idle triggered clock stops here) -> `dispatching`
--> `dispatched` -> `finished` (every op committed, its future woken); or `failed` instead,
-from wherever the cycle stopped.
+-> `dispatched` -> `recording` (every op committed, its future woken: each observer queues its
+writes on the cycle's one `WriteBatch`, sent in one round trip) -> `finished`; or `failed`
+instead, from wherever the cycle stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
 from lockstep.scheduler.observers.span import ClockMeter, CycleSpan
 from lockstep.scheduler.planner import CyclePlan
+from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import QueuedOp
 
@@ -58,8 +60,15 @@ class CycleObserver(Protocol):
         """The engine ran it; nothing is recorded yet."""
         return None
 
+    async def recording(
+        self, plan: CyclePlan, outcomes: Mapping[str, Outcome], batch: WriteBatch
+    ) -> None:
+        """Every op's outcome is committed and its future woken: queue this observer's writes
+        on `batch` (the clock sends the batch, one round trip, before `finished`)."""
+        return None
+
     async def finished(self, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
-        """Every op's outcome is committed and its future woken."""
+        """The cycle's writes are sent."""
         return None
 
     async def failed(self, why: CycleFailure) -> None:
@@ -90,6 +99,12 @@ class Observers(CycleObserver):
     async def dispatched(self, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
         for o in self.all:
             await o.dispatched(plan, outcomes)
+
+    async def recording(
+        self, plan: CyclePlan, outcomes: Mapping[str, Outcome], batch: WriteBatch
+    ) -> None:
+        for o in self.all:
+            await o.recording(plan, outcomes, batch)
 
     async def finished(self, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
         for o in self.all:
@@ -127,7 +142,7 @@ class MeterObserver(CycleObserver):
 
 class TraceObserver(CycleObserver):
     """The cycle in each session's trace: opened before dispatch (which marks its phases inside
-    it, `tracing.phase`), written once the futures are answered."""
+    it, `tracing.phase`), queued on the cycle's batch once the futures are answered."""
 
     def __init__(self) -> None:
         self._trace: tracing.CycleTrace | None = None
@@ -141,10 +156,12 @@ class TraceObserver(CycleObserver):
         tenants, tokens = len(plan.models), plan.tokens
         self._trace = tracing.begin_cycle(cycle, ops, tenants, tokens, self._planned)
 
-    async def finished(self, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
+    async def recording(
+        self, plan: CyclePlan, outcomes: Mapping[str, Outcome], batch: WriteBatch
+    ) -> None:
         if self._trace is not None:
             trace, self._trace = self._trace, None
-            await tracing.cycle_done(trace)
+            tracing.cycle_done(trace, batch)
 
 
 class AccountingObserver(CycleObserver):
@@ -157,5 +174,7 @@ class AccountingObserver(CycleObserver):
     async def begun(self) -> None:
         self._started = time.monotonic()
 
-    async def finished(self, plan: CyclePlan, outcomes: Mapping[str, Outcome]) -> None:
-        await self.accounting.on_cycle(plan, outcomes, time.monotonic() - self._started)
+    async def recording(
+        self, plan: CyclePlan, outcomes: Mapping[str, Outcome], batch: WriteBatch
+    ) -> None:
+        await self.accounting.on_cycle(plan, outcomes, time.monotonic() - self._started, batch)

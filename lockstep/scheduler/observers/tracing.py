@@ -13,7 +13,8 @@ Layout (Chrome trace "X" events, wall-clock microseconds):
   tenants and tokens it packed and its phases.
 
 Events are appended to a Redis list per session (`state/traces.py`) that expires
-`retention_s` after its last write (0: tracing off).
+`retention_s` after its last write (0: tracing off), queued on the batch of the cycle's (or
+sampling batch's) other writes (`state/batch.py`): no round trip of their own.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 from lockstep.config.sections import TRACE_RETENTION_S
 from lockstep.observability import metrics
 from lockstep.observability.metrics import RedisCaller
+from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.records import QueuedOp
 from lockstep.scheduler.state.traces import TraceLog
 
@@ -97,7 +99,7 @@ class Tracer:
         t = self._submitted.pop(request_id, None)
         return None if t is None else min(t, start)  # the claim may land just before planning
 
-    async def cycle_done(self, trace: CycleTrace) -> None:
+    def cycle_done(self, trace: CycleTrace, batch: WriteBatch) -> None:
         end = time.time()
         per_session: dict[str, list[dict[str, Any]]] = {}
         cycle_args = {
@@ -123,9 +125,11 @@ class Tracer:
         for events in per_session.values():
             events.append(_x(f"cycle {trace.cycle}", trace.start, end, clock, cycle_args))
             events += [_x(s.name, s.start, s.end, clock) for s in trace.phases]
-        await self._write(per_session)
+        self._queue(batch, per_session)
 
-    async def sampled(self, requests: Iterable[tuple[str, str, int]], start: float) -> None:
+    def sampled(
+        self, writes: WriteBatch, requests: Iterable[tuple[str, str, int]], start: float
+    ) -> None:
         """A sampling batch of (request_id, sampling session id, seq_id) ran from `start`."""
         end = time.time()
         batch = list(requests)
@@ -139,16 +143,15 @@ class Tracer:
             if queued is not None:
                 events.append(_x("queue wait", queued, start, where))
             events.append(_x("sampling batch", start, end, where, {"batch_size": len(batch)}))
-        await self._write(per_session)
+        self._queue(writes, per_session)
 
-    async def _write(self, per_session: dict[str, list[dict[str, Any]]]) -> None:
+    def _queue(self, batch: WriteBatch, per_session: dict[str, list[dict[str, Any]]]) -> None:
+        """On the batch of the cycle's (or sampling batch's) other writes: one round trip. A
+        trace is a diagnostic: a refused write is logged by the batch, never raised."""
         if not self.retention_s or not per_session:
             return
         encoded = {s: [json.dumps(e) for e in events] for s, events in per_session.items()}
-        try:
-            await self.log.append(encoded, MAX_EVENTS_PER_SESSION, self.retention_s)
-        except Exception:  # a trace is a diagnostic: never fail the cycle over it
-            log.exception("could not record the session trace")
+        batch.trace(encoded, MAX_EVENTS_PER_SESSION, self.retention_s)
 
     # ------------------------------------------------------------------ export
     async def export(self, session_id: str) -> dict[str, Any]:
@@ -242,16 +245,16 @@ def submitted(request_id: str) -> None:
         _tracer.submitted(request_id)
 
 
-async def cycle_done(trace: CycleTrace) -> None:
+def cycle_done(trace: CycleTrace, batch: WriteBatch) -> None:
     _current.set(None)
     metrics.REDIS_CALLER.set(RedisCaller.CLOCK_AFTER)  # the futures are answered
     if _tracer is not None:
-        await _tracer.cycle_done(trace)
+        _tracer.cycle_done(trace, batch)
 
 
-async def sampled(requests: Iterable[tuple[str, str, int]], start: float) -> None:
+def sampled(writes: WriteBatch, requests: Iterable[tuple[str, str, int]], start: float) -> None:
     if _tracer is not None:
-        await _tracer.sampled(requests, start)
+        _tracer.sampled(writes, requests, start)
 
 
 async def export(session_id: str) -> dict[str, Any]:

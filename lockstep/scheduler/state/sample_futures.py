@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 
 from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.jobs import Job
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
@@ -106,27 +107,41 @@ async def finish_all(
     category: ErrorCategory = ErrorCategory.USER,
 ) -> list[bool]:
     """`finish` for each (job, result, error), in one round trip."""
-    async with store.redis.pipeline(transaction=False) as pipe:
-        for job, result, error in done:
-            failed = error is not None
-            pipe.eval(
-                _FINISH,
-                4,
-                keys.job(job.request_id),
-                keys.SAMPLE_QUEUE,
-                keys.sample_done(job.model_id, clone_of(job.seq_id)),
-                keys.sample_done_cursor(job.model_id, clone_of(job.seq_id)),
-                job.request_id,
-                JobStatus.FAILED if failed else JobStatus.DONE,
-                store.result_ttl_s,
-                result or b"",
-                error or "",
-                category,
-                LogState.FAILED if failed else LogState.FINISHED,
-                0 if failed else len(result or b""),
-                MAX_LOGGED,
-            )
-        return [bool(w) for w in await pipe.execute()]
+    async with store.batch() as batch:
+        at = queue_finish(batch, store.result_ttl_s, done, category)
+    return [bool(batch.replies[i]) for i in at]
+
+
+def queue_finish(
+    batch: WriteBatch,
+    ttl_s: int,
+    done: list[tuple[Job, bytes | None, str | None]],
+    category: ErrorCategory = ErrorCategory.USER,
+) -> list[int]:
+    """`finish` for each (job, result, error) queued on `batch` (a caller's batch: its other
+    writes go in the same round trip); where each one's reply (1: written) will be."""
+    at = []
+    for job, result, error in done:
+        failed = error is not None
+        at.append(batch.next_index())
+        batch.pipe.eval(
+            _FINISH,
+            4,
+            keys.job(job.request_id),
+            keys.SAMPLE_QUEUE,
+            keys.sample_done(job.model_id, clone_of(job.seq_id)),
+            keys.sample_done_cursor(job.model_id, clone_of(job.seq_id)),
+            job.request_id,
+            JobStatus.FAILED if failed else JobStatus.DONE,
+            ttl_s,
+            result or b"",
+            error or "",
+            category,
+            LogState.FAILED if failed else LogState.FINISHED,
+            0 if failed else len(result or b""),
+            MAX_LOGGED,
+        )
+    return at
 
 
 async def cancel(store: Store, job: Job) -> Outcome:

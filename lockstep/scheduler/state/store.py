@@ -12,15 +12,21 @@ Every key comes from `keys`; every record type from `records`.
     cycles       queues, a cycle's begin and commit, progress, replay (cycles.py)
     ledger       usage counters and the audit stream                 (ledger.py)
     traces       session traces                                      (traces.py)
+
+`batch()` queues writes of several roles (a cycle's usage and traces, a sampling batch's
+answers) on one pipeline: one round trip (batch.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from lockstep.scheduler.state import redis_conn
+from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.checkpoints import Checkpoints
 from lockstep.scheduler.state.cycles import Cycles
 from lockstep.scheduler.state.jobs import Jobs
@@ -51,6 +57,14 @@ class Store:
     @classmethod
     def from_url(cls, url: str, result_ttl_s: int = RESULT_TTL_SECONDS) -> Store:
         return cls(redis_conn.connect(url), result_ttl_s)
+
+    @asynccontextmanager
+    async def batch(self) -> AsyncIterator[WriteBatch]:
+        """Writes of several roles queued inside, sent on exit in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            batch = WriteBatch(pipe)
+            yield batch
+            await batch.send()
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
