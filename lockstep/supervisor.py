@@ -25,6 +25,7 @@ from lockstep.ports import free_port
 log = logging.getLogger("lockstep.serve")
 
 MAX_RESTARTS = 5
+MAX_UNIX_SOCKET_PATH = 107  # sockaddr_un's sun_path holds 108 bytes with the final NUL
 
 
 def redis_binary() -> str:
@@ -100,6 +101,18 @@ class Supervisor:
         ]
         return Child("redis", argv), f"redis://127.0.0.1:{port}/0"
 
+    def _scheduler_address(self) -> str:
+        """Where the scheduler listens for the gateway: a Unix socket in the data dir (both run
+        on this host), or loopback TCP when asked for, or when the socket's path is too long
+        for the system's limit."""
+        sock = self.cfg.data_dir.resolve() / "run" / "scheduler.sock"
+        if self.cfg.scheduler.transport == "unix":
+            if len(os.fsencode(sock)) <= MAX_UNIX_SOCKET_PATH:
+                sock.parent.mkdir(parents=True, exist_ok=True)
+                return f"unix:{sock}"
+            log.info("data dir path too long for a Unix socket (%s): loopback TCP instead", sock)
+        return f"127.0.0.1:{free_port()}"
+
     def build(self) -> None:
         """The children's commands: each gets the one resolved config (`--config FILE`), its
         wiring filled in here (Redis URL, gRPC address, ports, secret file)."""
@@ -109,7 +122,7 @@ class Supervisor:
         # `lockstep admin` finds the (embedded, randomly ported) Redis of this data dir here
         (self.cfg.data_dir / "redis").mkdir(parents=True, exist_ok=True)
         (self.cfg.data_dir / "redis" / "url").write_text(redis_url)
-        sched_addr = f"127.0.0.1:{free_port()}"
+        sched_addr = self._scheduler_address()
         self.metrics_port = self.cfg.metrics.port or free_port()
         secret = self.cfg.data_dir / "file-url-secret"
         if not secret.exists():

@@ -30,6 +30,9 @@ FwdbwdCompression = Literal["auto", "on", "off"]
 # How SDK SamplingClients wait for their samples: one session poller on retrieve_futures, or a
 # retrieve_future long-poll per sample.
 SamplePolling = Literal["session", "per-request"]
+# How `lockstep serve`'s gateway reaches its scheduler on the same host: a Unix socket in the
+# data dir (no TCP stack on every request), or loopback TCP.
+SchedulerTransport = Literal["unix", "tcp"]
 
 
 @dataclass(frozen=True)
@@ -387,6 +390,15 @@ class SchedulerProcessConfig:
             help="Redis to use (`lockstep serve` without it starts the embedded one)",
             on=SCHEDULER,
             required=SCHEDULER_ONLY,
+        ),
+    )
+    transport: SchedulerTransport = field(
+        default="unix",
+        metadata=flag(
+            "--scheduler-transport",
+            help="how the gateway reaches the scheduler on this host: a Unix socket in the "
+            "data dir, or loopback TCP",
+            on=SERVE,
         ),
     )
     max_sample_batch: int = 64  # sample requests in one sampling engine batch

@@ -8,6 +8,7 @@ phases, the sampling batch of each sample, and the cycles on their own track, al
 from __future__ import annotations
 
 import json
+import stat
 import urllib.error
 import urllib.request
 from collections import defaultdict
@@ -17,6 +18,7 @@ import pytest
 import tinker
 from tinker import types
 
+from lockstep import config
 from lockstep.demo import quickstart_data
 
 from .conftest import Server
@@ -111,3 +113,12 @@ def test_export_session_trace(server: Server, base_model: str) -> None:
     with pytest.raises(urllib.error.HTTPError) as refused:
         _download(url.replace("sig=", "sig=0"))
     assert refused.value.code == 403
+
+
+def test_serve_wires_its_scheduler_on_a_unix_socket(server: Server) -> None:
+    """The gateway every e2e request here goes through reaches its scheduler over the data
+    dir's Unix socket (`--scheduler-transport unix`, the default), not loopback TCP."""
+    wired = config.load(server.data_dir / "run" / "config.json")
+    sock = server.data_dir.resolve() / "run" / "scheduler.sock"
+    assert wired.gateway.scheduler_address == wired.scheduler.listen == f"unix:{sock}"
+    assert stat.S_ISSOCK(sock.stat().st_mode)
