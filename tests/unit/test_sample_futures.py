@@ -12,6 +12,7 @@ import pytest
 
 from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+from lockstep.observability import metrics
 from lockstep.rollout.local import LocalSamplingEngine
 from lockstep.scheduler.cycle.sampling_lane import SamplingLane
 from lockstep.scheduler.state import keys, sample_futures
@@ -187,12 +188,15 @@ def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
 
     async def go() -> None:
         store = await _store(clean_redis)
-        lane = SamplingLane(store, sampler, FutureBoard(store))
+        board = FutureBoard(store)
+        lane = SamplingLane(store, sampler, board)
         kept, cancelled = await _claim(store, 1), await _claim(store, 2)
         adapter_for = lane._adapter_for
 
         async def cancel_meanwhile(sampler_id: str, rec: SamplerRecord | None) -> str | None:
+            # as the CancelFuture RPC does: the outcome, then the board hears of it
             await sample_futures.cancel(store, cancelled)
+            board.cancelled(cancelled.request_id, sample_futures.job_topic(cancelled))
             return await adapter_for(sampler_id, rec)
 
         lane._adapter_for = cancel_meanwhile  # type: ignore[method-assign]
@@ -201,6 +205,31 @@ def test_the_lane_drops_a_sample_cancelled_while_its_batch_was_assembled(
         assert sampler.seen == [kept.request_id]
         job = await store.jobs.get(cancelled.request_id)
         assert job is not None and job.status == JobStatus.FAILED
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_the_lane_answers_a_batch_in_two_round_trips(
+    clean_redis: str, sampler: RecordingSampler
+) -> None:
+    """Its read (queue, jobs, samplers) and its answers (with usage and trace): no status
+    re-read when nothing was cancelled meanwhile."""
+
+    def trips() -> float:
+        labels = {"caller": metrics.RedisCaller.OTHER}
+        return metrics.SCHEDULER.get_sample_value("lockstep_redis_round_trips_total", labels) or 0
+
+    async def go() -> None:
+        store = await _store(clean_redis)
+        lane = SamplingLane(store, sampler, FutureBoard(store))
+        jobs = [await _claim(store, 1), await _claim(store, 2)]
+        before = trips()
+        assert await lane.serve_once() == 2
+        assert trips() - before == 2
+        for job in jobs:
+            done = await store.jobs.get(job.request_id)
+            assert done is not None and done.status == JobStatus.DONE, done
         await store.close()
 
     asyncio.run(go())

@@ -115,6 +115,6 @@ class FutureRpcs:
             )
         outcome = await sample_futures.cancel(self.store, job)
         if outcome == sample_futures.Outcome.CANCELLED:
-            self.board.notify(job.request_id, sample_futures.job_topic(job))
+            self.board.cancelled(job.request_id, sample_futures.job_topic(job))
             log.info("sample %s cancelled by its client", job.request_id)
         return pb.CancelFutureReply(outcome=outcome.value)

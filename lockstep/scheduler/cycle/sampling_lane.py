@@ -248,6 +248,7 @@ class SamplingLane:
 
     async def serve_once(self) -> int:
         await self._unload_retired()
+        cancels = self.board.cancels  # before the read: a cancel after it is counted below
         backlog, read, samplers = await self.store.cycles.sample_batch(
             self.max_batch + len(self._running)  # the running ones are still queued
         )
@@ -290,14 +291,18 @@ class SamplingLane:
         batch = list(zip(jobs, requests, topk, strict=True))
         calls = self.poison.calls([r.request_id for r in requests], batch)
         for call in calls or [[]]:
-            await self._sample(call)
+            await self._sample(call, cancels)
         return len(read)
 
-    async def _sample(self, call: list[tuple[Job, SampleRequest, int]]) -> None:
+    async def _sample(
+        self, call: list[tuple[Job, SampleRequest, int]], cancels: int | None = None
+    ) -> None:
         """One engine call: it starts `call`'s samples and moves the running ones on. What
         finished is answered before the next call runs, so a later call that kills the engine
-        leaves only unanswered samples queued."""
-        call = await self._live(call)
+        leaves only unanswered samples queued. `cancels`: the board's count when the batch was
+        read; statuses are read again only if a cancel came in since."""
+        if cancels != self.board.cancels:
+            call = await self._live(call)
         if not call and not self._running:
             return
         started = time.time()  # [trace hook]

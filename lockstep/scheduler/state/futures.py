@@ -31,6 +31,9 @@ class FutureBoard:
         self.store = store
         self._events: dict[str, _Wake] = {}
         self._waiters: defaultdict[str, int] = defaultdict(int)
+        # Samples cancelled through this process so far: the sampling lane reads statuses
+        # again before an engine call only if this moved since it read its batch.
+        self.cancels = 0
 
     def waiting(self, key: str) -> int:
         """How many calls wait on `key` now."""
@@ -44,6 +47,11 @@ class FutureBoard:
             if event is not None:
                 event.value = value
                 event.set()
+
+    def cancelled(self, *keys: str) -> None:
+        """A sample was cancelled (its outcome written): count it and wake its waiters."""
+        self.cancels += 1
+        self.notify(*keys)
 
     async def wait(self, request_id: str, timeout: float) -> Job | None:
         """The job once finished, or as it stands when `timeout` runs out; None if unknown."""
