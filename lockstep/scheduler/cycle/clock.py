@@ -179,11 +179,14 @@ class Clock:
         missing = self.partners.missing(queues)
         deadline = time.monotonic() + self.partners.wait_s()
         while missing and not self._stopping and (left := deadline - time.monotonic()) > 0:
-            self.wake.clear()  # a submission sets it (the next tick still sees later ones)
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout=left)
             except TimeoutError:
                 break
+            # Cleared before the read, never after it: a submission that lands after the read
+            # leaves the wake-up set, so the next tick plans it (cleared after the read, its
+            # request would sit queued behind an idle clock).
+            self.wake.clear()
             queues, next_seq = await self.store.cycles.queued_ops()
             missing = self.partners.missing(queues)
         self.partners.gone(missing)
