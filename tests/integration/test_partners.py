@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lockstep.scheduler.cycle import partners
+from lockstep.scheduler.state.records import QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
 
 from .inprocess import OWNER, Scheduler, fb
@@ -70,3 +71,34 @@ def test_a_partner_that_stopped_costs_one_wait(
     again = sched.stub.Submit(fb(a, 3, TOKENS)).request_id
     sched.tick()
     assert _result(sched, again, cycles=1).WhichOneof("state") == "result"
+
+
+def test_a_step_that_lands_while_the_cycle_waits_for_a_partner_is_planned(
+    started: list[Scheduler],  # noqa: F811
+    url: str,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A submission just after the cycle read the queues (its wake-up set while the cycle
+    waits for a partner that never comes) is in that cycle: its wake-up is not lost."""
+    sched = _start(started, url, tmp_path)
+    session = sched.stub.CreateSession(pb.CreateSessionRequest(owner=OWNER)).session_id
+    c = _create(sched, session, 2, seed=3)
+    a, b = _create(sched, session, 0, seed=1), _create(sched, session, 1, seed=2)
+    shared_cycle(sched, [a, b], 1)
+    sched.clock.partners.cycle_s = 0.2  # b never comes: the wait ends after about this
+    first = sched.stub.Submit(fb(a, 2, TOKENS)).request_id
+    read = sched.clock.store.cycles.queued_ops
+    landed: list[str] = []
+
+    async def read_then_one_lands() -> tuple[dict[str, list[QueuedOp]], dict[str, int]]:
+        found = await read()
+        if not landed:  # c's step lands (claimed, clock woken) right after the first read
+            reply = await asyncio.to_thread(sched.stub.Submit, fb(c, 1, TOKENS))
+            landed.append(reply.request_id)
+        return found
+
+    monkeypatch.setattr(sched.clock.store.cycles, "queued_ops", read_then_one_lands)
+    sched.tick()
+    assert _result(sched, first, cycles=1).WhichOneof("state") == "result"
+    assert _result(sched, landed[0], cycles=1).WhichOneof("state") == "result"
