@@ -251,8 +251,8 @@ def what_sharing_gave(s: Summary) -> list[str]:
     mb = s.base_model_bytes / 1e6
     lines = [
         "[bold]what sharing gave on this machine[/bold]",
-        f"  memory: one copy of the base model ({mb:.1f} MB of weights) serves all {n} tenants' "
-        f"adapters; a server per tenant would load it {n} times ({n * mb:.1f} MB)",
+        f"  memory: each engine holds one copy of the base model ({mb:.1f} MB of weights) for all "
+        f"{n} tenants' adapters; a server per tenant would load it {n} times ({n * mb:.1f} MB)",
         f"  cycles: together {s.cycles_together} ({s.cycles_shared} shared by 2+ tenants, "
         f"{s.tenants_per_cycle:.1f} tenants per cycle; {s.pass_cycles_shared} forward_backward "
         f"cycles reported to 2+ tenants); one after another {s.cycles_one_after_another}",

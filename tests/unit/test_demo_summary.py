@@ -50,5 +50,5 @@ def test_the_base_model_is_counted_once_for_all_tenants(tmp_path: Path) -> None:
     s.tenants = [TenantSummary(f"t{i}", "SFT", 8, 5, 7.0, 2.0, 0.3, 0.2, "") for i in range(3)]
     s.base_model_bytes = base_model_bytes(tmp_path)
     text = "\n".join(what_sharing_gave(s))
-    assert "one copy of the base model (1.5 MB of weights) serves all 3 tenants'" in text
+    assert "one copy of the base model (1.5 MB of weights) for all 3 tenants'" in text
     assert "load it 3 times (4.5 MB)" in text
