@@ -15,6 +15,7 @@ adapters of running generations stay loaded until they finish (an unload waits f
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,18 +23,23 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lockstep.config.sections import SamplerDecode
+from lockstep.config.training import DtypeName
 from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, SamplerCapabilities
 from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
 from lockstep.modeling.architecture import describe
-from lockstep.modeling.loader import load_base_model
+from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.vision.tower import VisionModel
 from lockstep.rollout.local.generate import GenerateConfig, Generation, Generator
 from lockstep.rollout.local.prompt_images import PromptImages
+from lockstep.rollout.local.static_kv import static_refusal
 from lockstep.rollout.pager import AdapterPager
+
+log = logging.getLogger(__name__)
 
 
 def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> frozenset[int]:
@@ -48,7 +54,13 @@ def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> fro
 
 
 class LocalSamplingEngine(SamplingEngine):
-    """Samples from the base model in `model_dir` with any loaded adapter, fp32, in-process."""
+    """Samples from the base model in `model_dir` with any loaded adapter, in-process.
+
+    `dtype`: the base weights' (None: bfloat16 on CUDA, float32 elsewhere); adapters stay fp32
+    (the trainer's policy) and logprobs come from fp32 logits. `decode`: "static" decodes the
+    padded path over a fixed-capacity cache (`static_kv`); a model that cannot logs why and
+    decodes eagerly (`capabilities().decode_fallback`).
+    """
 
     def __init__(
         self,
@@ -57,13 +69,25 @@ class LocalSamplingEngine(SamplingEngine):
         max_adapters: int = 64,
         *,
         device: torch.device | str | None = None,
+        dtype: DtypeName | None = None,
+        decode: SamplerDecode = "eager",
         max_batch_rows: int = 256,
         prefill_token_budget: int = 8192,
     ) -> None:
-        base, self._card = load_base_model(model_dir, served_name, device)
+        dev = torch.device(device) if device is not None else default_device()
+        weights = resolve_dtype(dtype, dev)
+        base, self._card = load_base_model(model_dir, served_name, dev, weights)
+        self._dtype = str(weights).removeprefix("torch.")
         # Describes the model; refuses what it cannot compute.
         self._lora = LoraModel(base, describe(base, self._card.vision))
         vision = self._lora.arch.vision  # a vision-language model: prefill with image embeddings
+        self._fallback = None
+        if decode == "static":
+            self._fallback = static_refusal(self._lora.arch.padded_sampling, vision is not None)
+            if self._fallback is not None:
+                log.info("sampler: %s decodes eagerly: %s", served_name, self._fallback)
+        static = decode == "static" and self._fallback is None
+        self._decode: SamplerDecode = "static" if static else "eager"
         images = None if vision is None else PromptImages(VisionModel(base, model_dir, vision))
         self._tokenizer = AutoTokenizer.from_pretrained(self._card.directory)
         self._tokenizer_size = len(self._tokenizer)
@@ -79,6 +103,8 @@ class LocalSamplingEngine(SamplingEngine):
                 decode=self.decode,
                 prefill_token_budget=prefill_token_budget,
                 padded=self._lora.arch.padded_sampling,
+                static_decode=static,
+                cuda_graphs=static and dev.type == "cuda",
             ),
             images,
         )
@@ -96,7 +122,11 @@ class LocalSamplingEngine(SamplingEngine):
 
     def capabilities(self) -> SamplerCapabilities:
         return SamplerCapabilities(
-            "local", TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS
+            "local",
+            TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS,
+            dtype=self._dtype,
+            decode=self._decode,
+            decode_fallback=self._fallback,
         )
 
     @property
