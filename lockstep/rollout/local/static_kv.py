@@ -212,4 +212,3 @@ def _static_cache(
         layer.values[:, :, :length].copy_(values)
         layer.cumulative_length.fill_(length)
     return cache
-
