@@ -51,6 +51,15 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path: Path) -> None:
     assert "per_group_expert_matmul" in sections["moe"]["variants"]
     sampler = sections["dense_sampler"]
     assert sampler["with_adapter"] and sampler["generated_tokens"] == 8 * 4 * 8
+    static = sampler["variants"]["static_auto"]  # fp32 on a CPU: the static decode's tokens
+    assert (static["decode"], static["dtype"], static["cuda_graphs"]) == (
+        "static",
+        "float32",
+        False,
+    )
+    assert static["generated_tokens"] == 8 * 4 * 8 and sampler["speedup"] > 0
+    assert sampler["static_vs_eager"]["same_tokens_share"] == 1.0
+    assert sampler["static_vs_eager"]["max_abs_logprob_diff"] < 1e-5
     for case in ("no_head_lora", "head_lora"):
         assert sections["head"][case]["max_abs_diff_hidden_grad"] < 1e-4
     assert "varlen" in sections["attention"]["uniform_16x512_window0"]  # not on a CPU: said so

@@ -36,7 +36,7 @@ from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.vision.tower import VisionModel
 from lockstep.rollout.local.generate import GenerateConfig, Generation, Generator
 from lockstep.rollout.local.prompt_images import PromptImages
-from lockstep.rollout.local.static_kv import static_refusal
+from lockstep.rollout.local.static_kv import graph_refusal, static_refusal
 from lockstep.rollout.pager import AdapterPager
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,10 @@ class LocalSamplingEngine(SamplingEngine):
                 log.info("sampler: %s decodes eagerly: %s", served_name, self._fallback)
         static = decode == "static" and self._fallback is None
         self._decode: SamplerDecode = "static" if static else "eager"
+        no_graphs = graph_refusal(dev, bool(self._lora.arch.experts)) if static else None
+        if static and no_graphs is not None and dev.type == "cuda":
+            log.info("sampler: %s: static decode steps run eagerly: %s", served_name, no_graphs)
+        self._graphs = static and no_graphs is None
         images = None if vision is None else PromptImages(VisionModel(base, model_dir, vision))
         self._tokenizer = AutoTokenizer.from_pretrained(self._card.directory)
         self._tokenizer_size = len(self._tokenizer)
@@ -104,7 +108,7 @@ class LocalSamplingEngine(SamplingEngine):
                 prefill_token_budget=prefill_token_budget,
                 padded=self._lora.arch.padded_sampling,
                 static_decode=static,
-                cuda_graphs=static and dev.type == "cuda",
+                cuda_graphs=self._graphs,
             ),
             images,
         )
@@ -127,6 +131,7 @@ class LocalSamplingEngine(SamplingEngine):
             dtype=self._dtype,
             decode=self._decode,
             decode_fallback=self._fallback,
+            cuda_graphs=self._graphs,
         )
 
     @property
@@ -256,6 +261,13 @@ class LocalSamplingEngine(SamplingEngine):
         """(prompt tokens prefilled, prompt tokens reused from session prefix caches) so far."""
         with self._lock:
             return self._generator.prefilled_tokens, self._generator.reused_tokens
+
+    def graph_failure(self) -> str | None:
+        """Why capturing a static decode step as a CUDA graph failed (then every later step ran
+        eagerly); None: it did not fail, or was never tried."""
+        with self._lock:
+            static = self._generator.static
+            return None if static is None else static.graph_failure
 
     def resident_adapters(self) -> list[str]:
         """Adapters currently in memory (in no particular order)."""

@@ -18,9 +18,9 @@ rows are then copied into a smaller batch, a new shape.
 On CUDA the step of each batch shape is captured as a CUDA graph after one eager step (which
 also fills the routing's device constants, so the capture copies nothing from the host) and
 replayed from then on; the graph keeps the routing and the adapter weights it read alive. A model
-whose step cannot be captured (data-dependent shapes, e.g. MoE token routing) logs why once and
-runs the same static step eagerly. On a CPU the step always runs eagerly (what CI compares with
-the eager path).
+whose step cannot be captured (`graph_refusal`: routed experts, whose token grouping has
+data-dependent shapes; or a capture that fails, logged once) runs the same static step eagerly.
+On a CPU the step always runs eagerly (what CI compares with the eager path).
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ def static_refusal(padded: bool, vision: bool) -> str | None:
         )
     if vision:
         return "vision-language models feed M-RoPE positions the static step does not build"
+    return None
+
+
+def graph_refusal(device: torch.device, experts: bool) -> str | None:
+    """Why static steps run eagerly instead of as CUDA graphs (None: they are captured)."""
+    if device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if experts:
+        return "routed experts group tokens by expert with host-side counts (data-dependent shapes)"
     return None
 
 
