@@ -9,6 +9,10 @@
    every step feeds each unfinished row its last token (one position, explicit position ids).
    Finished rows leave the batch; leading all-padding columns are trimmed.
 
+With `static_decode` the merged batch decodes over a fixed-capacity cache instead (static shapes,
+CUDA graphs on CUDA; finished rows stay until half the batch finished: `static_kv`); it computes
+what the step-by-step shrinking batch computes, up to float rounding.
+
 That is the padded path, for models whose every layer is full attention (`padded=True`: the
 cache holds plain keys and values, which left padding and row surgery keep exact). Any other
 model (sliding windows, sinks, linear attention) takes the grouped path: requests of equal prompt
@@ -307,11 +311,11 @@ class Generator:
             first_logits = torch.stack([part_logits[p][r] for p, r in where])
             merged = merge(parts, where, self.model.config)
             parts.clear()  # the merged copy is the only cache from here on
-            batch: BatchCache | StaticBatch = merged
+            decoding: BatchCache | StaticBatch = merged
             if self.static is not None:
                 adapters = [r.adapter_id for r in rows]
-                batch = self.static.batch(merged, adapters, max(r.max_tokens for r in rows))
-            lives.append(Live(batch, rows, first_logits))
+                decoding = self.static.batch(merged, adapters, max(r.max_tokens for r in rows))
+            lives.append(Live(decoding, rows, first_logits))
         return Generation(results, per_request, lives)
 
     def advance(self, generation: Generation, steps: int | None) -> list[SampleResult]:

@@ -67,6 +67,12 @@ class Generation:
         """Adapters its unfinished rows decode with."""
         return {r.adapter_id for live in self.lives for r in live.rows if r.adapter_id}
 
+    def drop_graphs(self) -> None:
+        """Its static batches capture their step again (adapter weights changed)."""
+        for live in self.lives:
+            if isinstance(live.batch, StaticBatch):
+                live.batch.drop_graph()
+
     def done(self) -> list[SampleResult]:
         """Results of the requests that finished since the last call."""
         out = []

@@ -11,6 +11,11 @@ at a time, in turn, for at most `steps` steps, returning as soon as a request fi
 answered at once), so a long generation never holds a short one for its whole length. Each
 generation decodes in its own batches, exactly as it would have to the end in one call. The
 adapters of running generations stay loaded until they finish (an unload waits for them).
+
+Weights: `dtype` (bf16 on CUDA by default) for the base model; adapters stay fp32 as in the
+trainer; every logprob comes from fp32 logits. Decode: `decode="static"` runs the padded path's
+steps over a fixed-capacity KV cache, as CUDA graphs on CUDA (`static_kv`); what a model cannot
+run that way is logged at start and reported by `capabilities()`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from lockstep.modeling.loader import default_device, load_base_model, resolve_dt
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.vision.tower import VisionModel
-from lockstep.rollout.local.generate import GenerateConfig, Generation, Generator
+from lockstep.rollout.local.generate import GenerateConfig, Generator
+from lockstep.rollout.local.generation import Generation
 from lockstep.rollout.local.prompt_images import PromptImages
 from lockstep.rollout.local.static_kv import graph_refusal, static_refusal
 from lockstep.rollout.pager import AdapterPager
@@ -159,6 +165,8 @@ class LocalSamplingEngine(SamplingEngine):
                 message = f"cannot load adapter from {directory}: {exc}"
                 raise UserInputError("path", message) from exc
             self._pager.remember(adapter_id, directory)
+            for generation in self._running:  # a captured step reads the old weights
+                generation.drop_graphs()
 
     def unload_adapter(self, adapter_id: str) -> None:
         with self._lock:

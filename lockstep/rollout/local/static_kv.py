@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from lockstep.modeling.lora import LoraModel
 from lockstep.rollout.local.kvcache import BatchCache
@@ -163,19 +164,24 @@ class StaticBatch:
                 return decoder.forward(self)
         return self._capture()
 
+    def drop_graph(self) -> None:
+        """Forget the captured step (an adapter it read was replaced: capture again)."""
+        self._graph = None
+
     def _capture(self) -> torch.Tensor:
         """Run this step eagerly (on a side stream, as capture wants), then capture the next
         steps' graph with the same routing; a capture that fails leaves eager steps."""
         decoder = self._decoder
         with decoder.lora.row_adapters(self.adapters) as routing:
-            side = torch.cuda.Stream()
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch's stub
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 logits = decoder.forward(self)  # the real step; also warms the routing
             torch.cuda.current_stream().wait_stream(side)
+            logits.record_stream(torch.cuda.current_stream())
             graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
+            try:  # thread_local: another thread's CUDA call does not void the capture
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     captured = decoder.forward(self)
             except Exception as exc:  # noqa: BLE001  # any capture failure: eager from here on
                 decoder.graph_failure = f"{type(exc).__name__}: {exc}"
@@ -193,9 +199,9 @@ class StaticBatch:
     def _compact(self) -> None:
         """Copy the live rows into a batch of their own (a new shape: a new graph)."""
         index = torch.tensor(self.slots, dtype=torch.long, device=self.ids.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
+        for layer, keys, values in _layers(self.cache):
+            layer.keys = keys.index_select(0, index)
+            layer.values = values.index_select(0, index)
             layer.batch_size = len(self.slots)
         self.mask = self.mask.index_select(0, index)
         self.ids = self.ids.index_select(0, index)
@@ -215,9 +221,22 @@ def _static_cache(
     if len(cache.layers) != len(kv):
         raise ValueError(f"{len(cache.layers)} static cache layers for {len(kv)} cached layers")
     for layer, (keys, values) in zip(cache.layers, kv, strict=True):
+        if type(layer) is not StaticLayer:  # no window, no other kind of layer
+            raise TypeError(f"unsupported static cache layer {type(layer).__name__}")
         layer.lazy_initialization(keys, values)
+    for (layer, static_keys, static_values), (keys, values) in zip(_layers(cache), kv, strict=True):
         length = keys.shape[2]
-        layer.keys[:, :, :length].copy_(keys)
-        layer.values[:, :, :length].copy_(values)
+        static_keys[:, :, :length].copy_(keys)
+        static_values[:, :, :length].copy_(values)
         layer.cumulative_length.fill_(length)
     return cache
+
+
+def _layers(cache: StaticCache) -> list[tuple[StaticLayer, torch.Tensor, torch.Tensor]]:
+    """(layer, keys, values) of every layer: filled plain static layers (no window)."""
+    out = []
+    for layer in cache.layers:
+        if type(layer) is not StaticLayer or layer.keys is None or layer.values is None:
+            raise TypeError(f"unsupported or empty static cache layer {type(layer).__name__}")
+        out.append((layer, layer.keys, layer.values))
+    return out
