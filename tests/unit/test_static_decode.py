@@ -221,7 +221,40 @@ def test_the_served_sampler_decodes_statically(tmp_path: Path) -> None:
     try:
         caps = engine.capabilities()
         assert (caps.decode, caps.dtype, caps.decode_fallback) == ("static", "float32", None)
+        assert not caps.cuda_graphs  # a CPU
         for g, w in zip(engine.sample(requests), want, strict=True):
             assert_equal(g, w)
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_equal_the_eager_decode(tmp_path: Path) -> None:
+    """fp32 on the GPU: the captured and replayed step samples what the eager decode samples."""
+    model_dir = zoo.ensure_family("qwen3", tmp_path / "models")
+    served = zoo.served_name("qwen3")
+    dirs = adapter_dirs(model_dir, served, tmp_path / "adapters")
+    engines = [
+        LocalSamplingEngine(model_dir, served, device="cuda", dtype="float32", decode=decode)
+        for decode in ("eager", "static")
+    ]
+    try:
+        for engine in engines:
+            for adapter_id, directory in dirs.items():
+                engine.load_adapter(adapter_id, directory)
+        eager, static = engines
+        assert static.capabilities().cuda_graphs
+        generator = static._generator
+        with torch.inference_mode():
+            generation = generator.start(mixed_batch())
+            generator.advance(generation, 2)
+            (live,) = generation.lives
+            assert isinstance(live.batch, StaticBatch) and live.batch.captured
+        assert static.graph_failure() is None
+        for got, want in zip(
+            static.sample(mixed_batch()), eager.sample(mixed_batch()), strict=True
+        ):
+            assert_equal(got, want)
+    finally:
+        for engine in engines:
+            engine.close()

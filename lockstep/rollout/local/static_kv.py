@@ -133,6 +133,11 @@ class StaticBatch:
     def rows(self) -> int:
         return len(self.adapters)
 
+    @property
+    def captured(self) -> bool:
+        """Whether its step replays as a CUDA graph."""
+        return self._graph is not None
+
     def keep(self, live: list[int]) -> None:
         """Keep live rows `live` (indices into the live rows, in order); the others finished."""
         self.slots = [self.slots[j] for j in live]
