@@ -109,6 +109,25 @@ def test_static_decode_equals_eager(pair: Pair) -> None:
         assert_equal(g, w)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])  # deepseek_v3: MLA's own K / V dims
+def test_other_padded_families_decode_statically(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model_dir = zoo.ensure_family(family, tmp_path_factory.mktemp("models"))
+    served = zoo.served_name(family)
+    requests = [replace(r, adapter_id=None) for r in mixed_batch()]
+    results = []
+    for decode in ("eager", "static"):
+        engine = LocalSamplingEngine(model_dir, served, decode=decode)  # type: ignore[arg-type]
+        try:
+            assert engine.capabilities().decode == decode
+            results.append(engine.sample(requests))
+        finally:
+            engine.close()
+    for got, want in zip(results[1], results[0], strict=True):
+        assert_equal(got, want)
+
+
 def test_the_static_batch_keeps_finished_rows_then_shrinks(pair: Pair) -> None:
     _, static = pair
     generator = static._generator
