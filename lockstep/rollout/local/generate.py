@@ -311,11 +311,11 @@ class Generator:
             first_logits = torch.stack([part_logits[p][r] for p, r in where])
             merged = merge(parts, where, self.model.config)
             parts.clear()  # the merged copy is the only cache from here on
-            decoding: BatchCache | StaticBatch = merged
+            decoding: BatchCache | StaticBatch | None = None
             if self.static is not None:
                 adapters = [r.adapter_id for r in rows]
                 decoding = self.static.batch(merged, adapters, max(r.max_tokens for r in rows))
-            lives.append(Live(decoding, rows, first_logits))
+            lives.append(Live(decoding or merged, rows, first_logits))
         return Generation(results, per_request, lives)
 
     def advance(self, generation: Generation, steps: int | None) -> list[SampleResult]:

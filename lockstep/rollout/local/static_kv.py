@@ -20,7 +20,8 @@ also fills the routing's device constants, so the capture copies nothing from th
 replayed from then on; the graph keeps the routing and the adapter weights it read alive. A model
 whose step cannot be captured (`graph_refusal`: routed experts, whose token grouping has
 data-dependent shapes; or a capture that fails, logged once) runs the same static step eagerly.
-On a CPU the step always runs eagerly (what CI compares with the eager path).
+On a CPU the step always runs eagerly (what CI compares with the eager path). A batch whose
+whole capacity would take over half the free GPU memory keeps the eager, growing cache.
 """
 
 from __future__ import annotations
@@ -73,10 +74,26 @@ class StaticDecoder:
 
     def batch(
         self, merged: BatchCache, adapters: Sequence[str | None], new_tokens: int
-    ) -> StaticBatch:
-        """`merged`'s rows in a static batch with room for `new_tokens` more columns."""
-        capacity = int(merged.mask.shape[1]) + max(1, new_tokens)
-        return StaticBatch(self, merged.layers_kv(), merged.mask, list(adapters), capacity)
+    ) -> StaticBatch | None:
+        """`merged`'s rows in a static batch with room for `new_tokens` more columns; None
+        when its whole capacity would take more than half the free GPU memory (the eager
+        cache grows only as far as the rows get and shrinks as they finish)."""
+        width = int(merged.mask.shape[1])
+        capacity = width + max(1, new_tokens)
+        kv = merged.layers_kv()
+        if merged.mask.device.type == "cuda":
+            need = sum(k.nbytes + v.nbytes for k, v in kv) * capacity // max(1, width)
+            free, _ = torch.cuda.mem_get_info(merged.mask.device)
+            if need > free // 2:
+                log.info(
+                    "sampler: a batch of %d rows x %d columns decodes eagerly: its static cache "
+                    "(%d MiB) would take over half the free GPU memory",
+                    merged.rows,
+                    capacity,
+                    need >> 20,
+                )
+                return None
+        return StaticBatch(self, kv, merged.mask, list(adapters), capacity)
 
     def forward(self, batch: StaticBatch) -> torch.Tensor:
         """One decode step of every row of `batch` (routing set by the caller): raw logits
