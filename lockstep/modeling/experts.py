@@ -363,8 +363,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     needs sm80+), else one matmul per non-empty group."""
     if GROUPED_KERNEL and _kernel_takes(x, w):
         y = torch._grouped_mm(x, w, offs=ends)
-        if y.requires_grad:  # its backward takes the same strides; a fused layout's part has not
-            y.register_hook(torch.Tensor.contiguous)
+        # Its backward needs the same strides of the gradient; a part of a fused gate|up has not.
+        if y.requires_grad:
+            y.register_hook(torch.Tensor.contiguous)  # type: ignore[no-untyped-call]
         return y
     parts, start = [], 0
     for g, end in enumerate(ends.tolist()):
