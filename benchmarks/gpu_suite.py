@@ -19,7 +19,8 @@ after every section):
                    and logprob difference
   *_sampler        today's local sampler on the same model (fp32, an adapter from the trainer):
                    generated tokens/s beside the trainer's
-  head, attention  single kernels at production shape (`gpu_kernels.py`)
+  head, attention, single kernels at production shape (`gpu_kernels.py`)
+  experts
 
 `--profile` writes the top kernels of one packed cycle per family (`gpu_suite_profile.txt`).
 Results: `gpu_suite.json` / `.png` under `--out` (default benchmarks/results); `--rev` names the
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 from common import RESULTS_DIR, environment, print_table
-from gpu_kernels import attention_section, head, varlen_runs
+from gpu_kernels import attention_section, experts_section, head, varlen_runs
 from gpu_models import (
     RANK,
     SHAPES,
@@ -253,6 +254,9 @@ def _switches(
         )
     if family == "moe" and not run.quick:  # (the hybrid's own layers dominate its time)
         switches["per_group_expert_matmul"] = lambda on: setattr(experts, "GROUPED_KERNEL", not on)
+        switches["per_adapter_expert_lora"] = lambda on: setattr(
+            experts, "GROUPED_ADAPTERS", not on
+        )
     return switches
 
 
@@ -412,6 +416,7 @@ SECTIONS: list[Section] = [
     ("moe_sampler", lambda r: sampler_section(r, "moe"), 40),
     ("head", lambda r: head(r.device, r.smoke, r.reps), 20),
     ("attention", lambda r: attention_section(r.device, r.smoke, r.reps), 20),
+    ("experts", lambda r: experts_section(r.device, r.smoke, r.reps), 20),
     ("hybrid", lambda r: trainer_section(r, "hybrid"), 90),
     ("oom_retry", oom_retry_section, 40),
 ]
