@@ -15,11 +15,11 @@ after every section):
                    and without attention FLOPs, peak memory, the admission formula vs the measured
                    peak; 8 tenants x 256 tokens packed vs ONE tenant with the same tokens vs one
                    tenant per cycle; the kernel variants (fused head off, varlen attention on,
-                   bf16 grouped LoRA GEMMs, per-group expert matmuls) in the same run: tokens/s
-                   and logprob difference
+                   bf16 grouped LoRA GEMMs, per-group expert matmuls, per-adapter expert LoRA)
+                   in the same run: tokens/s and logprob difference
   *_sampler        today's local sampler on the same model (fp32, an adapter from the trainer):
                    generated tokens/s beside the trainer's
-  head, attention, single kernels at production shape (`gpu_kernels.py`)
+  head, attention,  single kernels at production shape (`gpu_kernels.py`)
   experts
 
 `--profile` writes the top kernels of one packed cycle per family (`gpu_suite_profile.txt`).
