@@ -19,7 +19,7 @@ after every section):
                    in the same run: tokens/s and logprob difference
   *_sampler        today's local sampler on the same model (fp32, an adapter from the trainer):
                    generated tokens/s beside the trainer's
-  head, attention,  single kernels at production shape (`gpu_kernels.py`)
+  head, attention, single kernels at production shape (`gpu_kernels.py`)
   experts
 
 `--profile` writes the top kernels of one packed cycle per family (`gpu_suite_profile.txt`).
