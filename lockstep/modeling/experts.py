@@ -219,7 +219,7 @@ class _AdapterGroups:
         self.names = [n for n, t in zip(present, trains, strict=True) if t]
         if not self.names or not self._pairs:
             return
-        lut, table = _constants(routing, token.device, present, scales)
+        lut, table = _constants(routing, token.device, present, scales, trains)
         adapter = lut.index_select(0, ordinal + 1).index_select(0, token)  # -1: no LoRA here
         perm = torch.argsort(adapter, stable=True)
         counts = torch.bincount(adapter + 1, minlength=len(self.names) + 1).tolist()
@@ -299,16 +299,17 @@ def _constants(
     device: torch.device,
     present: list[str],
     scales: dict[str, tuple[float | None, ...]],
+    trains: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lut, table) on `device`, built once per routing and kept in it (every expert layer of a
     forward and its backward shares them, so a layer call copies nothing from the host):
     lut [K+1] int64 maps a token's adapter ordinal + 1 to its position among the adapters that
-    train the layer (-1: none); table [projections, K'] fp32 their scales (0: not trained)."""
+    train the layer (`trains`; -1: none); table [projections, K'] fp32 their scales (0: not
+    trained)."""
     key = ("experts", device, tuple(present), *scales.items())
     cached = routing.constants.get(key)
     if cached is not None:
         return cached
-    trains = [any(s[i] is not None for s in scales.values()) for i in range(len(present))]
     position, lut = 0, [-1]
     for t in trains:
         lut.append(position if t else -1)
