@@ -66,6 +66,7 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             ("chunked_head", "fused head speed-up", False),
             ("varlen_attention", "varlen attention speed-up", True),
             ("per_group_expert_matmul", "grouped experts speed-up", False),
+            ("per_adapter_expert_lora", "grouped (adapter, expert) LoRA speed-up", False),
             ("lora_gemms_in_base_dtype", "bf16 grouped LoRA speed-up", True),
         ):
             v = variants.get(name, {})
@@ -81,7 +82,12 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                         ratio,
                     )
                 )
-    rows += _sampler_rows(sections, targets)
+    return rows + _sampler_rows(sections, targets) + _kernel_rows(sections)
+
+
+def _kernel_rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
+    """The single-kernel sections' rows: the replaced path's time over the fast path's."""
+    rows = []
     head = sections.get("head", {})
     for case in ("no_head_lora", "head_lora"):
         if case in head:
@@ -91,6 +97,15 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                     f"head ({case}): chunked / fused time "
                     f"(grad diff {c['max_abs_diff_hidden_grad']:.1e})",
                     c["chunked_over_fused_time"],
+                )
+            )
+    for name, case in sections.get("experts", {}).items():
+        if isinstance(case, dict) and "per_adapter_over_grouped_time" in case:
+            rows.append(
+                _row(
+                    f"experts {name}: per-adapter / grouped LoRA time "
+                    f"(out diff {case['max_abs_diff_out']:.1e})",
+                    case["per_adapter_over_grouped_time"],
                 )
             )
     for name, case in sections.get("attention", {}).items():
