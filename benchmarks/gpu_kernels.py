@@ -8,6 +8,10 @@ outputs and gradients (bf16 on a GPU, fp32 on a CPU smoke run) and the peak memo
   attention  a packed micro-batch's attention: VARLEN (one varlen flash-attention call) vs the
              per-row SDPA loop (`modeling.attention`), uniform and mixed row lengths, full and
              sliding-window layers
+  experts    one MoE layer's experts with every tenant's LoRA on every expert (Qwen3-30B-A3B
+             shape, rank 32): each projection's LoRA as ONE grouped GEMM pair over the K x E
+             (adapter, expert) groups (`experts.GROUPED_ADAPTERS`) vs a gather, grouped GEMM pair
+             and copy per adapter; 8 tenants x 2048 and x 256 tokens
 """
 
 from __future__ import annotations
@@ -19,9 +23,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpu_models import RANK, SHAPES, SMOKE
+from transformers import AutoConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from lockstep.modeling import attention
+from lockstep.modeling import attention, experts
+from lockstep.modeling.experts import MultiLoRAExperts
 from lockstep.modeling.packing import packed_rows
+from lockstep.modeling.routing import Routing, RoutingSlot
 from lockstep.training import logprobs
 from lockstep.training.logprobs import LinearHead, target_logprobs
 
@@ -222,4 +231,98 @@ def _attention_case(
         )
         result["max_abs_diff_out"] = _diff(values["varlen"][0], values["rows"][0])
         result["max_abs_diff_q_grad"] = _diff(values["varlen"][1], values["rows"][1])
+    return result
+
+
+def experts_section(device: str, smoke: bool, reps: int) -> dict[str, Any]:
+    """One experts layer, forward + backward, 8 tenants of rank 32 (the suite's moe shape)."""
+    shape = (SMOKE if smoke else SHAPES)["moe"]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    config = AutoConfig.for_model(shape.model_type, **shape.settings)
+    with torch.device(device):
+        base = Qwen3MoeExperts(config).to(dtype)  # type: ignore[no-untyped-call]
+    gen = torch.Generator(device=device).manual_seed(2)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.copy_(torch.randn(p.shape, device=device, generator=gen) * 0.02)
+            p.requires_grad_(False)
+    slot = RoutingSlot()
+    layer = MultiLoRAExperts(base, slot)
+    tenants, rank = 8, 4 if smoke else RANK
+    names = [f"t{i}" for i in range(tenants)]
+    for name in names:
+        for s in layer.slots.values():
+            a = torch.randn(s.experts, rank, s.in_features, device=device, generator=gen)
+            b = torch.randn(s.experts, s.out_features, rank, device=device, generator=gen)
+            s.lora_A[name] = torch.nn.Parameter(a * s.in_features**-0.5)
+            s.lora_B[name] = torch.nn.Parameter(b * 0.01)
+            s.scale[name] = 2.0
+    out: dict[str, Any] = {
+        "experts": layer.num_experts,
+        "top_k": config.num_experts_per_tok,
+        "hidden": config.hidden_size,
+        "expert_intermediate": config.moe_intermediate_size,
+        "tenants": tenants,
+        "rank": rank,
+    }
+    for per_tenant in (16, 8) if smoke else (2048, 256):
+        out[f"{tenants}x{per_tenant}"] = _experts_case(
+            layer, slot, Routing(names, None), (per_tenant, config.num_experts_per_tok), reps
+        )
+    return out
+
+
+def _experts_case(
+    layer: MultiLoRAExperts,
+    slot: RoutingSlot,
+    routing: Routing,
+    sizes: tuple[int, int],
+    reps: int,
+) -> dict[str, Any]:
+    """Each tenant's row of `sizes[0]` tokens routed to `sizes[1]` random experts per token."""
+    per_tenant, top_k = sizes
+    device = layer.down_proj.device.type
+    tokens = len(routing.adapter_ids) * per_tenant
+    hidden = layer.slots[next(iter(layer.slots))].in_features
+    gen = torch.Generator(device=device).manual_seed(3)
+    x0 = torch.randn(tokens, hidden, device=device, generator=gen).to(layer.down_proj.dtype)
+    scores = torch.randn(tokens, layer.num_experts, device=device, generator=gen)
+    top = scores.topk(top_k, dim=-1)
+    index, weights = top.indices, top.values.softmax(-1).to(x0.dtype)
+    params = [t for s in layer.slots.values() for g in (s.lora_A, s.lora_B) for t in g.values()]
+    result: dict[str, Any] = {"tokens": tokens, "pairs": int(index.numel())}
+    values: dict[bool, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+    for grouped in (True, False):
+        x = x0.clone().requires_grad_()
+
+        def step(x: torch.Tensor = x, grouped: bool = grouped) -> None:
+            x.grad = None
+            for p in params:
+                p.grad = None
+            experts.GROUPED_ADAPTERS = grouped
+            slot.current = routing
+            try:
+                y = layer(x, index, weights)
+            finally:
+                experts.GROUPED_ADAPTERS = True
+                slot.current = None
+            y.float().square().mean().backward()
+            assert x.grad is not None
+            grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+            values[grouped] = (y.detach(), x.grad.detach().clone(), grads)
+
+        times, peak = _time(step, device, reps)
+        name = "grouped" if grouped else "per_adapter"
+        result[f"{name}_s"] = times
+        result[f"{name}_peak_extra_gb"] = peak
+    new, old = values[True], values[False]
+    result["per_adapter_over_grouped_time"] = statistics.median(
+        result["per_adapter_s"]
+    ) / statistics.median(result["grouped_s"])
+    result["max_abs_diff_out"] = _diff(new[0], old[0])
+    result["max_abs_diff_input_grad"] = _diff(new[1], old[1])
+    result["max_abs_diff_adapter_grad"] = max(
+        _diff(a, b) for a, b in zip(new[2], old[2], strict=True)
+    )
+    result["max_abs_out"] = float(old[0].float().abs().max())  # the scale of the differences
     return result

@@ -66,6 +66,7 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             ("chunked_head", "fused head speed-up", False),
             ("varlen_attention", "varlen attention speed-up", True),
             ("per_group_expert_matmul", "grouped experts speed-up", False),
+            ("per_adapter_expert_lora", "grouped (adapter, expert) LoRA speed-up", False),
             ("lora_gemms_in_base_dtype", "bf16 grouped LoRA speed-up", True),
         ):
             v = variants.get(name, {})
@@ -81,13 +82,12 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                         ratio,
                     )
                 )
-        sampler = sections.get(f"{family}_sampler", {})
-        if "tokens_per_s" in sampler:
-            rows.append(
-                _row(
-                    f"{family}: today's local sampler, generated tokens/s", sampler["tokens_per_s"]
-                )
-            )
+    return rows + _sampler_rows(sections, targets) + _kernel_rows(sections)
+
+
+def _kernel_rows(sections: dict[str, Any]) -> list[dict[str, Any]]:
+    """The single-kernel sections' rows: the replaced path's time over the fast path's."""
+    rows = []
     head = sections.get("head", {})
     for case in ("no_head_lora", "head_lora"):
         if case in head:
@@ -99,6 +99,15 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                     c["chunked_over_fused_time"],
                 )
             )
+    for name, case in sections.get("experts", {}).items():
+        if isinstance(case, dict) and "per_adapter_over_grouped_time" in case:
+            rows.append(
+                _row(
+                    f"experts {name}: per-adapter / grouped LoRA time "
+                    f"(out diff {case['max_abs_diff_out']:.1e})",
+                    case["per_adapter_over_grouped_time"],
+                )
+            )
     for name, case in sections.get("attention", {}).items():
         if isinstance(case, dict) and "rows_over_varlen_time" in case:
             rows.append(
@@ -106,6 +115,36 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                     f"attention {name}: row loop / varlen time "
                     f"(out diff {case['max_abs_diff_out']:.1e})",
                     case["rows_over_varlen_time"],
+                )
+            )
+    return rows
+
+
+def _sampler_rows(sections: dict[str, Any], targets: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each family's sampler section (its trainer section may be absent)."""
+    rows = []
+    for family in FAMILIES:
+        sampler = sections.get(f"{family}_sampler", {})
+        if "tokens_per_s" in sampler:
+            rows.append(
+                _row(
+                    f"{family}: today's local sampler, generated tokens/s", sampler["tokens_per_s"]
+                )
+            )
+        if "speedup" in sampler:
+            static = sampler["variants"]["static_auto"]
+            agree = sampler["static_vs_eager"]
+            how = f"{static['dtype']} {static['decode']}, graphs {static['cuda_graphs']}"
+            rows.append(
+                _row(f"{family}: sampler ({how}), generated tokens/s", static["tokens_per_s"])
+            )
+            rows.append(
+                _row(
+                    f"{family}: sampler / today's local sampler (same tokens "
+                    f"{agree['same_tokens_share']:.2f}, logprob diff "
+                    f"{agree['max_abs_logprob_diff']:.1e})",
+                    sampler["speedup"],
+                    targets["sampler_over_todays_local_sampler"],
                 )
             )
     return rows
@@ -168,17 +207,25 @@ def figure(results: dict[str, Any], path: Path) -> None:
         ax.bar(
             i - 0.2,
             sections[family]["packed_tokens_per_s"],
-            0.4,
+            0.2,
             color="tab:blue",
             label="trainer" if not i else None,
         )
         sampler = sections.get(f"{family}_sampler", {})
         ax.bar(
-            i + 0.2,
+            i,
             sampler.get("tokens_per_s", 0),
-            0.4,
+            0.2,
             color="tab:orange",
             label="sampler (today)" if not i else None,
+        )
+        static = sampler.get("variants", {}).get("static_auto", {})
+        ax.bar(
+            i + 0.2,
+            static.get("tokens_per_s", 0),
+            0.2,
+            color="tab:red",
+            label="sampler (bf16, static decode)" if not i else None,
         )
     ax.set_yscale("log")
     ax.set_xticks(range(len(trained)), trained)

@@ -15,11 +15,14 @@ after every section):
                    and without attention FLOPs, peak memory, the admission formula vs the measured
                    peak; 8 tenants x 256 tokens packed vs ONE tenant with the same tokens vs one
                    tenant per cycle; the kernel variants (fused head off, varlen attention on,
-                   bf16 grouped LoRA GEMMs, per-group expert matmuls) in the same run: tokens/s
-                   and logprob difference
-  *_sampler        today's local sampler on the same model (fp32, an adapter from the trainer):
-                   generated tokens/s beside the trainer's
-  head, attention  single kernels at production shape (`gpu_kernels.py`)
+                   bf16 grouped LoRA GEMMs, per-group expert matmuls, per-adapter expert LoRA)
+                   in the same run: tokens/s and logprob difference
+  *_sampler        the local sampler on the same model (an adapter from the trainer): generated
+                   tokens/s beside the trainer's, today's fp32 eager decode vs bf16 weights and
+                   the static-KV decode (CUDA graphs where the family allows), and whether the
+                   static decode samples what the eager one does (`gpu_sampler.py`)
+  head, attention, single kernels at production shape (`gpu_kernels.py`)
+  experts
 
 `--profile` writes the top kernels of one packed cycle per family (`gpu_suite_profile.txt`).
 Results: `gpu_suite.json` / `.png` under `--out` (default benchmarks/results); `--rev` names the
@@ -43,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 from common import RESULTS_DIR, environment, print_table
-from gpu_kernels import attention_section, head, varlen_runs
+from gpu_kernels import attention_section, experts_section, head, varlen_runs
 from gpu_models import (
     RANK,
     SHAPES,
@@ -253,6 +256,9 @@ def _switches(
         )
     if family == "moe" and not run.quick:  # (the hybrid's own layers dominate its time)
         switches["per_group_expert_matmul"] = lambda on: setattr(experts, "GROUPED_KERNEL", not on)
+        switches["per_adapter_expert_lora"] = lambda on: setattr(
+            experts, "GROUPED_ADAPTERS", not on
+        )
     return switches
 
 
@@ -335,7 +341,8 @@ def _small_rows(
 
 
 def sampler_section(run: Run, family: str) -> dict[str, Any]:
-    """Today's local sampler on the family's model, with the adapter its trainer exported."""
+    """The local sampler's ways of running on the family's model, with the adapter its trainer
+    exported (`gpu_sampler.py`)."""
     shape = run.shape(family)
     reset_peak(run.device)
     try:
@@ -355,7 +362,12 @@ def sampler_section(run: Run, family: str) -> dict[str, Any]:
     out["trainer_packed_tokens_per_s"] = (
         run.results["sections"].get(family, {}).get("packed_tokens_per_s")
     )
-    console.log(f"{family} sampler: {out['tokens_per_s']:.0f} generated tok/s")
+    static = out["variants"]["static_auto"]
+    console.log(
+        f"{family} sampler: {out['tokens_per_s']:.0f} generated tok/s fp32 eager, "
+        f"{static['tokens_per_s']:.0f} {static['dtype']} {static['decode']} "
+        f"(graphs {static['cuda_graphs']}): x{out['speedup']:.2f}"
+    )
     return out
 
 
@@ -408,14 +420,16 @@ SECTIONS: list[Section] = [
     ("device", device_section, 10),
     ("dense", lambda r: trainer_section(r, "dense"), 100),
     ("moe", lambda r: trainer_section(r, "moe"), 110),
-    ("dense_sampler", lambda r: sampler_section(r, "dense"), 40),
-    ("moe_sampler", lambda r: sampler_section(r, "moe"), 40),
+    ("dense_sampler", lambda r: sampler_section(r, "dense"), 50),
+    ("moe_sampler", lambda r: sampler_section(r, "moe"), 50),
     ("head", lambda r: head(r.device, r.smoke, r.reps), 20),
     ("attention", lambda r: attention_section(r.device, r.smoke, r.reps), 20),
+    ("experts", lambda r: experts_section(r.device, r.smoke, r.reps), 20),
     ("hybrid", lambda r: trainer_section(r, "hybrid"), 90),
     ("oom_retry", oom_retry_section, 40),
+    ("hybrid_sampler", lambda r: sampler_section(r, "hybrid"), 50),
 ]
-QUICK_SKIPS = {"hybrid", "oom_retry"}
+QUICK_SKIPS = {"hybrid", "oom_retry", "hybrid_sampler"}
 
 
 def main() -> None:

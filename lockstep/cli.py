@@ -98,11 +98,14 @@ def build_parser(
         "(Pig Latin SFT, an RL loop, a second SFT), showing how they share clock cycles",
     )
     add_serve_args(demo, base)
-    demo.add_argument("--steps", type=int, default=12, help="steps each tenant takes together")
-    demo.add_argument("--tenants", type=int, default=3, help="tenants training at once")
     demo.add_argument(
-        "--solo-steps", type=int, default=2, help="steps each tenant then takes alone (baseline)"
+        "--steps",
+        type=int,
+        default=12,
+        help="steps each tenant takes together with the others, and as many one after another "
+        "(the baseline; the two ways take turns)",
     )
+    demo.add_argument("--tenants", type=int, default=3, help="tenants training at once")
     demo.add_argument("--summary-json", type=Path, help="also write the summary here")
     demo.add_argument(
         "--vision",
@@ -129,9 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run(cfg))
     from lockstep.demo import run_demo
 
-    if min(a.steps, a.tenants, a.solo_steps) < 1:
-        parser.error("--steps, --tenants and --solo-steps must be at least 1")
-    sys.exit(run_demo(cfg, a.steps, a.tenants, a.solo_steps, a.summary_json, a.vision))
+    if min(a.steps, a.tenants) < 1:
+        parser.error("--steps and --tenants must be at least 1")
+    sys.exit(run_demo(cfg, a.steps, a.tenants, a.summary_json, a.vision))
 
 
 if __name__ == "__main__":

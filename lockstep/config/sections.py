@@ -22,6 +22,10 @@ from lockstep.config.flags import (
 )
 
 SamplerKind = Literal["local", "vllm", "sglang"]
+# The local sampler's weights (auto: bfloat16 on CUDA, float32 elsewhere) and decode step
+# (static: a fixed-capacity KV cache per batch, replayed as CUDA graphs on CUDA).
+SamplerDtype = Literal["auto", "float32", "bfloat16"]
+SamplerDecode = Literal["eager", "static"]
 TRACE_RETENTION_S = 7 * 24 * 3600
 LogLevel = Literal["debug", "info", "warning", "error"]
 # Whether the SDK zstd-compresses its fwd/bwd bodies; auto: unless the gateway binds loopback
@@ -150,6 +154,25 @@ class SamplerConfig:
             help="decode steps of each local sampler call: samples queued meanwhile start at "
             "the next call, so a long generation delays a short one by about a slice, not its "
             "whole length (vLLM and SGLang run each batch whole)",
+            on=SCHEDULER,
+        ),
+    )
+    dtype: SamplerDtype = field(
+        default="auto",
+        metadata=flag(
+            "--sampler-dtype",
+            help="base-weight dtype of the local sampler (auto: bfloat16 on CUDA, float32 on "
+            "CPU); adapters run in float32 as in the trainer, logprobs come from float32 logits",
+            on=SCHEDULER,
+        ),
+    )
+    decode: SamplerDecode = field(
+        default="eager",
+        metadata=flag(
+            "--sampler-decode",
+            help="decode step of the local sampler: eager (a growing KV cache) or static (a "
+            "fixed-capacity KV cache per batch, captured as CUDA graphs on CUDA); models "
+            "whose cache is not plain full attention decode eagerly and say so at start",
             on=SCHEDULER,
         ),
     )

@@ -1,9 +1,10 @@
-"""Run the demo: start the embedded server, train the tenants together, then each alone briefly.
+"""Run the demo: start the embedded server, train the tenants together and one after another.
 
-Phase 1 (together): every tenant runs `steps` steps at the same time, so their requests share
-clock cycles. Phase 2 (alone): each tenant in turn runs `solo_steps` more steps with nobody
-else on the server; its mean step time alone, times its step count, is what running the tenants
-one after another would have cost, measured in the same run against the same warm server.
+Each tenant takes `steps` steps together with the others (their requests share clock cycles)
+and `steps` steps one after another (each in turn with the server to itself): the same tenants,
+steps and tokens both ways, against the same warm server. The two ways take turns in blocks,
+together - alone - alone - together, so a change in the machine's load over the run (other
+work starting or stopping) falls on both alike; each way's time is the sum of its blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import IO
 
@@ -26,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 
 from lockstep.config import LockstepConfig
-from lockstep.demo.tenants import Tenant, make_tenants
+from lockstep.demo.tenants import StepRecord, Tenant, make_tenants
 from lockstep.demo.view import ClockFigures, ClockPoller, render, scrape
 from lockstep.supervisor import Supervisor
 
@@ -49,13 +51,35 @@ class TenantSummary:
 @dataclass
 class Summary:
     tenants: list[TenantSummary]
-    together_s: float  # wall time of phase 1
-    one_after_another_s: float  # sum over tenants of steps x alone step time
-    cycles_together: int  # cycles with work in phase 1 (scheduler metrics)
+    together_s: float  # wall time of the together blocks
+    one_after_another_s: float  # wall time of the one-after-another blocks (the same steps)
+    cycles_together: int  # cycles with work in the together blocks (scheduler metrics)
     cycles_shared: int  # of those, cycles that ran two tenants or more
     tenants_per_cycle: float
-    cycles_one_after_another: float  # sum over tenants of steps x alone cycles per step
+    cycles_one_after_another: int  # cycles with work in the one-after-another blocks
     pass_cycles_shared: int  # forward_backward cycle ids reported to two tenants or more
+    base_model_bytes: int  # the base model's weight files: one copy serves every tenant
+    speedup: float  # one_after_another_s / together_s
+
+
+class Way(StrEnum):
+    TOGETHER = "together"
+    ALONE = "one after another"
+
+
+def blocks(steps: int) -> list[tuple[Way, int]]:
+    """The two ways in turns, together - alone - alone - together, `steps` steps each way."""
+    first, second = (steps + 1) // 2, steps // 2
+    order = [(Way.TOGETHER, first), (Way.ALONE, first), (Way.ALONE, second)]
+    return [b for b in [*order, (Way.TOGETHER, second)] if b[1] > 0]
+
+
+def base_model_bytes(model_dir: Path | None) -> int:
+    """The size of the base model's weight files (what each engine loads once for everyone)."""
+    if model_dir is None:
+        return 0
+    suffixes = (".safetensors", ".bin", ".pt", ".pth")
+    return sum(f.stat().st_size for f in model_dir.rglob("*") if f.name.endswith(suffixes))
 
 
 @contextmanager
@@ -90,14 +114,14 @@ class Demo:
         metrics_url: str,
         tenants: list[Tenant],
         steps: int,
-        solo_steps: int,
+        base_bytes: int = 0,
     ) -> None:
         self.console = console
         self.base_url = base_url
         self.model = model
         self.tenants = tenants
         self.steps = steps
-        self.solo_steps = solo_steps
+        self.base_bytes = base_bytes
         self.poller = ClockPoller(metrics_url)
         self.title = f"Lockstep demo: {len(tenants)} LoRA tenants sharing {model}"
         self.phase = ""
@@ -123,76 +147,71 @@ class Demo:
     def _run(self) -> Summary:
         pool = ThreadPoolExecutor(max_workers=len(self.tenants))
         live = Live(console=self.console, redirect_stdout=False, redirect_stderr=False)
+        seconds = {way: 0.0 for way in Way}
+        clock = {way: ClockFigures() for way in Way}
         with pool, live:
             self.phase = "creating the LoRA training runs"
             self._run_each(live, pool, lambda t: t.connect(self.base_url, self.model))
 
             # One untimed step each first: the first pass of a new adapter pays one-off costs
-            # that would otherwise count against the shared phase.
+            # that would otherwise count against whichever way runs first.
             self.phase = "warm-up: one step each"
             self._run_each(live, pool, lambda t: t.warmup.append(t.step()))
 
-            self.phase = f"together: {self.steps} steps each, sharing clock cycles"
-            before = scrape(self.poller.url)
-            start = time.monotonic()
-            self._run_each(live, pool, self._together)
-            together_s = time.monotonic() - start
-            phase1 = scrape(self.poller.url).minus(before)
-
-            alone_cycles: dict[str, float] = {}
-            for t in self.tenants:
-                self.phase = (
-                    f"alone: {t.name} runs {self.solo_steps} steps with the server to itself"
-                )
-                mark = scrape(self.poller.url)
-                self._watch(live, [pool.submit(self._alone, t)])
-                alone_cycles[t.name] = scrape(self.poller.url).minus(mark).cycles / self.solo_steps
+            for way, n in blocks(self.steps):
+                before = scrape(self.poller.url)
+                start = time.monotonic()
+                if way is Way.TOGETHER:
+                    self.phase = f"together: {n} steps each, sharing clock cycles"
+                    self._watch(
+                        live, [pool.submit(self._steps, t, n, t.steps) for t in self.tenants]
+                    )
+                else:
+                    for t in self.tenants:
+                        self.phase = f"one after another: {t.name} runs {n} steps alone"
+                        self._watch(live, [pool.submit(self._steps, t, n, t.solo)])
+                seconds[way] += time.monotonic() - start
+                clock[way] = clock[way].plus(scrape(self.poller.url).minus(before))
 
             self.phase = "greedy samples"
             self._run_each(live, pool, lambda t: t.sample_greedy())
             self.phase = "done"
             live.update(render(self.title, self.phase, self.tenants, self.poller))
-        return self._summary(together_s, phase1, alone_cycles)
+        return self._summary(seconds, clock)
 
-    def _together(self, t: Tenant) -> None:
-        for _ in range(self.steps):
-            t.steps.append(t.step())
+    @staticmethod
+    def _steps(t: Tenant, n: int, into: list[StepRecord]) -> None:
+        for _ in range(n):
+            into.append(t.step())
 
-    def _alone(self, t: Tenant) -> None:
-        for _ in range(self.solo_steps):
-            t.solo.append(t.step())
-
-    def _summary(
-        self, together_s: float, phase1: ClockFigures, alone_cycles: dict[str, float]
-    ) -> Summary:
-        rows = []
-        for t in self.tenants:
-            alone = sum(s.seconds for s in t.solo) / len(t.solo)
-            rows.append(
-                TenantSummary(
-                    t.name,
-                    t.task.value,
-                    t.rank,
-                    len(t.warmup) + len(t.steps) + len(t.solo),
-                    t.warmup[0].value,
-                    t.solo[-1].value,
-                    sum(s.seconds for s in t.steps) / len(t.steps),
-                    alone,
-                    t.greedy,
-                )
+    def _summary(self, seconds: dict[Way, float], clock: dict[Way, ClockFigures]) -> Summary:
+        rows = [
+            TenantSummary(
+                t.name,
+                t.task.value,
+                t.rank,
+                len(t.warmup) + len(t.steps) + len(t.solo),
+                t.warmup[0].value,
+                t.latest.value if t.latest else float("nan"),
+                sum(s.seconds for s in t.steps) / len(t.steps),
+                sum(s.seconds for s in t.solo) / len(t.solo),
+                t.greedy,
             )
+            for t in self.tenants
+        ]
         seen = Counter(cycle for t in self.tenants for cycle in {s.cycle for s in t.steps})
+        together = clock[Way.TOGETHER]
         return Summary(
             tenants=rows,
-            together_s=together_s,
-            one_after_another_s=sum(
-                len(t.steps) * r.alone_s_per_step for t, r in zip(self.tenants, rows, strict=True)
-            ),
-            cycles_together=int(phase1.cycles),
-            cycles_shared=int(phase1.shared),
-            tenants_per_cycle=phase1.tenant_sum / max(phase1.cycles, 1.0),
-            cycles_one_after_another=sum(len(t.steps) * alone_cycles[t.name] for t in self.tenants),
+            together_s=seconds[Way.TOGETHER],
+            one_after_another_s=seconds[Way.ALONE],
+            cycles_together=int(together.cycles),
+            cycles_shared=int(together.shared),
+            tenants_per_cycle=together.tenant_sum / max(together.cycles, 1.0),
+            cycles_one_after_another=int(clock[Way.ALONE].cycles),
             pass_cycles_shared=sum(1 for n in seen.values() if n >= 2),
+            base_model_bytes=self.base_bytes,
+            speedup=seconds[Way.ALONE] / max(seconds[Way.TOGETHER], 1e-9),
         )
 
 
@@ -219,28 +238,48 @@ def print_summary(console: Console, s: Summary) -> None:
             f"{t.alone_s_per_step:.2f}",
         )
     console.print(table)
-    saved = s.one_after_another_s - s.together_s
-    console.print(
-        f"cycles together: {s.cycles_together} ({s.cycles_shared} shared by 2+ tenants, "
-        f"{s.tenants_per_cycle:.1f} tenants per cycle; {s.pass_cycles_shared} forward_backward "
-        f"cycles reported to 2+ tenants); one after another: ~{s.cycles_one_after_another:.0f}"
-    )
-    verdict = "saved" if saved >= 0 else "cost"
-    console.print(
-        f"[bold]together {s.together_s:.1f} s vs one after another {s.one_after_another_s:.1f} s "
-        f"(each tenant's steps x its step time alone, measured above): packing {verdict} "
-        f"{abs(saved):.1f} s ({s.one_after_another_s / s.together_s:.2f}x)[/bold]"
-    )
+    for line in what_sharing_gave(s):
+        console.print(line)
     console.print("greedy samples:", style="bold")
     for t in s.tenants:
         console.print(f"  {t.name:<10} {t.greedy}", markup=False, highlight=False)
+
+
+def what_sharing_gave(s: Summary) -> list[str]:
+    """The summary's closing lines: memory, cycles and time, as measured on this machine."""
+    n = len(s.tenants)
+    mb = s.base_model_bytes / 1e6
+    lines = [
+        "[bold]what sharing gave on this machine[/bold]",
+        f"  memory: each engine holds one copy of the base model ({mb:.1f} MB of weights) for all "
+        f"{n} tenants' adapters; a server per tenant would load it {n} times ({n * mb:.1f} MB)",
+        f"  cycles: together {s.cycles_together} ({s.cycles_shared} shared by 2+ tenants, "
+        f"{s.tenants_per_cycle:.1f} tenants per cycle; {s.pass_cycles_shared} forward_backward "
+        f"cycles reported to 2+ tenants); one after another {s.cycles_one_after_another}",
+    ]
+    timing = (
+        f"together {s.together_s:.1f} s vs one after another {s.one_after_another_s:.1f} s "
+        f"(the same steps each way, measured in turns in this run)"
+    )
+    if s.speedup >= 1.0:
+        lines.append(
+            f"  [bold]time: {timing}: sharing saved {s.one_after_another_s - s.together_s:.1f} s "
+            f"({s.speedup:.2f}x)[/bold]"
+        )
+    else:
+        lines.append(
+            f"  [bold]time: {timing}: no time saved here ({s.speedup:.2f}x)[/bold]: this "
+            "machine's engine is compute-bound, so the tenants' tokens take as long in one pass "
+            "as in several; the time win is on a GPU, where one tenant's pass leaves the device "
+            "mostly idle (benchmarks/gpu_suite.py: 8 tenants packed vs one tenant per cycle)"
+        )
+    return lines
 
 
 def run_demo(
     cfg: LockstepConfig,
     steps: int,
     tenants: int = 3,
-    solo_steps: int = 2,
     summary_json: Path | None = None,
     vision: bool = False,
 ) -> int:
@@ -260,7 +299,7 @@ def run_demo(
                 f"http://127.0.0.1:{sup.metrics_port}/metrics",
                 make_tenants(tenants, vision),
                 steps,
-                solo_steps,
+                base_model_bytes(cfg.model.dir),
             )
             summary = demo.run()
             print_summary(console, summary)

@@ -62,6 +62,7 @@ class Tenant:
     warmup: list[StepRecord] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     solo: list[StepRecord] = field(default_factory=list)
+    latest: StepRecord | None = None  # the last step taken, whichever way
     greedy: str = ""
     trainer: Any = None
     tokenizer: Any = None
@@ -119,7 +120,8 @@ class Tenant:
         if not self.task.rl:
             value = result.metrics["loss:sum"] / self.total_weight
         cycle = int(result.metrics["clock_cycle:unique"])
-        return StepRecord(time.monotonic() - start, value, cycle)
+        self.latest = StepRecord(time.monotonic() - start, value, cycle)
+        return self.latest
 
     def _prompts(self) -> list[list[int]]:
         return [self.tokenizer.encode(f"pick {i}:") for i in range(4)]

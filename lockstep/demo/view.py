@@ -35,6 +35,19 @@ class ClockFigures:
     counted: float = 0.0  # cycles timed (idle ones too under the periodic policy)
     busy_ratio: float = 0.0
 
+    def plus(self, o: ClockFigures) -> ClockFigures:
+        """Two intervals' figures added (the latest busy ratio kept)."""
+        return ClockFigures(
+            self.at + o.at,
+            self.cycles + o.cycles,
+            self.shared + o.shared,
+            self.tenant_sum + o.tenant_sum,
+            self.tokens + o.tokens,
+            self.seconds + o.seconds,
+            self.counted + o.counted,
+            o.busy_ratio,
+        )
+
     def minus(self, o: ClockFigures) -> ClockFigures:
         return ClockFigures(
             self.at - o.at,
@@ -108,9 +121,8 @@ def render(title: str, phase: str, tenants: list[Tenant], poller: ClockPoller) -
     for col in ("tenant", "task", "rank", "step", "loss / reward", "cycle", "s/step"):
         people.add_column(col, justify="left" if col in ("tenant", "task") else "right")
     for t in tenants:
-        done = t.warmup + t.steps + t.solo
-        last = done[-1] if done else None
-        steps = len(done)
+        last = t.latest
+        steps = len(t.warmup) + len(t.steps) + len(t.solo)
         people.add_row(
             t.name,
             t.task.value,

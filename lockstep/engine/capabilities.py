@@ -76,6 +76,13 @@ class SamplerCapabilities:
 
     engine: str  # "local", "vllm", "sglang"
     inputs: frozenset[InputKind] = TEXT_INPUTS
+    # How the local sampler runs the model (None: an external server's business): its weights'
+    # dtype, its decode step ("eager" / "static"), why a model asked to decode "static" decodes
+    # eagerly (None: it does not fall back), whether static steps replay as CUDA graphs.
+    dtype: str | None = None
+    decode: str | None = None
+    decode_fallback: str | None = None
+    cuda_graphs: bool = False
 
     def check_input(self, kind: InputKind, field: str) -> None:
         check_input(self.inputs, kind, field, f"the {self.engine} sampler")

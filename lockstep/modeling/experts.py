@@ -13,23 +13,26 @@ interleaved, `has_bias`, `has_gate`). Two layouts are computed:
 computes the same function plus each tenant's LoRA on each expert's projections.
 
 Work is grouped, never gathered per token: the (token, expert) pairs of a call are sorted by
-expert, and each base projection is ONE grouped GEMM over every expert's run of pairs; for the
-LoRA the same pairs are regrouped adapter-major (expert order kept), so each adapter's LoRA of a
-projection is one grouped GEMM pair over its experts (`torch._grouped_mm`: no host sync and no
-per-expert launches on CUDA). Routing stays dropless and every pair's result depends only on
-its token, so a tenant alone and packed get the same numbers (to float rounding). The router
+expert, and each base projection is ONE grouped GEMM over every expert's run of pairs. For the
+LoRA, the pairs whose adapter trains the layer are regrouped once per call, adapter-major with
+expert order kept (group g*E + e: adapter g's pairs routed to expert e), gathered once per
+projection input (gate and up share it), and each projection's LoRA is ONE grouped GEMM pair over
+all K x E (adapter, expert) groups (`torch._grouped_mm`: no per-adapter or per-expert launches on
+CUDA), added back with one index_add. Routing stays dropless and every pair's result depends only
+on its token, so a tenant alone and packed get the same numbers (to float rounding). The router
 stays frozen (it is not an expert).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from lockstep.modeling.routing import RoutingSlot
+from lockstep.modeling.routing import Routing, RoutingSlot
 
 # Tinker's names for the three expert projections.
 GATE, UP, DOWN = "w1", "w3", "w2"
@@ -40,6 +43,10 @@ ExpertsLayout = Literal["gated", "plain"]
 # Use torch's grouped GEMM kernel where it takes the operands (False: one matmul per group;
 # benchmarks/moe_gpu.py compares the two).
 GROUPED_KERNEL = True
+# Each projection's LoRA as one grouped GEMM pair over every (adapter, expert) group of a call
+# (False: a gather, a grouped GEMM pair and a copy per adapter and projection, the path this
+# replaced; benchmarks/gpu_kernels.py compares the two).
+GROUPED_ADAPTERS = True
 
 
 class ExpertSlot:
@@ -138,8 +145,6 @@ class MultiLoRAExperts(nn.Module):
     ) -> torch.Tensor:
         tokens, k = top_k_index.shape
         device = hidden_states.device
-        routing = self._slot.current
-        names, ordinal = ([], None) if routing is None else routing.token_adapters(tokens, device)
         # The (token, expert) pairs, expert-major (stable: by token within an expert).
         expert = top_k_index.reshape(-1)
         order = torch.argsort(expert, stable=True)
@@ -147,24 +152,26 @@ class MultiLoRAExperts(nn.Module):
         token = torch.arange(tokens, device=device).repeat_interleave(k).index_select(0, order)
         weight = top_k_weights.reshape(-1).index_select(0, order)
         offsets = group_ends(expert, self.num_experts)
-        adapters = _AdapterGroups(names, ordinal, token, expert, self.num_experts)
+        lora = _AdapterGroups(self._slot.current, self.slots, tokens, token, expert)
         x = hidden_states.index_select(0, token).to(self.down_proj.dtype)
         first, first_bias = self._first()
         h = self._base(x, first, first_bias, expert, offsets)
-        if self.layout == "gated":
-            gate = adapters.delta(self.slots[GATE], x)
-            up = adapters.delta(self.slots[UP], x)
-            if gate is not None or up is not None:
-                zeros = x.new_zeros(x.shape[0], self.slots[GATE].out_features)
-                h = h + self._fuse(zeros if gate is None else gate, zeros if up is None else up)
-        else:
-            up = adapters.delta(self.slots[PLAIN_UP], x)
-            h = h if up is None else h + up
+        if lora.active:
+            xs = lora.inputs(x)  # one gather for gate and up
+            if self.layout == "gated":
+                gate, up = lora.delta(GATE, xs), lora.delta(UP, xs)
+                if gate is not None or up is not None:
+                    zeros = xs.new_zeros(xs.shape[0], self.slots[GATE].out_features)
+                    both = self._fuse(zeros if gate is None else gate, zeros if up is None else up)
+                    h = lora.add(h, both)
+            else:
+                up = lora.delta(PLAIN_UP, xs)
+                h = h if up is None else lora.add(h, up)
         h = self._activation(h)
         y = self._base(h, self.down_proj, self.down_proj_bias, expert, offsets)
-        down = adapters.delta(self.slots[DOWN if self.layout == "gated" else PLAIN_DOWN], h)
-        if down is not None:
-            y = y + down
+        if lora.active:
+            down = lora.delta(DOWN if self.layout == "gated" else PLAIN_DOWN, lora.inputs(h))
+            y = y if down is None else lora.add(y, down)
         y = y * weight.unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype))
 
@@ -182,42 +189,98 @@ class MultiLoRAExperts(nn.Module):
 
 
 class _AdapterGroups:
-    """The pairs of one call regrouped adapter-major (expert order kept within an adapter), so
-    each adapter's LoRA of a projection is one grouped GEMM pair over the experts."""
+    """The pairs of one call whose adapter trains any projection of the layer (`names`, in
+    routing order), regrouped adapter-major with expert order kept: group g*E + e holds adapter
+    g's pairs routed to expert e (`index`: their positions among the call's pairs, `ends`: the
+    K x E group ends). An adapter that does not train a projection gets zero weights there (its
+    groups add exact zeros); pairs without such an adapter are left alone.
+
+    With GROUPED_ADAPTERS off, the path this replaced: per adapter and projection, a gather of
+    its pairs, a grouped GEMM pair over the experts, and a copy into a delta for every pair."""
 
     def __init__(
         self,
-        names: list[str],
-        ordinal: torch.Tensor | None,
+        routing: Routing | None,
+        slots: dict[str, ExpertSlot],
+        tokens: int,
         token: torch.Tensor,
         expert: torch.Tensor,
-        experts: int,
     ) -> None:
-        self.groups: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, pairs, ends)
-        self.pairs = token.shape[0]
-        if ordinal is None or not names:
+        self.grouped = GROUPED_ADAPTERS
+        self.active = False
+        self.names: list[str] = []
+        self._slots = slots
+        self._pairs = token.shape[0]
+        if routing is None:
             return
-        adapter = ordinal.index_select(0, token)
+        present, ordinal = routing.token_adapters(tokens, token.device)
+        scales = {w: tuple(slot.scale.get(n) for n in present) for w, slot in slots.items()}
+        trains = [any(s[i] is not None for s in scales.values()) for i in range(len(present))]
+        self.names = [n for n, t in zip(present, trains, strict=True) if t]
+        if not self.names or not self._pairs:
+            return
+        lut, table = _constants(routing, token.device, present, scales, trains)
+        adapter = lut.index_select(0, ordinal + 1).index_select(0, token)  # -1: no LoRA here
         perm = torch.argsort(adapter, stable=True)
-        counts = torch.bincount(adapter + 1, minlength=len(names) + 1).tolist()
-        at = counts[0]  # pairs without an adapter come first
-        for name, count in zip(names, counts[1:], strict=True):
-            if count:
-                pairs = perm[at : at + count]
-                self.groups.append(
-                    (name, pairs, group_ends(expert.index_select(0, pairs), experts))
-                )
-            at += count
+        counts = torch.bincount(adapter + 1, minlength=len(self.names) + 1).tolist()
+        self.active = counts[0] < self._pairs
+        self.index = perm[counts[0] :]
+        experts = next(iter(slots.values())).experts
+        self._per_adapter: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        if not self.grouped:
+            at = counts[0]
+            for name, count in zip(self.names, counts[1:], strict=True):
+                if count:
+                    pairs = perm[at : at + count]
+                    ends = group_ends(expert.index_select(0, pairs), experts)
+                    self._per_adapter.append((name, pairs, ends))
+                at += count
+            return
+        self.group = adapter.index_select(0, self.index)
+        key = self.group * experts + expert.index_select(0, self.index)
+        self.ends = group_ends(key, len(self.names) * experts)
+        self._scale = {w: (s, row) for (w, s), row in zip(scales.items(), table, strict=True)}
+        self._row_scale: dict[tuple[float | None, ...], torch.Tensor] = {}
 
-    def delta(self, slot: ExpertSlot, x: torch.Tensor) -> torch.Tensor | None:
-        """[pairs, out] LoRA deltas of `slot` for the pairs' inputs x (zeros for pairs whose
-        adapter does not train it); None when no pair's adapter does.
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of x [pairs, in] the LoRA reads: its pairs, grouped (all pairs when not)."""
+        return x.index_select(0, self.index) if self.grouped else x
 
-        The GEMMs run in x's dtype, the base weights' (adapters stay fp32; their gradients
-        accumulate in fp32): in bf16 that is the grouped kernel's fast path, where fp32
-        operands fall back to one launch per expert and adapter."""
+    def add(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """h [pairs, out] plus the `delta` of `delta(...)` on its pairs."""
+        return h.index_add(0, self.index, delta) if self.grouped else h + delta
+
+    def delta(self, which: str, xs: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA deltas of projection `which` for the rows `inputs` gave; None when no
+        adapter here trains it.
+
+        The GEMMs run in xs's dtype, the base weights' (adapters stay fp32; their gradients
+        accumulate in fp32): in bf16 that is the grouped kernel's fast path."""
+        slot = self._slots[which]
+        if not self.grouped:
+            return self._per_adapter_delta(slot, xs)
+        weights = [
+            (slot.lora_A[n], slot.lora_B[n]) if n in slot.lora_A else None for n in self.names
+        ]
+        if all(w is None for w in weights):
+            return None
+        a, b = lora_stack(weights, xs.dtype)  # [K*E, r, in], [K*E, out, r]
+        h = grouped_mm(xs, a.mT, self.ends)
+        h = h * self._scale_of(which, h.dtype)
+        return grouped_mm(h, b.mT, self.ends)
+
+    def _scale_of(self, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """[pairs, 1]: each grouped pair's adapter's scale for projection `which` (one gather
+        per distinct set of scales, usually one per call)."""
+        scales, row = self._scale[which]
+        if scales not in self._row_scale:
+            per_pair = row.index_select(0, self.group).unsqueeze(1).to(dtype)
+            self._row_scale[scales] = per_pair
+        return self._row_scale[scales]
+
+    def _per_adapter_delta(self, slot: ExpertSlot, x: torch.Tensor) -> torch.Tensor | None:
         where, parts = [], []
-        for name, pairs, ends in self.groups:
+        for name, pairs, ends in self._per_adapter:
             if name not in slot.lora_A:
                 continue
             a = slot.lora_A[name].to(x.dtype)  # [E, r, in]
@@ -227,8 +290,66 @@ class _AdapterGroups:
             where.append(pairs)
         if not parts:
             return None
-        out = x.new_zeros(self.pairs, slot.out_features)
+        out = x.new_zeros(self._pairs, slot.out_features)
         return out.index_copy(0, torch.cat(where), torch.cat(parts))
+
+
+def _constants(
+    routing: Routing,
+    device: torch.device,
+    present: list[str],
+    scales: dict[str, tuple[float | None, ...]],
+    trains: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lut, table) on `device`, built once per routing and kept in it (every expert layer of a
+    forward and its backward shares them, so a layer call copies nothing from the host):
+    lut [K+1] int64 maps a token's adapter ordinal + 1 to its position among the adapters that
+    train the layer (`trains`; -1: none); table [projections, K'] fp32 their scales (0: not
+    trained)."""
+    key = ("experts", device, tuple(present), *scales.items())
+    cached = routing.constants.get(key)
+    if cached is not None:
+        return cached
+    position, lut = 0, [-1]
+    for t in trains:
+        lut.append(position if t else -1)
+        position += t
+    table = [[v or 0.0 for v, t in zip(s, trains, strict=True) if t] for s in scales.values()]
+    built = (
+        torch.tensor(lut, dtype=torch.long).to(device),
+        torch.tensor(table, dtype=torch.float32).to(device),
+    )
+    routing.constants[key] = built
+    return built
+
+
+def lora_stack(
+    adapters: Sequence[tuple[torch.Tensor, torch.Tensor] | None], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adapters' A [(E,) r_i, in] and B [(E,) out, r_i] as A [G, r, in] and B [G, out, r] in
+    `dtype` for one grouped GEMM pair: one group per expert of each adapter (one per 2-D
+    adapter), in order. Ranks are zero-padded to the largest, rounded up to whole 16-byte rows
+    (what the grouped kernel needs of every operand); exact: padded rank rows and columns add
+    zeros. None: an adapter that does not train it, all zeros (its groups add exact zeros).
+    Autograd reaches each adapter's own tensors and nothing else."""
+    real = [w for w in adapters if w is not None]
+    a0, b0 = real[0]
+    align = 16 // dtype.itemsize
+    rank = -(-max(a.shape[-2] for a, _ in real) // align) * align
+    groups = a0.numel() // (a0.shape[-2] * a0.shape[-1])
+    a_parts, b_parts = [], []
+    for w in adapters:
+        if w is None:
+            a_parts.append(a0.new_zeros(groups, rank, a0.shape[-1], dtype=dtype))
+            b_parts.append(b0.new_zeros(groups, b0.shape[-2], rank, dtype=dtype))
+            continue
+        a, b = (t.to(dtype).reshape(-1, *t.shape[-2:]) for t in w)
+        missing = rank - a.shape[-2]
+        a_parts.append(F.pad(a, (0, 0, 0, missing)) if missing else a)
+        b_parts.append(F.pad(b, (0, missing)) if missing else b)
+    if len(a_parts) == 1:
+        return a_parts[0], b_parts[0]
+    return torch.cat(a_parts), torch.cat(b_parts)
 
 
 def group_ends(sorted_groups: torch.Tensor, groups: int) -> torch.Tensor:
@@ -242,7 +363,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     torch's grouped GEMM kernel where it takes the operands (16-byte aligned strides; CUDA
     needs sm80+), else one matmul per non-empty group."""
     if GROUPED_KERNEL and _kernel_takes(x, w):
-        return torch._grouped_mm(x, w, offs=ends)
+        y = torch._grouped_mm(x, w, offs=ends)
+        # Its backward needs the same strides of the gradient; a part of a fused gate|up has not.
+        if y.requires_grad:
+            y.register_hook(torch.Tensor.contiguous)  # type: ignore[no-untyped-call]
+        return y
     parts, start = [], 0
     for g, end in enumerate(ends.tolist()):
         if end > start:

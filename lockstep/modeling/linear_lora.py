@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.modeling.experts import grouped_mm
+from lockstep.modeling.experts import grouped_mm, lora_stack
 from lockstep.modeling.routing import Routing, RoutingSlot, Segment
 
 
@@ -66,11 +66,7 @@ class LinearSlot:
         # The GEMMs' dtype: the adapters' (fp32), or the base weights' where GROUPED_IN_BASE_DTYPE
         # says so (bf16 is the CUDA grouped kernel's fast path; A and B stay fp32 parameters).
         dtype = xs.dtype if GROUPED_IN_BASE_DTYPE else self.lora_A[ids[0]].dtype
-        # Rows of 16 bytes: what the grouped kernel (and its backward) needs of every operand.
-        align = 16 // dtype.itemsize
-        rank = -(-max(self.lora_A[i].shape[0] for i in ids) // align) * align
-        a = torch.stack([_pad(self.lora_A[i], 0, rank) for i in ids]).to(dtype)  # [G, r, in]
-        b = torch.stack([_pad(self.lora_B[i], 1, rank) for i in ids]).to(dtype)  # [G, out, r]
+        a, b = lora_stack([(self.lora_A[i], self.lora_B[i]) for i in ids], dtype)  # [G, r, in]
         ends, token_scale = self._group_layout(segments, per_row, routing, xs.device)
         flat = xs.reshape(-1, self.in_features).to(dtype)
         h = grouped_mm(flat, a.mT, ends) * token_scale.unsqueeze(1).to(dtype)
@@ -227,13 +223,3 @@ def contiguous_run(segments: list[Segment]) -> slice | None:
         if before.stop != after.start:
             return None
     return slice(segments[0].start, segments[-1].stop)
-
-
-def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """`t` zero-padded along `dim` (A: rank rows; B: rank columns) to `size`."""
-    missing = size - t.shape[dim]
-    return t if missing == 0 else torch.cat([t, t.new_zeros(*_with(t.shape, dim, missing))], dim)
-
-
-def _with(shape: torch.Size, dim: int, size: int) -> tuple[int, ...]:
-    return tuple(size if d == dim else n for d, n in enumerate(shape))

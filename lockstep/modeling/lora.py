@@ -409,9 +409,10 @@ class LoraModel:
     @contextmanager
     def row_adapters(
         self, adapter_ids: Sequence[str | None], valid: torch.Tensor | None = None
-    ) -> Iterator[None]:
+    ) -> Iterator[Routing]:
         """Route batch row i through adapter `adapter_ids[i]` (None = base only) in every forward
-        (and its backward) run inside the context.
+        (and its backward) run inside the context; yields the routing (a captured CUDA graph
+        keeps it: its kernels read the device tensors the routing built).
 
         `valid` ([rows, seq] bool, optional): real tokens; padding is then skipped by the LoRA
         path, which keeps each adapter's matmuls identical whatever the batch's padded length.
@@ -421,9 +422,9 @@ class LoraModel:
         if unknown:
             raise KeyError(f"unknown adapter(s): {unknown}")
         previous = self._slot.current
-        self._slot.current = Routing(adapter_ids, valid)
+        routing = self._slot.current = Routing(adapter_ids, valid)
         try:
-            yield
+            yield routing
         finally:
             self._slot.current = previous
 

@@ -83,8 +83,16 @@ def start_sampler(
     from lockstep.rollout.local import LocalSamplingEngine
     from lockstep.workers.process import ProcessSamplingEngine
 
+    local = functools.partial(
+        LocalSamplingEngine,
+        model_dir,
+        served_name,
+        slots,
+        dtype=None if cfg.dtype == "auto" else cfg.dtype,
+        decode=cfg.decode,
+    )
     return ProcessSamplingEngine(
-        functools.partial(LocalSamplingEngine, model_dir, served_name, slots),
+        local,
         "sampler",
         deadline,
     )

@@ -87,8 +87,30 @@ def sample_tokens(requests: Sequence[SampleRequest]) -> int:
     return sum(len(r.prompt) + r.num_samples * r.params.max_tokens for r in requests)
 
 
+# The trainer and the local sampler: the engine processes that share the host's cores.
+ENGINE_PROCESSES = 2
+
+
+def share_cores() -> int:
+    """Give this engine process its share of the cores (torch's intra-op threads).
+
+    Torch's default, one thread per core in each process, oversubscribes the host as soon as
+    the trainer and the sampler run at once (tenants training while others sample): an OpenMP
+    region then spins waiting for a thread whose core the other process holds, and on a busy
+    2-core host a tiny model's step took over 10x the CPU time. OMP_NUM_THREADS, when set,
+    decides instead."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    threads = max(1, len(os.sched_getaffinity(0)) // ENGINE_PROCESSES)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def _serve(factory: Callable[[], Any], conn: Connection) -> None:
     try:
+        share_cores()
         engine = factory()
     except BaseException as exc:  # report start-up failures instead of dying silently
         conn.send((False, RuntimeError(f"engine failed to start: {exc!r}")))

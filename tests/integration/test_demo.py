@@ -19,7 +19,7 @@ def test_demo_trains_three_tenants_in_shared_cycles(tmp_path: Path) -> None:
     summary_path = tmp_path / "summary.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [sys.executable, "-m", "lockstep.cli", "demo", "--data-dir", str(tmp_path / "data")]
-    argv += ["--port", str(free_port()), "--steps", "2", "--solo-steps", "1"]
+    argv += ["--port", str(free_port()), "--steps", "2"]
     proc = subprocess.run(
         [*argv, "--summary-json", str(summary_path)],
         capture_output=True,
@@ -36,7 +36,7 @@ def test_demo_trains_three_tenants_in_shared_cycles(tmp_path: Path) -> None:
     assert list(tenants) == ["piglatin", "rl", "capitals"]
     assert [t["rank"] for t in tenants.values()] == [32, 16, 8]
     for t in tenants.values():
-        assert t["steps"] == 1 + 2 + 1  # warm-up, together, alone
+        assert t["steps"] == 1 + 2 + 2  # warm-up, then the same steps together and alone
         assert t["together_s_per_step"] > 0 and t["alone_s_per_step"] > 0
         assert t["greedy"] and t["greedy"] in out
     # SFT losses fall over four Adam steps on a fixed batch; the reward is a share of 32 samples.
@@ -45,12 +45,23 @@ def test_demo_trains_three_tenants_in_shared_cycles(tmp_path: Path) -> None:
     assert 0.0 <= tenants["rl"]["last"] <= 1.0
     assert tenants["piglatin"]["greedy"].startswith("'English: banana split\\nPig Latin:' -> ")
 
-    # Three tenants stepping at once must have shared cycles (the server's own metrics).
-    assert summary["cycles_together"] >= 2
+    # Three tenants stepping at once must have shared cycles (the server's own metrics); one
+    # after another, the same steps ran in cycles too.
+    assert summary["cycles_together"] >= 2 and summary["cycles_one_after_another"] >= 3 * 2
     assert summary["cycles_shared"] >= 1 and summary["tenants_per_cycle"] > 1.0
     assert summary["one_after_another_s"] > 0 and summary["together_s"] > 0
-    for text in ("summary", "greedy samples", "one after another", "cycles together"):
-        assert text in out
+    # The closing lines say what sharing gave: one base model for three tenants (its bytes),
+    # the cycles, and the measured time either as a saving or as no saving (never a "cost").
+    model_dir = next((tmp_path / "data" / "models").iterdir())
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    assert summary["base_model_bytes"] == weights > 0
+    closing = " ".join(out.split())  # the terminal wraps long lines
+    assert f"({weights / 1e6:.1f} MB of weights) for all 3 tenants" in closing
+    assert "cycles: together" in closing and "one after another" in closing
+    assert ("sharing saved" in closing) != ("no time saved here" in closing)
+    assert "packing cost" not in closing
+    for text in ("summary", "greedy samples", "what sharing gave on this machine"):
+        assert text in closing
     # The server's own output went to the log, not over the live view.
     assert "Uvicorn running" in server_log.read_text() and "Uvicorn" not in out
 
@@ -62,7 +73,7 @@ def test_demo_vision_adds_a_tenant_that_names_an_images_colour(tmp_path: Path) -
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = [sys.executable, "-m", "lockstep.cli", "demo", "--data-dir", str(tmp_path / "data")]
     argv += ["--port", str(free_port()), "--vision", "--tenants", "2", "--steps", "3"]
-    argv += ["--solo-steps", "1", "--summary-json", str(summary_path)]
+    argv += ["--summary-json", str(summary_path)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     server_log = tmp_path / "data" / "demo-serve.log"
     assert proc.returncode == 0, proc.stdout + proc.stderr + server_log.read_text()[-5000:]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ["device", "dense", "moe", "dense_sampler", "head", "attention"]
+SECTIONS = ["device", "dense", "moe", "dense_sampler", "head", "attention", "experts"]
 
 
 def test_gpu_suite_smoke_runs_on_cpu(tmp_path: Path) -> None:
@@ -48,11 +48,25 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path: Path) -> None:
         for variant, result in s["variants"].items():
             assert result.get("max_abs_logprob_diff", 0.0) < 1e-4, (family, variant, result)
         assert "chunked_head" in s["variants"]
-    assert "per_group_expert_matmul" in sections["moe"]["variants"]
+    moe_variants = set(sections["moe"]["variants"])
+    assert {"per_group_expert_matmul", "per_adapter_expert_lora"} <= moe_variants
     sampler = sections["dense_sampler"]
     assert sampler["with_adapter"] and sampler["generated_tokens"] == 8 * 4 * 8
+    static = sampler["variants"]["static_auto"]  # fp32 on a CPU: the static decode's tokens
+    assert (static["decode"], static["dtype"], static["cuda_graphs"]) == (
+        "static",
+        "float32",
+        False,
+    )
+    assert static["generated_tokens"] == 8 * 4 * 8 and sampler["speedup"] > 0
+    assert sampler["static_vs_eager"]["same_tokens_share"] == 1.0
+    assert sampler["static_vs_eager"]["max_abs_logprob_diff"] < 1e-5
     for case in ("no_head_lora", "head_lora"):
         assert sections["head"][case]["max_abs_diff_hidden_grad"] < 1e-4
+    for case in ("8x16", "8x8"):  # fp32 on a CPU: the grouped (adapter, expert) LoRA equals
+        experts = sections["experts"][case]
+        assert experts["max_abs_diff_out"] <= 1e-6 * experts["max_abs_out"], experts
+        assert experts["max_abs_diff_adapter_grad"] < 1e-6, experts
     assert "varlen" in sections["attention"]["uniform_16x512_window0"]  # not on a CPU: said so
     assert results["summary"] and "top" not in results  # the headline table was built
     assert (tmp_path / "gpu_suite_profile.txt").read_text().count("== ") == 2  # dense, moe

@@ -9,6 +9,10 @@
    every step feeds each unfinished row its last token (one position, explicit position ids).
    Finished rows leave the batch; leading all-padding columns are trimmed.
 
+With `static_decode` the merged batch decodes over a fixed-capacity cache instead (static shapes,
+CUDA graphs on CUDA; finished rows stay until half the batch finished: `static_kv`); it computes
+what the step-by-step shrinking batch computes, up to float rounding.
+
 That is the padded path, for models whose every layer is full attention (`padded=True`: the
 cache holds plain keys and values, which left padding and row surgery keep exact). Any other
 model (sliding windows, sinks, linear attention) takes the grouped path: requests of equal prompt
@@ -30,14 +34,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from lockstep.engine.types import SampledSequence, SampleRequest, SampleResult, StopReason
+from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.modeling.lora import LoraModel
+from lockstep.rollout.local.generation import Generation, Live, Row
 from lockstep.rollout.local.kvcache import BatchCache, UnpaddedBatch, merge
 from lockstep.rollout.local.prefix_cache import Hit, PrefixCache
 from lockstep.rollout.local.prompt_images import PromptImages, prompt_key, whole_images
@@ -48,6 +53,7 @@ from lockstep.rollout.local.sampling import (
     make_generator,
     topk_logprobs,
 )
+from lockstep.rollout.local.static_kv import StaticBatch, StaticDecoder
 from lockstep.rollout.local.stops import Decode, StopChecker
 
 # transformers 5.2x renames `past_key_values` to `cache` model by model; the old name works for
@@ -66,68 +72,8 @@ class GenerateConfig:
     prefix_cache_tokens: int = 8192  # cached prompt tokens per session
     prefix_cache_bytes: int = 1 << 30  # cached keys and values of all sessions together
     padded: bool = True  # left-padded shared batches; False: equal-length groups, no padding
-
-
-@dataclass
-class _Row:
-    adapter_id: str | None
-    prompt_len: int
-    sampling: RowSampling
-    stop: StopChecker
-    topk: int
-    delta: int = 0  # M-RoPE: a generated token's position is its index + delta
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_lps: list[list[float]] = field(default_factory=list)
-    stop_reason: StopReason = "length"
-    done: bool = False
-
-    def sequence(self) -> SampledSequence:
-        return SampledSequence(
-            tokens=self.tokens,
-            logprobs=self.logprobs,
-            stop_reason=self.stop_reason,
-            topk_ids=self.topk_ids if self.topk > 0 else None,
-            topk_logprobs=self.topk_lps if self.topk > 0 else None,
-        )
-
-
-@dataclass
-class _Live:
-    """Rows decoding in one batch: its cache, its unfinished rows, their next-token logits."""
-
-    batch: BatchCache | UnpaddedBatch
-    rows: list[_Row]
-    logits: torch.Tensor
-
-
-@dataclass
-class Generation:
-    """Requests prefilled together, decoding: `Generator.advance` moves it on."""
-
-    results: list[SampleResult]  # one per request, in order
-    samples: list[list[_Row]]  # each request's rows (one per sample)
-    lives: list[_Live]
-    answered: set[int] = field(default_factory=set)  # requests whose results were handed out
-
-    @property
-    def finished(self) -> bool:
-        return len(self.answered) == len(self.results)
-
-    def adapters(self) -> set[str]:
-        """Adapters its unfinished rows decode with."""
-        return {r.adapter_id for live in self.lives for r in live.rows if r.adapter_id}
-
-    def done(self) -> list[SampleResult]:
-        """Results of the requests that finished since the last call."""
-        out = []
-        for i, rows in enumerate(self.samples):
-            if i not in self.answered and all(r.done for r in rows):
-                self.results[i].sequences = [row.sequence() for row in rows]
-                self.answered.add(i)
-                out.append(self.results[i])
-        return out
+    static_decode: bool = False  # padded batches decode over a fixed-capacity cache (static_kv)
+    cuda_graphs: bool = False  # ...and replay each batch shape's step as a CUDA graph
 
 
 class Generator:
@@ -147,6 +93,11 @@ class Generator:
         self.vocab = int(embeddings.num_embeddings)
         self.prefix_cache = PrefixCache(
             cfg.prefix_cache_sessions, cfg.prefix_cache_tokens, cfg.prefix_cache_bytes
+        )
+        self.static = (
+            StaticDecoder(lora, cfg.pad_id, cfg.cuda_graphs)
+            if cfg.static_decode and cfg.padded
+            else None
         )
         self.prefilled_tokens = 0  # prompt tokens fed through prefill forwards (the work done)
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
@@ -342,9 +293,9 @@ class Generator:
         results = [SampleResult(request_id=r.request_id, sequences=[]) for r in requests]
         parts: list[BatchCache] = []
         part_logits: list[torch.Tensor] = []
-        rows: list[_Row] = []
+        rows: list[Row] = []
         where: list[tuple[int, int]] = []  # (part, row in part) of each decode row
-        per_request: list[list[_Row]] = [[] for _ in requests]
+        per_request: list[list[Row]] = [[] for _ in requests]
         for batch, cache, last in self._prefills(requests, results):
             parts.append(cache)
             part_logits.append(last)
@@ -360,7 +311,11 @@ class Generator:
             first_logits = torch.stack([part_logits[p][r] for p, r in where])
             merged = merge(parts, where, self.model.config)
             parts.clear()  # the merged copy is the only cache from here on
-            lives.append(_Live(merged, rows, first_logits))
+            decoding: BatchCache | StaticBatch | None = None
+            if self.static is not None:
+                adapters = [r.adapter_id for r in rows]
+                decoding = self.static.batch(merged, adapters, max(r.max_tokens for r in rows))
+            lives.append(Live(decoding or merged, rows, first_logits))
         return Generation(results, per_request, lives)
 
     def advance(self, generation: Generation, steps: int | None) -> list[SampleResult]:
@@ -372,7 +327,7 @@ class Generator:
     def _start_grouped(self, requests: Sequence[SampleRequest]) -> Generation:
         """Requests of one prompt length at a time, unpadded (module docstring)."""
         results = [SampleResult(request_id=r.request_id, sequences=[]) for r in requests]
-        per_request: list[list[_Row]] = [
+        per_request: list[list[Row]] = [
             [self._new_row(r, s) for s in range(r.num_samples)] for r in requests
         ]
         by_length: dict[int, list[int]] = {}
@@ -398,8 +353,8 @@ class Generator:
         batch: list[int],
         length: int,
         results: list[SampleResult],
-        samples: list[list[_Row]],
-    ) -> _Live | None:
+        samples: list[list[Row]],
+    ) -> Live | None:
         ids = torch.tensor([requests[i].prompt for i in batch], dtype=torch.long).to(self.device)
         positions = torch.arange(length).expand(len(batch), length).to(self.device)
         full = any(wants_prompt_scores(requests[i]) for i in batch)
@@ -418,7 +373,7 @@ class Generator:
             if wants_prompt_scores(requests[i]):
                 prompt_scores(requests[i], logits[row], results[i])
         self.prefilled_tokens += len(batch) * length
-        rows: list[_Row] = []
+        rows: list[Row] = []
         source: list[int] = []  # the prefill row each decode row continues
         for part_row, i in enumerate(batch):
             if requests[i].params.max_tokens > 0:
@@ -430,22 +385,23 @@ class Generator:
         first_logits = logits[:, -1, :].index_select(0, index)
         batch_cache = UnpaddedBatch(cache)
         batch_cache.select(index)
-        return _Live(batch_cache, rows, first_logits)
+        return Live(batch_cache, rows, first_logits)
 
-    def _new_row(self, req: SampleRequest, sample: int) -> _Row:
+    def _new_row(self, req: SampleRequest, sample: int) -> Row:
         p = req.params
         gen = make_generator(p.seed, sample) if p.temperature > 0 else None
-        return _Row(
+        return Row(
             adapter_id=req.adapter_id,
             prompt_len=len(req.prompt),
             sampling=RowSampling(p.temperature, p.top_k, p.top_p, gen),
             stop=StopChecker(p, self.cfg.eos_ids, self.cfg.decode),
             topk=req.topk_sample_logprobs,
+            max_tokens=p.max_tokens,
             done=p.max_tokens <= 0,  # nothing to decode
             delta=0 if self.images is None or not req.images else self.images.delta(req),
         )
 
-    def _decode(self, live: _Live, steps: int | None) -> bool:
+    def _decode(self, live: Live, steps: int | None) -> bool:
         """Decode `live` for at most `steps` steps (None: to the end); True once every row
         finished. Between two calls it holds exactly what the next step needs."""
         batch, rows, logits = live.batch, live.rows, live.logits
@@ -476,24 +432,34 @@ class Generator:
                 return True
             if len(keep) < len(rows):
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
-                batch.select(index)
+                if isinstance(batch, StaticBatch):
+                    batch.keep(keep)
+                else:
+                    batch.select(index)
+                    batch.trim_padding()
                 tokens = tokens.index_select(0, index)
                 rows = [rows[j] for j in keep]
-                batch.trim_padding()
-            mask = batch.append_real_column()
-            positions = torch.tensor(
-                [[r.prompt_len + r.delta + len(r.tokens) - 1] for r in rows],
-                dtype=torch.long,
-                device=self.device,
-            )
-            logits = self._forward(
-                tokens.unsqueeze(-1),
-                mask,
-                positions,
-                batch.cache,
-                [r.adapter_id for r in rows],
-                logits_to_keep=1,
-                valid=None,
-            )[:, -1, :]
+            logits = self._step(batch, rows, tokens)
             live.rows, live.logits = rows, logits
         return False
+
+    def _step(
+        self, batch: BatchCache | UnpaddedBatch | StaticBatch, rows: list[Row], tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Feed each row its last token (int64 [rows]): the next logits, fp32 [rows, V]."""
+        positions = torch.tensor(
+            [[r.prompt_len + r.delta + len(r.tokens) - 1] for r in rows],
+            dtype=torch.long,
+            device=self.device,
+        )
+        if isinstance(batch, StaticBatch):
+            return batch.step(tokens, positions)
+        return self._forward(
+            tokens.unsqueeze(-1),
+            batch.append_real_column(),
+            positions,
+            batch.cache,
+            [r.adapter_id for r in rows],
+            logits_to_keep=1,
+            valid=None,
+        )[:, -1, :]

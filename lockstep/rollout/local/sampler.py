@@ -11,10 +11,16 @@ at a time, in turn, for at most `steps` steps, returning as soon as a request fi
 answered at once), so a long generation never holds a short one for its whole length. Each
 generation decodes in its own batches, exactly as it would have to the end in one call. The
 adapters of running generations stay loaded until they finish (an unload waits for them).
+
+Weights: `dtype` (bf16 on CUDA by default) for the base model; adapters stay fp32 as in the
+trainer; every logprob comes from fp32 logits. Decode: `decode="static"` runs the padded path's
+steps over a fixed-capacity KV cache, as CUDA graphs on CUDA (`static_kv`); what a model cannot
+run that way is logged at start and reported by `capabilities()`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,18 +28,24 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from lockstep.config.sections import SamplerDecode
+from lockstep.config.training import DtypeName
 from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, SamplerCapabilities
 from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
 from lockstep.modeling.architecture import describe
-from lockstep.modeling.loader import load_base_model
+from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter
 from lockstep.modeling.vision.tower import VisionModel
-from lockstep.rollout.local.generate import GenerateConfig, Generation, Generator
+from lockstep.rollout.local.generate import GenerateConfig, Generator
+from lockstep.rollout.local.generation import Generation
 from lockstep.rollout.local.prompt_images import PromptImages
+from lockstep.rollout.local.static_kv import graph_refusal, static_refusal
 from lockstep.rollout.pager import AdapterPager
+
+log = logging.getLogger(__name__)
 
 
 def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> frozenset[int]:
@@ -48,7 +60,13 @@ def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> fro
 
 
 class LocalSamplingEngine(SamplingEngine):
-    """Samples from the base model in `model_dir` with any loaded adapter, fp32, in-process."""
+    """Samples from the base model in `model_dir` with any loaded adapter, in-process.
+
+    `dtype`: the base weights' (None: bfloat16 on CUDA, float32 elsewhere); adapters stay fp32
+    (the trainer's policy) and logprobs come from fp32 logits. `decode`: "static" decodes the
+    padded path over a fixed-capacity cache (`static_kv`); a model that cannot logs why and
+    decodes eagerly (`capabilities().decode_fallback`).
+    """
 
     def __init__(
         self,
@@ -57,13 +75,29 @@ class LocalSamplingEngine(SamplingEngine):
         max_adapters: int = 64,
         *,
         device: torch.device | str | None = None,
+        dtype: DtypeName | None = None,
+        decode: SamplerDecode = "eager",
         max_batch_rows: int = 256,
         prefill_token_budget: int = 8192,
     ) -> None:
-        base, self._card = load_base_model(model_dir, served_name, device)
+        dev = torch.device(device) if device is not None else default_device()
+        weights = resolve_dtype(dtype, dev)
+        base, self._card = load_base_model(model_dir, served_name, dev, weights)
+        self._dtype = str(weights).removeprefix("torch.")
         # Describes the model; refuses what it cannot compute.
         self._lora = LoraModel(base, describe(base, self._card.vision))
         vision = self._lora.arch.vision  # a vision-language model: prefill with image embeddings
+        self._fallback = None
+        if decode == "static":
+            self._fallback = static_refusal(self._lora.arch.padded_sampling, vision is not None)
+            if self._fallback is not None:
+                log.info("sampler: %s decodes eagerly: %s", served_name, self._fallback)
+        static = decode == "static" and self._fallback is None
+        self._decode: SamplerDecode = "static" if static else "eager"
+        no_graphs = graph_refusal(dev, bool(self._lora.arch.experts)) if static else None
+        if static and no_graphs is not None and dev.type == "cuda":
+            log.info("sampler: %s: static decode steps run eagerly: %s", served_name, no_graphs)
+        self._graphs = static and no_graphs is None
         images = None if vision is None else PromptImages(VisionModel(base, model_dir, vision))
         self._tokenizer = AutoTokenizer.from_pretrained(self._card.directory)
         self._tokenizer_size = len(self._tokenizer)
@@ -79,6 +113,8 @@ class LocalSamplingEngine(SamplingEngine):
                 decode=self.decode,
                 prefill_token_budget=prefill_token_budget,
                 padded=self._lora.arch.padded_sampling,
+                static_decode=static,
+                cuda_graphs=self._graphs,
             ),
             images,
         )
@@ -96,7 +132,12 @@ class LocalSamplingEngine(SamplingEngine):
 
     def capabilities(self) -> SamplerCapabilities:
         return SamplerCapabilities(
-            "local", TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS
+            "local",
+            TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS,
+            dtype=self._dtype,
+            decode=self._decode,
+            decode_fallback=self._fallback,
+            cuda_graphs=self._graphs,
         )
 
     @property
@@ -124,6 +165,8 @@ class LocalSamplingEngine(SamplingEngine):
                 message = f"cannot load adapter from {directory}: {exc}"
                 raise UserInputError("path", message) from exc
             self._pager.remember(adapter_id, directory)
+            for generation in self._running:  # a captured step reads the old weights
+                generation.drop_graphs()
 
     def unload_adapter(self, adapter_id: str) -> None:
         with self._lock:
@@ -226,6 +269,13 @@ class LocalSamplingEngine(SamplingEngine):
         """(prompt tokens prefilled, prompt tokens reused from session prefix caches) so far."""
         with self._lock:
             return self._generator.prefilled_tokens, self._generator.reused_tokens
+
+    def graph_failure(self) -> str | None:
+        """Why capturing a static decode step as a CUDA graph failed (then every later step ran
+        eagerly); None: it did not fail, or was never tried."""
+        with self._lock:
+            static = self._generator.static
+            return None if static is None else static.graph_failure
 
     def resident_adapters(self) -> list[str]:
         """Adapters currently in memory (in no particular order)."""
