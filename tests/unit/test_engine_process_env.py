@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lockstep.engine.types import Datum, LoraSpec, PassRequest
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
 from lockstep.workers.local.trainer import LocalTrainingEngine
-from lockstep.workers.process import EngineProcess, ProcessTrainingEngine
+from lockstep.workers.process import EngineProcess, ProcessTrainingEngine, share_cores
 
 
 class Environ:
@@ -55,6 +56,8 @@ def test_a_forward_in_the_engine_process_is_the_forward_in_process(tmp_path: Pat
     )
     request = PassRequest("r", "m", "cross_entropy", {}, True, [datum])
     spec = LoraSpec(rank=8, seed=1)
+    threads = torch.get_num_threads()
+    share_cores()  # the engine process's threads here too: only the process differs
     local = LocalTrainingEngine(model_dir, DEFAULT_MODEL_NAME, device="cpu")
     local.create_model("m", spec)
     child = ProcessTrainingEngine(
@@ -70,3 +73,4 @@ def test_a_forward_in_the_engine_process_is_the_forward_in_process(tmp_path: Pat
     finally:
         child.close()
         local.close()
+        torch.set_num_threads(threads)
