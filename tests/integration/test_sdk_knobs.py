@@ -96,9 +96,11 @@ def test_an_abandoned_sample_is_cancelled_on_the_server(
     _wait_calls(server, "/api/v1/asample", sent)
     time.sleep(0.3)  # the lane is running it: what comes next waits for the next batch
     short = types.SamplingParams(max_tokens=2, temperature=1.0)
-    victim = sampler.sample(prompt=_prompt(12), num_samples=1, sampling_params=short)
+    # As long as the blocker: samples share the lane in slices, so a short one would be answered
+    # before the client abandons it.
+    victim = sampler.sample(prompt=_prompt(12), num_samples=1, sampling_params=long)
     _wait_calls(server, "/api/v1/asample", sent + 1)  # its future exists on the server
-    victim.future().cancel()  # abandoned while it waits behind the blocker
+    victim.future().cancel()  # abandoned while it is generated beside the blocker
     _wait_calls(server, "/api/v1/cancel_future", cancels)
     assert "cancelled by its client" in server.log()
     assert len(blocker.result(timeout=3 * WAIT_S).sequences[0].tokens) == BLOCK
