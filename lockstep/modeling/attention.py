@@ -131,22 +131,30 @@ def row_attention_forward(
     dim_v = value.shape[-1]
     layout = packing.current()
     if layout is None or batch != 1:
-        rows = [
-            _row(query[b : b + 1], key[b : b + 1], value[b : b + 1], scaling, sliding_window, s_aux)
-            for b in range(batch)
-        ]
+        split = zip(query.split(1), key.split(1), value.split(1), strict=True)
+        rows = [_row(q, k, v, scaling, sliding_window, s_aux) for q, k, v in split]
         return torch.stack(rows), None
     if varlen_takes(query, value, sliding_window, s_aux):
         return _varlen(query, key, value, layout, scaling, sliding_window), None
-    parts, at = [], 0
+    # The rows' spans and the gaps between them as ONE split of each tensor: its backward is
+    # one concatenation, where a slice per row would build a zero-filled [1, H, S, D] gradient
+    # per row and add them up (rows x sequence work in every layer).
+    sizes, real, at = [], [], 0
     for start, length in layout.spans():
         if start > at:
-            parts.append(query.new_zeros(start - at, heads, dim_v))
-        q, k, v = (t[:, :, start : start + length] for t in (query, key, value))
-        parts.append(_row(q, k, v, scaling, sliding_window, s_aux))
+            sizes.append(start - at)
+            real.append(False)
+        sizes.append(length)
+        real.append(True)
         at = start + length
     if at < seq:
-        parts.append(query.new_zeros(seq - at, heads, dim_v))
+        sizes.append(seq - at)
+        real.append(False)
+    split = zip(*(t.split(sizes, dim=2) for t in (query, key, value)), strict=True)
+    parts = [
+        _row(q, k, v, scaling, sliding_window, s_aux) if row else query.new_zeros(n, heads, dim_v)
+        for row, n, (q, k, v) in zip(real, sizes, split, strict=True)
+    ]
     return torch.cat(parts).unsqueeze(0), None
 
 

@@ -54,6 +54,18 @@ class LinearSlot:
         align = 16 // (base.itemsize if GROUPED_IN_BASE_DTYPE else 4)
         return self.in_features % align == 0 and self.out_features % align == 0
 
+    def pair(self, seg: Segment, xs: torch.Tensor, per_row: int) -> torch.Tensor:
+        """One adapter's LoRA over its rows xs [n, per_row, in]: one GEMM pair with the adapter's
+        own weights (no copies), M = its tokens, a multiple of 8 in the trainer, so the kernel
+        class a tenant's tokens take does not depend on what they are packed with, as for the
+        base matmul. [n, per_row, out]."""
+        a, b = self.lora_A[seg.adapter_id], self.lora_B[seg.adapter_id]
+        n = xs.shape[0]
+        h = xs.reshape(n * per_row, -1).to(a.dtype) @ a.t()
+        scale = self.scale[seg.adapter_id]
+        h = h * scale if seg.mask is None else h * (seg.mask.view(n * per_row, 1) * scale)
+        return (h @ b.t()).view(n, per_row, -1)
+
     def grouped(
         self, xs: torch.Tensor, segments: list[Segment], per_row: int, routing: Routing
     ) -> torch.Tensor:
@@ -150,22 +162,23 @@ class MultiLoRALinear(nn.Module):
         x3 = x.reshape(rows, -1, self.in_features)
         per_row = x3.shape[1]
         run = contiguous_run(segments)
-        if run is not None and len(segments) > 1 and slot.groupable(x.dtype):
-            delta = slot.grouped(x3[run], segments, per_row, routing)
-            return _assemble_run(delta, run, rows, per_row, slot.out_features)
-        deltas = []
-        for seg in segments:
-            a, b = slot.lora_A[seg.adapter_id], slot.lora_B[seg.adapter_id]
-            xs = x3[seg.start : seg.stop] if seg.index is None else x3.index_select(0, seg.index)
-            n = xs.shape[0]
-            # One GEMM pair over the segment's tokens with the adapter's own weights (no copies).
-            # M = its tokens, a multiple of 8 in the trainer: the kernel class a tenant's tokens
-            # take does not depend on what they are packed with, as for the base matmul.
-            h = xs.reshape(n * per_row, -1).to(a.dtype) @ a.t()
-            scale = slot.scale[seg.adapter_id]
-            h = h * scale if seg.mask is None else h * (seg.mask.view(n * per_row, 1) * scale)
-            deltas.append((h @ b.t()).view(n, per_row, -1))
-        return _assemble(segments, deltas, rows, per_row, slot.out_features)
+        if run is None:
+            xs = [
+                x3.index_select(0, s.index) if s.index is not None else x3[s.start : s.stop]
+                for s in segments
+            ]
+            deltas = [slot.pair(seg, xi, per_row) for seg, xi in zip(segments, xs, strict=True)]
+            return _assemble(segments, deltas, rows, per_row, slot.out_features)
+        covered = x3 if (run.start, run.stop) == (0, rows) else x3[run]
+        if len(segments) > 1 and x.device.type in GROUPED_DEVICES and slot.groupable(x.dtype):
+            delta = slot.grouped(covered, segments, per_row, routing)
+        else:
+            # One split of the run (its backward one concatenation, not a zero-filled gradient
+            # of x per adapter), then each adapter's own GEMM pair over its tokens.
+            pieces = covered.split([s.stop - s.start for s in segments])
+            deltas = [slot.pair(seg, xi, per_row) for seg, xi in zip(segments, pieces, strict=True)]
+            delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
+        return _assemble_run(delta, run, rows, per_row, slot.out_features)
 
     def extra_repr(self) -> str:
         adapters = {a for s in self.slots for a in s.lora_A}
@@ -208,6 +221,12 @@ def _assemble_run(
     after = delta.new_zeros(rows - run.stop, per_row, width)
     return torch.cat([before, delta, after])
 
+
+# Devices where the adapters of a layer take ONE grouped GEMM pair: CUDA, where one kernel runs
+# every group. torch's CPU grouped GEMM is one matmul per group anyway, so there the ranks padded
+# to the largest and the stacked copies of A and B only add work (mixed ranks 8/16/32:
+# benchmarks/packing_profile.py), and each adapter takes its own GEMM pair instead.
+GROUPED_DEVICES = frozenset({"cuda"})
 
 # Run the grouped LoRA GEMMs in the base weights' dtype (bf16 on CUDA) instead of the adapters'
 # fp32, as the experts do; off until benchmarks/gpu_suite.py shows what it buys on a GPU.

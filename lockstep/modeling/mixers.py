@@ -44,10 +44,14 @@ def run_per_row(module: nn.Module, narrow: Narrow) -> None:
             hidden, rest = args[0], args[1:]
         if hidden.shape[0] != 1:
             raise ValueError("a packed micro-batch is one sequence")
+        blocks = layout.blocks()
+        # One split (its backward one concatenation), not a slice per block (each slice's
+        # backward a zero-filled gradient of the whole sequence).
+        pieces = hidden.split([width for _, width in blocks], dim=1)
         outs = []
-        for start, width in layout.blocks():
+        for (start, width), piece in zip(blocks, pieces, strict=True):
             with narrow(start, start + width):
-                outs.append(inner(hidden[:, start : start + width], *rest, **kwargs))
+                outs.append(inner(piece, *rest, **kwargs))
         return torch.cat(outs, dim=1)
 
     module.forward = forward

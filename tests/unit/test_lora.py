@@ -10,6 +10,7 @@ from torch import nn
 
 from lockstep.engine.shape import ModelShape
 from lockstep.engine.types import LoraSpec
+from lockstep.modeling import linear_lora
 from lockstep.modeling.architecture import Architecture, TrainerPath
 from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import PEFT_PREFIX, LoraModel
@@ -81,18 +82,33 @@ def _reference(toy: Toy, lora: LoraModel, x: torch.Tensor, ids: list[str | None]
     return torch.stack(rows)
 
 
+ORDERED: list[str | None] = [None, "r8", "r8", "r4", "r4", "head", None]
+
+
+def grouped_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped GEMM pair on this CPU too (by default it runs on CUDA only)."""
+    monkeypatch.setattr(linear_lora, "GROUPED_DEVICES", frozenset({"cpu", "cuda"}))
+
+
 @pytest.mark.parametrize(
-    "ids",
+    ("ids", "grouped"),
     [
         # interleaved adapters: one GEMM pair per adapter over its gathered rows
-        ["r8", None, "r4", "head", "r4", "r8"],
-        # rows ordered by adapter (the trainer's layout): one grouped GEMM pair for all of them,
-        # ranks 8, 4 and 2 zero-padded to 8; the base-only rows on either side get no delta
-        [None, "r8", "r8", "r4", "r4", "head", None],
+        (["r8", None, "r4", "head", "r4", "r8"], False),
+        # rows ordered by adapter (the trainer's layout), the CPU's way: one split of the run,
+        # one GEMM pair per adapter; the base-only rows on either side get no delta
+        (ORDERED, False),
+        # the same rows, CUDA's way: one grouped GEMM pair for all of them, ranks 8, 4 and 2
+        # zero-padded to 8
+        (ORDERED, True),
     ],
-    ids=["per-adapter", "grouped"],
+    ids=["per-adapter", "split-run", "grouped"],
 )
-def test_forward_and_backward_match_naive_reference(ids: list[str | None]) -> None:
+def test_forward_and_backward_match_naive_reference(
+    ids: list[str | None], grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if grouped:
+        grouped_on_cpu(monkeypatch)
     toy, lora = _toy_lora()
     x = torch.randn(len(ids), 5, 16)
     g = torch.randn(len(ids), 5, 12)
@@ -222,11 +238,12 @@ def test_qwen_init_is_seeded_and_starts_at_base(model_dir: Path) -> None:
     assert torch.equal(base, routed)  # B = 0: adapters start as the base model
 
 
-def test_grouped_layout_is_built_once_per_routing() -> None:
+def test_grouped_layout_is_built_once_per_routing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Group ends and per-token scales go to the device once per routing, not once per layer
     call: a second forward (or the backward's recompute) under the same routing reuses them."""
+    grouped_on_cpu(monkeypatch)
     toy, lora = _toy_lora()
-    ids: list[str | None] = [None, "r8", "r8", "r4", "r4", "head", None]
+    ids = ORDERED
     x = torch.randn(len(ids), 8, 16)
     with lora.row_adapters(ids):
         routing = lora._slot.current
@@ -243,10 +260,9 @@ def test_grouped_layout_is_built_once_per_routing() -> None:
 def test_grouped_gemms_in_the_base_dtype_stay_close(monkeypatch: pytest.MonkeyPatch) -> None:
     """GROUPED_IN_BASE_DTYPE (bf16 GEMMs for the grouped LoRA, fp32 parameters and gradients)
     stays within bf16 rounding of the fp32 computation."""
-    from lockstep.modeling import linear_lora
-
+    grouped_on_cpu(monkeypatch)
     toy, lora = _toy_lora()
-    ids: list[str | None] = [None, "r8", "r8", "r4", "r4", "head", None]
+    ids = ORDERED
     x = torch.randn(len(ids), 8, 16)
     with lora.row_adapters(ids):
         ref = toy(x)
