@@ -6,9 +6,10 @@ one part of a fused projection Tinker trains as separate LoRA).
 Rows are grouped by adapter (sorted segments, `routing.py`): each adapter's rows go through that
 adapter's own A / B, so a row's output does not depend on which other rows or adapters share the
 batch (beyond float rounding), and no row copies adapter weights. When the segments lie side by
-side (the trainer orders rows by adapter) the K adapters of a slot take ONE grouped GEMM pair over
-their runs of tokens (`torch._grouped_mm`, ranks zero-padded to the largest; group ends and
-per-token scales built once per routing); otherwise each adapter takes one GEMM pair of its own.
+side (the trainer orders rows by adapter) the K adapters of a slot take, on CUDA, ONE grouped GEMM
+pair over their runs of tokens (`torch._grouped_mm`, ranks zero-padded to the largest; group ends
+and per-token scales built once per routing); on the CPU one split of the run and a GEMM pair per
+adapter (`GROUPED_DEVICES`). Otherwise each adapter takes one GEMM pair of its own.
 """
 
 from __future__ import annotations

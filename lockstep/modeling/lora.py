@@ -8,8 +8,8 @@ w3 / w2, held as 3-D tensors). Rows are grouped by adapter (sorted segments): ea
 rows go through that adapter's own A / B, so a row's output does not depend on which other rows
 or adapters share the batch (beyond float rounding), and no row copies adapter weights. When the
 segments lie side by side (the trainer orders rows by adapter) the K adapters of a layer take
-ONE grouped GEMM pair over their runs of tokens; otherwise each adapter takes one GEMM pair of
-its own.
+ONE grouped GEMM pair over their runs of tokens on CUDA, one split and a GEMM pair each on the
+CPU; otherwise each adapter takes one GEMM pair of its own.
 
 A "row" of the routing is a batch row, or a fixed-size block of one packed sequence (the trainer
 concatenates a micro-batch's rows, each padded to whole blocks, so every block has one adapter).

@@ -30,7 +30,7 @@ class Routing:
 
     Rows of one adapter go through that adapter's matmuls together ([n * tokens, in] @ A.T), never
     a per-row copy of the weights; when the segments lie side by side, one grouped GEMM pair
-    covers every adapter of a layer (`lora.MultiLoRALinear`).
+    covers every adapter of a layer on CUDA (`linear_lora.MultiLoRALinear`).
     Callers that can (the training engine) order rows by adapter, so segments are plain slices.
     """
 

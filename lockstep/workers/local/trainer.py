@@ -10,7 +10,8 @@ attention run row by row on each row's own span (`modeling.attention`): no row i
 another's length. Each micro-batch runs forward then backward at once (gradients accumulate in
 the adapters' .grad), so activations live for one micro-batch. Inside a micro-batch rows are
 ordered by adapter and the LoRA routing names the adapter of each 8-token block, so each LoRA
-layer takes one grouped GEMM pair over every adapter's run (`modeling.lora`). Target logprobs
+layer takes one grouped GEMM pair over every adapter's run on CUDA, a GEMM pair per adapter's
+slice of it on the CPU (`modeling.linear_lora`). Target logprobs
 come from the final hidden states in token chunks through the fused LM head and log-softmax
 (`training.logprobs`): full-vocabulary logits never exist beyond one chunk.
 
@@ -126,12 +127,6 @@ class LocalTrainingEngine(TrainingEngine):
         )
         self._budget = micro_batch_tokens
         self._device: torch.device = next(model.parameters()).device
-        if activation_checkpointing and self._device.type == "cpu":  # memory over speed
-            element = next(model.parameters()).element_size()
-            hidden = int(model.config.hidden_size)
-            host_memory.release_big_frees(
-                host_memory.mmap_threshold(micro_batch_tokens, hidden, element)
-            )
         self._adam: dict[str, AdamState] = {}
         # A request run in parts: each model's gradients before its FIRST part (its undo point).
         self._undo: dict[str, dict[torch.nn.Parameter, torch.Tensor | None]] = {}
@@ -152,6 +147,15 @@ class LocalTrainingEngine(TrainingEngine):
         else:
             found = memory.cpu_budget(memory_budget_bytes)
         self._pass_cost = cost  # what admission assumes a pass takes (tests/unit/test_pass_cost.py)
+        if self._device.type == "cpu":  # glibc's heap: memory over speed with checkpointing
+            if activation_checkpointing:
+                element = next(model.parameters()).element_size()
+                hidden = int(model.config.hidden_size)
+                host_memory.release_big_frees(
+                    host_memory.mmap_threshold(micro_batch_tokens, hidden, element)
+                )
+            else:
+                host_memory.keep_for_next_pass(cost.pass_bytes(micro_batch_tokens))
         self._memory = cost.budget(found[0], self._card.max_context_length, found[1])
         if self._vision is not None:  # the tower's pass: the largest image it fits
             self._memory = self._vision.budget(self._memory, found[0], micro_batch_tokens)
