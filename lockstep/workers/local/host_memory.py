@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (glibc malloc.h)
 FLOOR = 4 << 20  # never below 4 MiB: smaller blocks are frequent, and mmap faults every page
 CEILING = 32 << 20  # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+INT_MAX = (1 << 31) - 1
 
 
 def mmap_threshold(micro_batch_tokens: int, hidden_size: int, element_size: int) -> int:
@@ -54,7 +55,8 @@ def keep_for_next_pass(pass_bytes: int) -> bool:
     """Blocks up to CEILING from the heap, and up to `pass_bytes` of freed heap kept for the next
     micro-batch (module docstring). False where libc has no mallopt: the engine works the same,
     it only faults more pages in."""
-    settings = {M_MMAP_THRESHOLD: CEILING, M_TRIM_THRESHOLD: max(pass_bytes, 2 * CEILING)}
+    trim = min(max(pass_bytes, 2 * CEILING), INT_MAX)  # mallopt takes a C int
+    settings = {M_MMAP_THRESHOLD: CEILING, M_TRIM_THRESHOLD: trim}
     return _mallopt(settings, "freed CPU activation memory goes back to the OS after each pass")
 
 
