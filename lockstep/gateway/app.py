@@ -13,7 +13,7 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
-from lockstep import grpc_options
+from lockstep import grpc_options, runtime
 from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.inference.lane import new_sessions
@@ -114,4 +114,13 @@ def run_gateway(
     )
     # Keep idle HTTP/1.1 connections open longer than the SDK's pool does, so the client is
     # the side that closes them (a server-side close races with request reuse).
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=75)
+    runtime.settle_heap()
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_keep_alive=75,
+        loop="uvloop",
+        http="httptools",
+    )
