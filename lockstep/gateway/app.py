@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from lockstep import grpc_options, runtime
+from lockstep.gateway.answers import Answers
 from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.inference.lane import new_sessions
@@ -82,6 +83,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.answers = Answers()
     app.state.reload_keys = reload_keys
     app.state.keyring = None
     if settings.keys_file is not None:
