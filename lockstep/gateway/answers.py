@@ -32,4 +32,5 @@ class Answers:
 
 
 def _size(answer: pb.FutureReply) -> int:
-    return answer.ByteSize() + 64  # an empty answer still takes room
+    size: int = answer.ByteSize()
+    return size + 64  # an empty answer still takes room

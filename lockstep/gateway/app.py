@@ -122,6 +122,9 @@ def run_gateway(
         host=host,
         port=port,
         log_level=log_level,
+        # One line per HTTP call costs ~5 % of the gateway's CPU (the SDK polls all the time);
+        # requests are counted and timed in /metrics, and debug logs them line by line.
+        access_log=log_level == "debug",
         timeout_keep_alive=75,
         loop="uvloop",
         http="httptools",
