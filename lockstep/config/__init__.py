@@ -67,7 +67,7 @@ class LockstepConfig:
         default="info",
         metadata=flag(
             "--log-level",
-            help="log level (debug adds the gateway's HTTP access lines)",
+            help="log level (debug logs every HTTP call; else the failed ones)",
             on=frozenset({"serve", "gateway"}),
         ),
     )
