@@ -41,7 +41,8 @@ from tqdm import tqdm
 from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import ensure_default_model
-from lockstep.workers.local.trainer import LocalTrainingEngine, micro_batches, padded
+from lockstep.workers.local.micro_batches import micro_batches, padded
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "engine"
 MIXED = [32, 96, 160, 224, 288, 352, 416, 480]  # 2048 tokens, an ordinary RL / chat batch

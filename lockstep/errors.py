@@ -21,3 +21,8 @@ class UserInputError(ValueError):
     def __reduce__(self) -> tuple[type[UserInputError], tuple[str, str]]:
         # Engines run in child processes: the error must survive the trip back.
         return (UserInputError, (self.field, self.detail))
+
+
+class UnsupportedModel(ValueError):
+    """The base model has a feature Lockstep cannot compute exactly, or that an engine would
+    serve differently from how it is trained; the message names it (`modeling.architecture`)."""

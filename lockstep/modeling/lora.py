@@ -1,6 +1,6 @@
 """Multi-tenant LoRA: many adapters live in one base model; each batch ROW picks its own adapter.
 
-`LoraModel` swaps every LoRA target of a HF model (`architecture.py` says which: by role, not by
+`LoraModel` swaps every LoRA target of a HF model (`lora_targets.py` says which: by role, not by
 name) for a multi-adapter layer: an `nn.Linear` becomes a `MultiLoRALinear` (`linear_lora.py`),
 which computes `base(x) + scale_a * (x @ A_a.T) @ B_a.T` with `a` = the adapter of x's row; a
 fused experts module becomes a `MultiLoRAExperts` (`experts.py`: a LoRA on every expert's w1 /
@@ -32,9 +32,10 @@ from transformers import PreTrainedModel
 
 from lockstep.engine.types import LoraSpec
 from lockstep.modeling import packing
-from lockstep.modeling.architecture import Architecture, Role, describe, text_path
+from lockstep.modeling.architecture import Architecture, describe
 from lockstep.modeling.experts import MultiLoRAExperts
 from lockstep.modeling.linear_lora import MultiLoRALinear
+from lockstep.modeling.lora_targets import Role, text_path
 from lockstep.modeling.routing import Routing, RoutingSlot
 
 # The dense layout's leaf names (Llama / Qwen3), which the Megatron engine converts.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lockstep.config import SamplerConfig
 from lockstep.engine.interface import SamplingEngine
+from lockstep.errors import UnsupportedModel
 from lockstep.workers.process import NO_DEADLINE, Deadline
 
 
@@ -19,7 +20,6 @@ def check_external_family(kind: str, model_dir: Path) -> None:
     (the model's `Architecture.external_lora`: only the dense families)."""
     from lockstep.modeling.architecture import (  # imports torch
         EXTERNAL_LORA_FAMILIES,
-        UnsupportedModel,
         describe_dir,
     )
 

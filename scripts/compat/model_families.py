@@ -44,7 +44,8 @@ def _row(family: str, cache: Path) -> str:
     from transformers import AutoModelForCausalLM
 
     from lockstep.modeling import zoo
-    from lockstep.modeling.architecture import Role, describe
+    from lockstep.modeling.architecture import describe
+    from lockstep.modeling.lora_targets import Role
     from lockstep.workers.megatron.model import HFArch
     from lockstep.workers.megatron.support import UnsupportedByMegatron
 

@@ -32,8 +32,9 @@ from lockstep.engine.types import (
     SampleParams,
     SampleRequest,
 )
+from lockstep.errors import UnsupportedModel
 from lockstep.modeling import zoo
-from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath, UnsupportedModel, describe
+from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath, describe
 from lockstep.modeling.attention import row_attention_forward
 from lockstep.modeling.lora import PEFT_PREFIX
 from lockstep.modeling.peft_io import load_peft_adapter

@@ -10,9 +10,10 @@ from torch import nn
 
 from lockstep.engine.shape import ModelShape
 from lockstep.engine.types import LoraSpec
-from lockstep.modeling.architecture import Architecture, Role, Target, TrainerPath
+from lockstep.modeling.architecture import Architecture, TrainerPath
 from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import PEFT_PREFIX, LoraModel
+from lockstep.modeling.lora_targets import Role, Target
 from lockstep.modeling.tiny import ensure_default_model
 
 

@@ -14,8 +14,9 @@ import torch
 
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+from lockstep.workers.local.micro_batches import padded
 from lockstep.workers.local.pass_state import PassState, Row
-from lockstep.workers.local.trainer import LocalTrainingEngine, padded
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 MICRO_BATCH_TOKENS = 256
 # Cut at 256 tokens: [200] [120, 104] [64, 56, 32, 24]; over 200 tokens fails, so the first

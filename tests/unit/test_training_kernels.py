@@ -12,7 +12,8 @@ from lockstep.engine.losses import LOSSES, resolve_loss_config
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling.tiny import ensure_default_model
 from lockstep.training.losses import datum_logprobs, datum_targets, loss_from_logprobs
-from lockstep.workers.local.trainer import LocalTrainingEngine, micro_batches, padded
+from lockstep.workers.local.micro_batches import micro_batches, padded
+from lockstep.workers.local.trainer import LocalTrainingEngine
 
 V = 1024  # tiny model vocab
 ADAM = AdamConfig(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1.0)

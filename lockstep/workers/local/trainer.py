@@ -4,7 +4,7 @@ A clock cycle is `run_passes` (the fused forward/backward of every tenant's datu
 `optim_step` (one batched AdamW over every adapter that asked).
 
 The fused pass orders rows by length and cuts them into micro-batches of at most
-`micro_batch_tokens` tokens (`micro_batches`). A micro-batch is ONE packed sequence: its rows
+`micro_batch_tokens` tokens (`micro_batches.py`). A micro-batch is ONE packed sequence: its rows
 concatenated, each padded only to a whole block of 8 tokens, positions restarting per row, and
 attention run row by row on each row's own span (`modeling.attention`): no row is padded to
 another's length. Each micro-batch runs forward then backward at once (gradients accumulate in
@@ -26,10 +26,8 @@ same multi-LoRA layers. A feature neither path computes exactly is refused at lo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +39,7 @@ from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine import memory
 from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, TrainerCapabilities
 from lockstep.engine.interface import TrainingEngine
-from lockstep.engine.losses import resolve_loss_config
+from lockstep.engine.pass_checks import check_passes, require_model
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -51,58 +49,23 @@ from lockstep.engine.types import (
     PassRequest,
     PassResult,
 )
-from lockstep.errors import UserInputError
-from lockstep.modeling.architecture import (
-    PACKED_FAMILIES,
-    TrainerPath,
-    UnsupportedModel,
-    check_head,
-    describe,
-)
+from lockstep.errors import UnsupportedModel, UserInputError
+from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath, check_head, describe
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.linear_lora import MultiLoRALinear
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.mixers import run_per_row
-from lockstep.modeling.packing import packed_rows
-from lockstep.modeling.peft_io import save_peft_adapter
 from lockstep.modeling.vision.tower import VisionModel, decoder_inputs
-from lockstep.training import checkpoint
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, Head, LinearHead, chunk_tokens
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
 from lockstep.training.pass_result import pass_result, row_loss
-from lockstep.workers.local import host_memory
+from lockstep.workers.local import adapter_io, host_memory
+from lockstep.workers.local.micro_batches import alone, micro_batches, pack
 from lockstep.workers.local.pass_state import PassState, Row
 from lockstep.workers.snapshots import SnapshotWriter
 
-PAD_MULTIPLE = 8  # a row takes whole blocks of 8 tokens: every GEMM has M >= 8 rows
 log = logging.getLogger("lockstep.trainer")
-
-
-def padded(length: int) -> int:
-    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
-
-
-def alone(lengths: list[int]) -> list[list[int]]:
-    """One row per micro-batch (the generic path), longest first."""
-    return [[i] for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))]
-
-
-def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Row indices cut into micro-batches: longest first, each at most `budget` tokens once its
-    rows are packed (each padded to whole blocks); a row longer than the budget goes alone."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    used = 0
-    for i in order:
-        need = padded(lengths[i])
-        if batches and used + need <= budget:
-            batches[-1].append(i)
-            used += need
-        else:
-            batches.append([i])
-            used = need
-    return batches
 
 
 class LocalTrainingEngine(TrainingEngine):
@@ -229,21 +192,12 @@ class LocalTrainingEngine(TrainingEngine):
     def has_model(self, model_id: str) -> bool:
         return self._lora.has_adapter(model_id)
 
-    def _require(self, model_id: str) -> None:
-        if not self._lora.has_adapter(model_id):
-            raise UserInputError("model_id", f"unknown model {model_id!r}")
-
     # -- forward / backward ---------------------------------------------------------------
 
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
-        configs = []
-        for req in requests:
-            self._require(req.model_id)  # the request itself was judged at admission
-            configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
+        configs = check_passes(self, requests, self._undo)
         state = PassState()
         train = [i for i, r in enumerate(requests) if not r.forward_only]
-        for i in train:
-            self._check_part(requests[i])
         if train:
             models = {requests[i].model_id for i in train}
             saved = {
@@ -283,13 +237,6 @@ class LocalTrainingEngine(TrainingEngine):
             else pass_result(req, [state.outs[(i, j)] for j in range(len(req.data))])
             for i, req in enumerate(requests)
         ]
-
-    def _check_part(self, req: PassRequest) -> None:
-        if req.part in (PassPart.MIDDLE, PassPart.LAST) and req.model_id not in self._undo:
-            raise RuntimeError(
-                f"a {req.part} part of request {req.request_id} of {req.model_id}, whose first "
-                "part this engine did not keep: run the request again from its first part"
-            )
 
     def _keep_undo_points(
         self, succeeded: list[PassRequest], before: dict[torch.nn.Parameter, torch.Tensor | None]
@@ -375,36 +322,14 @@ class LocalTrainingEngine(TrainingEngine):
         state: PassState,
         backward: bool,
     ) -> None:
-        # One packed sequence: row i at starts[i], padded to whole blocks (module docstring). On
-        # the generic path a micro-batch is one row, unpadded, run as the model's own forward.
-        widths = [padded(r.length) if self._packed else r.length for r in rows]
-        *starts, total = itertools.accumulate(widths, initial=0)
-        input_ids = torch.zeros(1, total, dtype=torch.long)
-        positions = torch.zeros(1, total, dtype=torch.long)
-        for row, start in zip(rows, starts, strict=True):
-            span = slice(start, start + row.length)
-            input_ids[0, span] = torch.from_numpy(np.asarray(row.datum.tokens, np.int64))
-            positions[0, span] = torch.arange(row.length)
-        # No padding mask for the LoRA path: a pad position is outside every attention span and
-        # every op on it is per token, so nothing computed there reaches a real token or a loss.
-        blocks = (
-            [
-                r.model_id
-                for r, w in zip(rows, widths, strict=True)
-                for _ in range(w // PAD_MULTIPLE)
-            ]
-            if self._packed
-            else [rows[0].model_id]
-        )
-        layout = (
-            packed_rows(starts, [r.length for r in rows], widths)
-            if self._packed
-            else contextlib.nullcontext()
-        )
+        # One packed sequence (`micro_batches.pack`); on the generic path one row, unpadded, run
+        # as the model's own forward.
+        seq = pack(rows, self._packed)
+        starts = seq.starts
         spans = [(s, r.length, r.datum.images) for r, s in zip(rows, starts, strict=True)]
-        ids, at = input_ids.to(self._device), positions.to(self._device)
+        ids, at = seq.input_ids.to(self._device), seq.positions.to(self._device)
         inputs = decoder_inputs(self._vision, ids, at, spans)  # a VLM: images, M-RoPE per row
-        with self._lora.row_adapters(blocks), layout:
+        with self._lora.row_adapters(seq.blocks), seq.layout():
             hidden = self._decoder(**inputs, use_cache=False).last_hidden_state[0]
             terms: list[tuple[int, torch.Tensor]] = []
             for row, start in zip(rows, starts, strict=True):
@@ -454,7 +379,7 @@ class LocalTrainingEngine(TrainingEngine):
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         groups = []
         for req in requests:
-            self._require(req.model_id)
+            require_model(self, req.model_id)
             params = self._lora.adapter_parameters(req.model_id)
             groups.append(AdamGroup(params, self._adam[req.model_id], req.adam))
         norms = batched_adamw_step(groups)
@@ -470,32 +395,15 @@ class LocalTrainingEngine(TrainingEngine):
     # -- checkpoints ----------------------------------------------------------------------
 
     def save_state(self, model_id: str, directory: Path, include_optimizer: bool) -> int:
-        self._require(model_id)
-        return checkpoint.write_state(
-            Path(directory),
-            self._lora.adapter_state(model_id),
-            self._lora.adapter_param_names(model_id),
-            self._lora.spec(model_id),
-            self._card.name,
-            self._adam[model_id] if include_optimizer else None,
-        )
+        require_model(self, model_id)
+        adam = self._adam[model_id] if include_optimizer else None
+        return adapter_io.save_state(self._lora, model_id, directory, self._card.name, adam)
 
     def snapshot(self, model_id: str, directory: Path) -> bool:
         """Copy the adapter and Adam moments now; write them in the background."""
-        self._require(model_id)
-        adapter = self._lora.adapter_state(model_id)  # detached CPU copies
-        names, spec = self._lora.adapter_param_names(model_id), self._lora.spec(model_id)
-        adam = self._adam[model_id]
-        moments = AdamState(
-            adam.step,
-            [t.detach().to("cpu", copy=True) for t in adam.exp_avg],
-            [t.detach().to("cpu", copy=True) for t in adam.exp_avg_sq],
-        )
-        self._snapshots.submit(
-            model_id,
-            directory,
-            lambda tmp: checkpoint.write_state(tmp, adapter, names, spec, self._card.name, moments),
-        )
+        require_model(self, model_id)
+        write = adapter_io.copy_state(self._lora, model_id, self._card.name, self._adam[model_id])
+        self._snapshots.submit(model_id, directory, write)
         return False
 
     def durable_snapshots(self) -> list[tuple[str, Path]]:
@@ -505,39 +413,14 @@ class LocalTrainingEngine(TrainingEngine):
         self._snapshots.close()  # a clean stop finishes the snapshots already taken
 
     def load_state(self, model_id: str, directory: Path, include_optimizer: bool) -> LoraSpec:
-        adapter = checkpoint.read_adapter(Path(directory), self._card.name)
-        try:
-            state = self._lora.tinker_names(adapter.state, adapter.rank)
-        except ValueError as exc:
-            raise UserInputError("path", f"checkpoint does not fit this base model: {exc}") from exc
-        spec = adapter.spec or self._lora.spec_of(state, adapter.rank, adapter.alpha)
-        try:
-            self._lora.check_spec(spec)
-            # Build into a scratch id first so a bad checkpoint leaves `model_id` untouched.
-            scratch = f"{model_id}\x00loading"
-            self._lora.load_adapter_state(scratch, state, spec)
-        except ValueError as exc:
-            raise UserInputError("path", f"checkpoint does not fit this base model: {exc}") from exc
-        try:
-            adam = AdamState()
-            if include_optimizer:
-                adam = checkpoint.read_adam(
-                    Path(directory),
-                    self._lora.adapter_param_names(scratch),
-                    list(self._lora.adapter_parameters(scratch)),
-                )
-        finally:
-            self._lora.remove_adapter(scratch)
+        state, spec, adam = adapter_io.read_state(
+            self._lora, model_id, directory, self._card.name, include_optimizer
+        )
         self._lora.load_adapter_state(model_id, state, spec)
         self._adam[model_id] = adam
         self._undo.pop(model_id, None)  # new state: a request in parts starts again
         return spec
 
     def export_adapter(self, model_id: str, directory: Path) -> int:
-        self._require(model_id)
-        return save_peft_adapter(
-            Path(directory),
-            self._lora.adapter_state(model_id),
-            self._lora.spec(model_id),
-            self._card.name,
-        )
+        require_model(self, model_id)
+        return adapter_io.export_adapter(self._lora, model_id, directory, self._card.name)

@@ -17,7 +17,7 @@ import torch
 from lockstep.engine import memory
 from lockstep.engine.capabilities import TrainerCapabilities
 from lockstep.engine.interface import TrainingEngine
-from lockstep.engine.losses import resolve_loss_config
+from lockstep.engine.pass_checks import check_passes, require_model
 from lockstep.engine.types import (
     LoraSpec,
     MemoryBudget,
@@ -147,23 +147,10 @@ class MegatronTrainingEngine(TrainingEngine):
     def has_model(self, model_id: str) -> bool:
         return model_id in self._specs
 
-    def _require(self, model_id: str) -> None:
-        if model_id not in self._specs:
-            raise UserInputError("model_id", f"unknown model {model_id!r}")
-
     # -- passes and steps -----------------------------------------------------------------
 
     def run_passes(self, requests: list[PassRequest]) -> list[PassResult]:
-        configs = []
-        for req in requests:
-            self._require(req.model_id)  # the request itself was judged at admission
-            configs.append(resolve_loss_config(req.loss_fn, req.loss_config))
-            lost = req.part in (PassPart.MIDDLE, PassPart.LAST) and req.model_id not in self._parted
-            if lost and not req.forward_only:
-                raise RuntimeError(
-                    f"a {req.part} part of request {req.request_id} of {req.model_id}, whose "
-                    "first part these ranks did not keep: run it again from its first part"
-                )
+        configs = check_passes(self, requests, self._parted)
         for req in requests:  # the ranks keep its undo point before it runs (rank_worker)
             if req.part is PassPart.FIRST and not req.forward_only:
                 self._parted.add(req.model_id)
@@ -180,7 +167,7 @@ class MegatronTrainingEngine(TrainingEngine):
 
     def optim_step(self, requests: list[OptimRequest]) -> dict[str, dict[str, float]]:
         for req in requests:
-            self._require(req.model_id)
+            require_model(self, req.model_id)
         metrics: dict[str, dict[str, float]] = self._group.call("optim_step", requests)[0]
         return metrics
 
@@ -200,7 +187,7 @@ class MegatronTrainingEngine(TrainingEngine):
         return state, moments, step
 
     def save_state(self, model_id: str, directory: Path, include_optimizer: bool) -> int:
-        self._require(model_id)
+        require_model(self, model_id)
         spec = self._specs[model_id]
         state, moments, step = self._gather(model_id, include_optimizer)
         names = self._names(spec)
@@ -236,7 +223,7 @@ class MegatronTrainingEngine(TrainingEngine):
         return spec
 
     def export_adapter(self, model_id: str, directory: Path) -> int:
-        self._require(model_id)
+        require_model(self, model_id)
         state, _, _ = self._gather(model_id, False)
         return save_peft_adapter(Path(directory), state, self._specs[model_id], self._card.name)
 
