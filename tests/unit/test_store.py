@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from lockstep.scheduler.state import keys
+from lockstep.scheduler.state import commit, keys
 from lockstep.scheduler.state.claims import ClaimConflict, TenantLimitReached, TrainingClaim
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import LoraRecord, ModelRecord
@@ -118,6 +118,28 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
         (c1, _), (c2, _) = await store.cycles.begin([]), await store.cycles.begin([])
         assert c2 == c1 + 1
         await store.close()
+
+    run(go())
+
+
+def test_cycle_numbers_continue_from_the_last_commit_after_a_restart(clean_redis: str) -> None:
+    """A scheduler numbers its cycles in process from the stored number; a commit stores the
+    number reached, so a restarted one continues after it, and a cycle that never committed
+    left nothing under its number (it may be given again)."""
+
+    async def go() -> None:
+        first = Store.from_url(clean_redis)
+        assert [(await first.cycles.begin([]))[0] for _ in range(3)] == [1, 2, 3]
+        assert await first.cycles.commit([]) == []
+        assert (await first.cycles.begin([]))[0] == 4  # begun, never committed: the process dies
+        restarted = Store.from_url(clean_redis)
+        assert (await restarted.cycles.begin([]))[0] == 4
+        assert await restarted.cycles.commit([]) == []
+        stale = Store.from_url(clean_redis)  # a number behind never moves the stored one back
+        await commit.commit_ops(stale.redis, 60, [], clock=2)
+        assert int(await stale.redis.get(keys.CLOCK)) == 4
+        for store in (first, restarted, stale):
+            await store.close()
 
     run(go())
 
