@@ -12,9 +12,14 @@ import pytest
 
 import lockstep
 from lockstep.scheduler.state import commit, keys
-from lockstep.scheduler.state.claims import ClaimConflict, TenantLimitReached, TrainingClaim
+from lockstep.scheduler.state.claims import (
+    ClaimConflict,
+    ModelNotLive,
+    TenantLimitReached,
+    TrainingClaim,
+)
 from lockstep.scheduler.state.outcome import Outcome
-from lockstep.scheduler.state.records import LoraRecord, ModelRecord
+from lockstep.scheduler.state.records import LoraRecord, ModelRecord, SessionRecord
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 
@@ -140,6 +145,48 @@ def test_cycle_numbers_continue_from_the_last_commit_after_a_restart(clean_redis
         assert int(await stale.redis.get(keys.CLOCK)) == 4
         for store in (first, restarted, stale):
             await store.close()
+
+    run(go())
+
+
+def test_a_claim_on_an_existing_model_checks_it_is_live(clean_redis: str) -> None:
+    """With the model's session named, the claim itself refuses a model that is gone, or whose
+    session is gone or ended (nothing is queued); a live one is claimed."""
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+
+        def claim(seq_id: int) -> TrainingClaim:
+            return TrainingClaim(
+                owner="o",
+                model_id="sess-1:train:0",
+                seq_id=seq_id,
+                kind="optim_step",
+                payload=b"x",
+                tokens=0,
+                live_session="sess-1",
+            )
+
+        with pytest.raises(ModelNotLive) as gone:
+            await store.jobs.claim_training(claim(1))
+        assert gone.value.state == "no_model"
+        await store.runs.put(model_record())
+        with pytest.raises(ModelNotLive) as no_session:
+            await store.jobs.claim_training(claim(1))
+        assert no_session.value.state == "no_session"
+        now = time.time()
+        session = SessionRecord(session_id="sess-1", owner="o", created=now, last_heartbeat=now)
+        await store.sessions.put(session)
+        rid, created = await store.jobs.claim_training(claim(1))
+        assert created
+        session.finished = True
+        await store.sessions.put(session)
+        with pytest.raises(ModelNotLive) as ended:
+            await store.jobs.claim_training(claim(2))
+        assert ended.value.state == "ended"
+        queued, _ = await store.cycles.queued_ops()
+        assert [op.request_id for op in queued["sess-1:train:0"]] == [rid]  # only the live one
+        await store.close()
 
     run(go())
 

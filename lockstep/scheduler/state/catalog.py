@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+from cachetools import LRUCache
+
 from lockstep.engine.types import ModelCard
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
@@ -31,6 +33,10 @@ class OverCapacity(RuntimeError):
     """A queue is full right now: the client should retry later (429 / try_again)."""
 
 
+# Models whose owner and session one scheduler keeps in memory (a record is a few hundred bytes).
+LIVE_MODELS_KEPT = 100_000
+
+
 class Catalog:
     def __init__(
         self, store: Store, card: ModelCard, served_names: list[str], data_dir: Path
@@ -39,6 +45,8 @@ class Catalog:
         self.card = card
         self.served_names = served_names
         self.data_dir = data_dir
+        # Models found live by this process (addressed_model): their owner and session.
+        self._live_models: LRUCache[str, ModelRecord] = LRUCache(maxsize=LIVE_MODELS_KEPT)
 
     # ------------------------------------------------------------------ base models
     def resolve_base_model(self, name: str) -> ModelCard:
@@ -81,6 +89,30 @@ class Catalog:
         permanent 400, not a 404 (its runs and checkpoints still exist)."""
         rec = await self.owned_session(owner, session_id)
         return _live(rec, field)
+
+    async def addressed_model(self, owner: str, model_id: str) -> ModelRecord:
+        """A model of `owner` as this process last found it live (`live_model`, read once): a
+        model's owner and session never change, so a request on it reads nothing here, and its
+        claim checks that the model still exists and its session has not ended
+        (`ModelNotLive`, turned into the same refusals by `not_live`). Only the record's
+        owner and session may be relied on: the rest may be stale."""
+        rec = self._live_models.get(model_id)
+        if rec is None:
+            rec = await self.live_model(owner, model_id)
+            self._live_models[model_id] = rec
+        elif rec.owner != owner:
+            raise NotFound(f"model {model_id} does not exist")
+        return rec
+
+    def not_live(self, model_id: str, session_id: str, state: str) -> Exception:
+        """What a claim that found the model not live (`ModelNotLive.state`) answers: the
+        refusal `live_model` gives for the same state."""
+        self._live_models.pop(model_id, None)
+        if state == "ended":
+            return _ended(session_id, "model_id")
+        if state == "no_session":
+            return NotFound(f"session {session_id} does not exist")
+        return NotFound(f"model {model_id} does not exist")
 
     async def live_model(self, owner: str, model_id: str) -> ModelRecord:
         """A model of `owner` whose session has not ended (what a training request needs), read
@@ -239,9 +271,13 @@ def _owned_session(rec: SessionRecord | None, owner: str, session_id: str) -> Se
 
 def _live(rec: SessionRecord, field: str) -> SessionRecord:
     if rec.finished:
-        raise UserInputError(
-            field,
-            f"session {rec.session_id} has ended (closed, or no heartbeat within the expiry); "
-            "its checkpoints remain: start a new session and load them",
-        )
+        raise _ended(rec.session_id, field)
     return rec
+
+
+def _ended(session_id: str, field: str) -> UserInputError:
+    return UserInputError(
+        field,
+        f"session {session_id} has ended (closed, or no heartbeat within the expiry); "
+        "its checkpoints remain: start a new session and load them",
+    )

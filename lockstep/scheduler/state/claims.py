@@ -52,11 +52,25 @@ end
 """
 
 
+# A request on an existing model ("1" in ARGV[12]) is claimed only while the model exists and
+# its session (KEYS[9]) has not ended: checked in the claim itself, so admission need not read
+# them (and a session that ends meanwhile cannot slip a request in).
+_LIVE_MODEL = """
+if ARGV[12] == '1' then
+  if redis.call('EXISTS', KEYS[5]) == 0 then return {'no_model', '', ''} end
+  local session = redis.call('GET', KEYS[9])
+  if not session then return {'no_session', '', ''} end
+  if cjson.decode(session)['finished'] == true then return {'ended', '', ''} end
+end
+"""
+
 # Training. KEYS[4] active models, KEYS[5] model, KEYS[6] session's models, KEYS[7] owner's
-# runs, KEYS[8] all models. ARGV[6] seq_id, ARGV[7] model id, ARGV[8] new model record ('' if
-# none), ARGV[9] its creation time, ARGV[10] runs per key limit, ARGV[11] server runs limit.
+# runs, KEYS[8] all models, KEYS[9] the model's session. ARGV[6] seq_id, ARGV[7] model id,
+# ARGV[8] new model record ('' if none), ARGV[9] its creation time, ARGV[10] runs per key
+# limit, ARGV[11] server runs limit, ARGV[12] "1": check the model is live (_LIVE_MODEL).
 CLAIM_TRAINING = (
-    _HEAD
+    _LIVE_MODEL
+    + _HEAD
     + _refuse_past_backlog("ZCARD")
     + """
 if ARGV[8] ~= '' then
@@ -66,7 +80,7 @@ if ARGV[8] ~= '' then
   local everyone = redis.call('SCARD', KEYS[8])
   if total > 0 and everyone >= total then return {'max_tenants', '', tostring(everyone)} end
 end
-local FIELDS = 12
+local FIELDS = 13
 """
     + _WRITE_JOB
     + """
@@ -109,6 +123,15 @@ class TenantLimitReached(Exception):
         self.limit, self.count, self.most = limit, count, most
 
 
+class ModelNotLive(Exception):
+    """The claim found the model gone, or its session gone or ended (`state`: no_model,
+    no_session, ended)."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__(state)
+        self.state = state
+
+
 class QueueFull(Exception):
     """The queue a claim would join already holds its backlog limit (come back later)."""
 
@@ -131,6 +154,9 @@ class TrainingClaim:
     backlog: int = 0  # refuse (QueueFull) when the model already has this many queued
     max_runs_per_key: int = 0
     max_runs: int = 0
+    # The session of the existing model the request is for, checked live by the claim
+    # (ModelNotLive); None: no check (a new model, or a refused request holding its seq_id).
+    live_session: str | None = None
 
 
 def new_request_id() -> str:
@@ -181,7 +207,7 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
     session = model.session_id if model is not None else ""
     reply = await redis.eval(
         CLAIM_TRAINING,
-        8,
+        9,
         keys.seq_claim(c.model_id, c.seq_id),
         keys.job(rid),
         keys.pending(c.model_id),
@@ -190,6 +216,7 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
         keys.session_models(session),
         keys.owner_runs(c.owner),
         keys.ALL_MODELS,
+        keys.session(c.live_session or ""),
         rid,
         want,
         c.backlog,
@@ -201,9 +228,12 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
         0.0 if model is None else model.created,
         c.max_runs_per_key,
         c.max_runs,
+        "0" if c.live_session is None else "1",
         *_flat(fields),
     )
     state, found, detail = (part.decode() for part in reply)
+    if state in ("no_model", "no_session", "ended"):
+        raise ModelNotLive(state)
     if state == "max_tenants_per_key":
         raise TenantLimitReached(state, int(detail), c.max_runs_per_key)
     if state == "max_tenants":
