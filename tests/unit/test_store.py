@@ -14,12 +14,17 @@ import lockstep
 from lockstep.scheduler.state import commit, keys
 from lockstep.scheduler.state.claims import (
     ClaimConflict,
-    ModelNotLive,
+    NotLive,
     TenantLimitReached,
     TrainingClaim,
 )
 from lockstep.scheduler.state.outcome import Outcome
-from lockstep.scheduler.state.records import LoraRecord, ModelRecord, SessionRecord
+from lockstep.scheduler.state.records import (
+    LoraRecord,
+    ModelRecord,
+    SamplerRecord,
+    SessionRecord,
+)
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 
@@ -167,11 +172,11 @@ def test_a_claim_on_an_existing_model_checks_it_is_live(clean_redis: str) -> Non
                 live_session="sess-1",
             )
 
-        with pytest.raises(ModelNotLive) as gone:
+        with pytest.raises(NotLive) as gone:
             await store.jobs.claim_training(claim(1))
-        assert gone.value.state == "no_model"
+        assert gone.value.state == "no_record"
         await store.runs.put(model_record())
-        with pytest.raises(ModelNotLive) as no_session:
+        with pytest.raises(NotLive) as no_session:
             await store.jobs.claim_training(claim(1))
         assert no_session.value.state == "no_session"
         now = time.time()
@@ -181,11 +186,31 @@ def test_a_claim_on_an_existing_model_checks_it_is_live(clean_redis: str) -> Non
         assert created
         session.finished = True
         await store.sessions.put(session)
-        with pytest.raises(ModelNotLive) as ended:
+        with pytest.raises(NotLive) as ended:
             await store.jobs.claim_training(claim(2))
         assert ended.value.state == "ended"
         queued, _ = await store.cycles.queued_ops()
         assert [op.request_id for op in queued["sess-1:train:0"]] == [rid]  # only the live one
+
+        async def sample(sampler_id: str, seq_id: int) -> tuple[str, bool]:
+            return await store.jobs.claim_sample(
+                owner="o", sampler_id=sampler_id, seq_id=seq_id, payload=b"s", live_session="sess-1"
+            )
+
+        with pytest.raises(NotLive) as no_sampler:
+            await sample("sess-1:sample:0", 1)
+        assert no_sampler.value.state == "no_record"
+        await store.samplers.put(
+            SamplerRecord(
+                sampler_id="sess-1:sample:0", owner="o", session_id="sess-1", base_model="m"
+            )
+        )
+        with pytest.raises(NotLive) as sampler_ended:
+            await sample("sess-1:sample:0", 1)
+        assert sampler_ended.value.state == "ended"
+        session.finished = False
+        await store.sessions.put(session)
+        assert (await sample("sess-1:sample:0", 1))[1]
         await store.close()
 
     run(go())

@@ -26,7 +26,7 @@ from lockstep.scheduler.ops.custom_loss import Created, CustomLosses
 from lockstep.scheduler.state.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.state.claims import (
     ClaimConflict,
-    ModelNotLive,
+    NotLive,
     QueueFull,
     TenantLimitReached,
     TrainingClaim,
@@ -160,7 +160,7 @@ class Submissions:
             raise OverCapacity(
                 f"model {model_id} has {exc.queued} requests queued; retry later"
             ) from exc
-        except ModelNotLive as exc:  # refused as admission would have: it holds its seq_id
+        except NotLive as exc:  # refused as admission would have: it holds its seq_id
             refusal = self.ctx.catalog.not_live(model_id, queued.live_session or "", exc.state)
             await self._hold_seq(req, payload, str(refusal))
             raise refusal from exc
@@ -215,10 +215,15 @@ class Submissions:
                 seq_id=s.seq_id,
                 payload=payload,
                 backlog=self.limits.max_pending_samples,
+                live_session=s.live_session,
             )
             metrics.submitted(req.owner, s.sampler_id, OpKind.SAMPLE, created)
             if created:
                 tracing.submitted(rid)  # [trace hook] queue wait starts
+        except NotLive as exc:  # refused as admission would have
+            raise self.ctx.catalog.not_live(
+                s.sampler_id, s.live_session or "", exc.state, sampler=True
+            ) from exc
         except QueueFull as exc:
             raise OverCapacity("the sampling queue is full; retry later") from exc
         except ClaimConflict as exc:

@@ -102,6 +102,7 @@ class SampleClaim(NamedTuple):
     sampler_id: str
     seq_id: int
     num_samples: int
+    live_session: str | None = None  # the sampler's session: the claim checks it is live
 
 
 class Hold(NamedTuple):

@@ -33,8 +33,9 @@ class OverCapacity(RuntimeError):
     """A queue is full right now: the client should retry later (429 / try_again)."""
 
 
-# Models whose owner and session one scheduler keeps in memory (a record is a few hundred bytes).
-LIVE_MODELS_KEPT = 100_000
+# Models and samplers whose owner and session one scheduler keeps in memory (a record is a few
+# hundred bytes).
+ADDRESSED_KEPT = 100_000
 
 
 class Catalog:
@@ -45,8 +46,11 @@ class Catalog:
         self.card = card
         self.served_names = served_names
         self.data_dir = data_dir
-        # Models found live by this process (addressed_model): their owner and session.
-        self._live_models: LRUCache[str, ModelRecord] = LRUCache(maxsize=LIVE_MODELS_KEPT)
+        # Models and samplers found live by this process (addressed_model, addressed_sampler):
+        # their owner and session, by id (model and sampler ids never collide).
+        self._addressed: LRUCache[str, ModelRecord | SamplerRecord] = LRUCache(
+            maxsize=ADDRESSED_KEPT
+        )
 
     # ------------------------------------------------------------------ base models
     def resolve_base_model(self, name: str) -> ModelCard:
@@ -91,28 +95,38 @@ class Catalog:
         return _live(rec, field)
 
     async def addressed_model(self, owner: str, model_id: str) -> ModelRecord:
-        """A model of `owner` as this process last found it live (`live_model`, read once): a
-        model's owner and session never change, so a request on it reads nothing here, and its
-        claim checks that the model still exists and its session has not ended
-        (`ModelNotLive`, turned into the same refusals by `not_live`). Only the record's
-        owner and session may be relied on: the rest may be stale."""
-        rec = self._live_models.get(model_id)
-        if rec is None:
+        """A model of `owner` as this process last found it live (`live_model`, read once):
+        its owner and session never change, so a request on it reads nothing here; its claim
+        checks that the model still exists and its session has not ended (`claims.NotLive`,
+        answered as `live_model` would by `not_live`). Only the record's owner and session
+        may be relied on: the rest may be stale."""
+        rec = self._addressed.get(model_id)
+        if not isinstance(rec, ModelRecord):
             rec = await self.live_model(owner, model_id)
-            self._live_models[model_id] = rec
+            self._addressed[model_id] = rec
         elif rec.owner != owner:
             raise NotFound(f"model {model_id} does not exist")
         return rec
 
-    def not_live(self, model_id: str, session_id: str, state: str) -> Exception:
-        """What a claim that found the model not live (`ModelNotLive.state`) answers: the
-        refusal `live_model` gives for the same state."""
-        self._live_models.pop(model_id, None)
+    async def addressed_sampler(self, owner: str, sampler_id: str) -> SamplerRecord:
+        """`addressed_model` for a sampler (`live_sampler`, read once per process)."""
+        rec = self._addressed.get(sampler_id)
+        if not isinstance(rec, SamplerRecord):
+            rec = await self.live_sampler(owner, sampler_id)
+            self._addressed[sampler_id] = rec
+        elif rec.owner != owner:
+            raise NotFound(f"sampler {sampler_id} does not exist")
+        return rec
+
+    def not_live(self, name: str, session_id: str, state: str, sampler: bool = False) -> Exception:
+        """What a claim that found model (or sampler) `name` of session `session_id` not live
+        (`claims.NotLive.state`) answers: the refusal `live_model` / `live_sampler` gives."""
+        self._addressed.pop(name, None)
         if state == "ended":
-            return _ended(session_id, "model_id")
+            return _ended(session_id, "sampling_session_id" if sampler else "model_id")
         if state == "no_session":
             return NotFound(f"session {session_id} does not exist")
-        return NotFound(f"model {model_id} does not exist")
+        return NotFound(f"{'sampler' if sampler else 'model'} {name} does not exist")
 
     async def live_model(self, owner: str, model_id: str) -> ModelRecord:
         """A model of `owner` whose session has not ended (what a training request needs), read

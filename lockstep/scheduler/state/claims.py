@@ -52,24 +52,27 @@ end
 """
 
 
-# A request on an existing model ("1" in ARGV[12]) is claimed only while the model exists and
-# its session (KEYS[9]) has not ended: checked in the claim itself, so admission need not read
-# them (and a session that ends meanwhile cannot slip a request in).
-_LIVE_MODEL = """
-if ARGV[12] == '1' then
-  if redis.call('EXISTS', KEYS[5]) == 0 then return {'no_model', '', ''} end
-  local session = redis.call('GET', KEYS[9])
-  if not session then return {'no_session', '', ''} end
-  if cjson.decode(session)['finished'] == true then return {'ended', '', ''} end
+def _live_check(flag: str, record: str, session: str) -> str:
+    """A request on an existing model or sampler (ARGV `flag` "1") is claimed only while its
+    record (KEYS `record`) exists and its session (KEYS `session`) has not ended: checked in
+    the claim itself, so admission need not read them (and a session that ends meanwhile
+    cannot slip a request in)."""
+    return f"""
+if ARGV[{flag}] == '1' then
+  if redis.call('EXISTS', KEYS[{record}]) == 0 then return {{'no_record', '', ''}} end
+  local session = redis.call('GET', KEYS[{session}])
+  if not session then return {{'no_session', '', ''}} end
+  if cjson.decode(session)['finished'] == true then return {{'ended', '', ''}} end
 end
 """
+
 
 # Training. KEYS[4] active models, KEYS[5] model, KEYS[6] session's models, KEYS[7] owner's
 # runs, KEYS[8] all models, KEYS[9] the model's session. ARGV[6] seq_id, ARGV[7] model id,
 # ARGV[8] new model record ('' if none), ARGV[9] its creation time, ARGV[10] runs per key
-# limit, ARGV[11] server runs limit, ARGV[12] "1": check the model is live (_LIVE_MODEL).
+# limit, ARGV[11] server runs limit, ARGV[12] "1": check the model is live (_live_check).
 CLAIM_TRAINING = (
-    _LIVE_MODEL
+    _live_check("12", "5", "9")
     + _HEAD
     + _refuse_past_backlog("ZCARD")
     + """
@@ -96,12 +99,14 @@ return {'created', ARGV[1], ''}
 """
 )
 
-# Sampling: the queue is the sampling lane's FIFO list.
+# Sampling: the queue is the sampling lane's FIFO list. KEYS[4] the sampler, KEYS[5] its
+# session; ARGV[6] "1": check the sampler is live (_live_check).
 CLAIM_SAMPLE = (
-    _HEAD
+    _live_check("6", "4", "5")
+    + _HEAD
     + _refuse_past_backlog("LLEN")
     + """
-local FIELDS = 6
+local FIELDS = 7
 """
     + _WRITE_JOB
     + """
@@ -123,13 +128,16 @@ class TenantLimitReached(Exception):
         self.limit, self.count, self.most = limit, count, most
 
 
-class ModelNotLive(Exception):
-    """The claim found the model gone, or its session gone or ended (`state`: no_model,
-    no_session, ended)."""
+class NotLive(Exception):
+    """The claim found the model or sampler gone, or its session gone or ended (`state`:
+    no_record, no_session, ended)."""
 
     def __init__(self, state: str) -> None:
         super().__init__(state)
         self.state = state
+
+
+NOT_LIVE = ("no_record", "no_session", "ended")
 
 
 class QueueFull(Exception):
@@ -155,7 +163,7 @@ class TrainingClaim:
     max_runs_per_key: int = 0
     max_runs: int = 0
     # The session of the existing model the request is for, checked live by the claim
-    # (ModelNotLive); None: no check (a new model, or a refused request holding its seq_id).
+    # (NotLive); None: no check (a new model, or a refused request holding its seq_id).
     live_session: str | None = None
 
 
@@ -232,8 +240,8 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
         *_flat(fields),
     )
     state, found, detail = (part.decode() for part in reply)
-    if state in ("no_model", "no_session", "ended"):
-        raise ModelNotLive(state)
+    if state in NOT_LIVE:
+        raise NotLive(state)
     if state == "max_tenants_per_key":
         raise TenantLimitReached(state, int(detail), c.max_runs_per_key)
     if state == "max_tenants":
@@ -250,25 +258,32 @@ async def claim_sample(
     payload: bytes,
     backlog: int,
     ttl_s: int,
+    live_session: str | None = None,
 ) -> tuple[str, bool]:
     """Queue a sample request exactly once; (request id, created). The claim expires with
-    the results (`ttl_s`)."""
+    the results (`ttl_s`). With `live_session` (the sampler's session), only while the sampler
+    exists and its session has not ended (else NotLive)."""
     rid, want = new_request_id(), digest(payload)
     fields = job_fields(rid, OpKind.SAMPLE, owner, sampler_id, seq_id, want, payload, 0)
     reply = await redis.eval(
         CLAIM_SAMPLE,
-        3,
+        5,
         keys.sample_claim(sampler_id, seq_id),
         keys.job(rid),
         keys.SAMPLE_QUEUE,
+        keys.sampler(sampler_id),
+        keys.session(live_session or ""),
         rid,
         want,
         backlog,
         keys.job(""),
         ttl_s,
+        "0" if live_session is None else "1",
         *_flat(fields),
     )
     state, found, detail = (part.decode() for part in reply)
+    if state in NOT_LIVE:
+        raise NotLive(state)
     return _answer(state, found, detail, want)
 
 
