@@ -65,7 +65,11 @@ class LockstepConfig:
     )
     log_level: LogLevel = field(
         default="info",
-        metadata=flag("--log-level", help="log level", on=frozenset({"serve", "gateway"})),
+        metadata=flag(
+            "--log-level",
+            help="log level (debug logs every HTTP call; else the failed ones)",
+            on=frozenset({"serve", "gateway"}),
+        ),
     )
     model: ModelConfig = field(default_factory=ModelConfig)
     clock: ClockConfig = field(default_factory=ClockConfig)

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Header, Query, Request
 from starlette.requests import HTTPConnection
 
+from lockstep.gateway.answers import Answers
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.keyring import KeyRing, owner_of
@@ -76,6 +77,12 @@ async def get_scheduler(request: Request) -> Any:
     return request.app.state.scheduler
 
 
+async def get_answers(request: Request) -> Answers:
+    """Sample answers the session polls brought along (`gateway/answers.py`)."""
+    answers: Answers = request.app.state.answers
+    return answers
+
+
 async def require_caller(
     request: Request, x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None
 ) -> Caller:
@@ -95,6 +102,7 @@ Owner = Annotated[str, Depends(require_owner)]
 KeyQuota = Annotated[int, Depends(key_quota)]
 Scheduler = Annotated[Any, Depends(get_scheduler)]
 Settings = Annotated[GatewaySettings, Depends(get_settings)]
+Prefetched = Annotated[Answers, Depends(get_answers)]
 
 # Paging query parameters of the list endpoints.
 Limit = Annotated[int, Query(ge=1, le=100_000)]

@@ -6,11 +6,10 @@ The one module of the scheduler package that knows the engine backends: it hands
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 
-from lockstep import backends
+from lockstep import backends, runtime
 from lockstep.scheduler.server import parse_args, serve
 
 
@@ -27,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.served_names[0],
         cfg.data_dir,
     )
-    asyncio.run(serve(cfg, start_engines))
+    runtime.run(serve(cfg, start_engines))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from lockstep import config, grpc_options
+from lockstep import config, grpc_options, runtime
 from lockstep.config import (
     ClockConfig,
     EngineConfig,
@@ -229,6 +229,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     server.add_insecure_port(cfg.listen)
     await server.start()
     log.info("scheduler listening on %s (redis %s)", cfg.listen, cfg.redis_url)
+    runtime.settle_heap()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

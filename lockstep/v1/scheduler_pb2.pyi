@@ -477,14 +477,16 @@ class RetrieveFuturesRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., sampler_id: _Optional[str] = ..., clone: _Optional[int] = ..., prev_cursor: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class FutureCompletion(_message.Message):
-    __slots__ = ("request_id", "failed", "payload_size")
+    __slots__ = ("request_id", "failed", "payload_size", "answer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     failed: bool
     payload_size: int
-    def __init__(self, request_id: _Optional[str] = ..., failed: bool = ..., payload_size: _Optional[int] = ...) -> None: ...
+    answer: FutureReply
+    def __init__(self, request_id: _Optional[str] = ..., failed: bool = ..., payload_size: _Optional[int] = ..., answer: _Optional[_Union[FutureReply, _Mapping]] = ...) -> None: ...
 
 class RetrieveFuturesReply(_message.Message):
     __slots__ = ("completions", "cursor")

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from lockstep import runtime
 from lockstep.engine.capabilities import SamplerCapabilities, TrainerCapabilities
 from lockstep.engine.interface import EngineDied, SamplingEngine, TrainingEngine, is_device_error
 from lockstep.engine.types import (
@@ -115,6 +116,7 @@ def _serve(factory: Callable[[], Any], conn: Connection) -> None:
     except BaseException as exc:  # report start-up failures instead of dying silently
         conn.send((False, RuntimeError(f"engine failed to start: {exc!r}")))
         return
+    runtime.settle_heap()
     conn.send((True, "ready"))
     while True:
         try:

@@ -21,8 +21,11 @@ from safetensors.numpy import load_file
 from tinker import types
 
 from lockstep.demo import quickstart_data
+from tests.promql import scrape, total
 
 from .conftest import API_KEY, SERVER_ERROR, Server, start_server, stop_server
+
+POLL_ROUTE = "/api/v1/retrieve_futures"
 
 pytestmark = pytest.mark.e2e
 STEPS = 200
@@ -201,4 +204,5 @@ def test_samples_on_the_session_poller_survive_a_scheduler_kill(fresh) -> None: 
     for future in futures:
         assert len(future.result(timeout=240).sequences[0].tokens) == 800
     assert "scheduler exited" in srv.log()
-    assert "/api/v1/retrieve_futures" in srv.log()
+    polls = scrape(srv.base_url + "/metrics")  # the gateway lived through it: its counts too
+    assert total(polls, "lockstep_http_request_duration_seconds_count", route=POLL_ROUTE) > 0

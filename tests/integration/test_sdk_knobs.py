@@ -53,10 +53,19 @@ def test_config_advertises_the_knobs(server: Server) -> None:
     assert dynamic.json()["sample_cancel_enabled"] is True
 
 
+def _scheduler_rpcs(metrics_port: int, method: str) -> float:
+    found = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+    return total(found, "lockstep_rpc_duration_seconds_count", method=method)
+
+
 def test_samples_complete_through_the_session_poller(
-    server: Server, sampler: tinker.SamplingClient
+    server: Server, sampler: tinker.SamplingClient, metrics_port: int
 ) -> None:
+    """Each sample completes through the session's poll, which brings its answer along: the
+    SDK's retrieve_future of it is answered by the gateway, never by the scheduler."""
     polls = _calls(server, "/api/v1/retrieve_futures")
+    fetches = _calls(server, "/api/v1/retrieve_future")
+    asked = _scheduler_rpcs(metrics_port, "RetrieveFuture")
     params = types.SamplingParams(max_tokens=4, temperature=1.0)
     futures = [
         sampler.sample(prompt=_prompt(i), num_samples=2, sampling_params=params) for i in range(6)
@@ -66,6 +75,8 @@ def test_samples_complete_through_the_session_poller(
         assert len(result.sequences) == 2
         assert all(len(s.tokens) >= 1 for s in result.sequences)
     assert _calls(server, "/api/v1/retrieve_futures") > polls
+    assert _calls(server, "/api/v1/retrieve_future") - fetches == len(futures)
+    assert _scheduler_rpcs(metrics_port, "RetrieveFuture") == asked
 
 
 def test_an_unpickled_client_joins_its_sampling_session(

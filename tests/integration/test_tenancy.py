@@ -152,6 +152,10 @@ def test_a_closed_session_refuses_new_work_with_a_400(server: Server, base_model
     data = quickstart_data(trainer.get_tokenizer())[:1]
     _step(trainer, data)
     saved = trainer.save_state("final").result()
+    sampler = client.create_sampling_client(base_model=base_model).result()
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()  # seen live
+    sampler_id = sampler._sampling_session_id
     client.close("success").result()
     later = _client(server, key)
     with httpx.Client(base_url=server.base_url, headers={"X-API-Key": key}, timeout=60) as http:
@@ -165,6 +169,18 @@ def test_a_closed_session_refuses_new_work_with_a_400(server: Server, base_model
         )
         assert r.status_code == 400 and "has ended" in r.json()["detail"], r.text
         assert r.json()["detail"].startswith("model_id")
+        r = http.post(
+            "/api/v1/asample",
+            json={
+                "sampling_session_id": sampler_id,
+                "seq_id": 99,
+                "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                "sampling_params": {"max_tokens": 1},
+            },
+        )
+        assert r.status_code == 400 and "has ended" in r.json()["detail"], r.text
+        assert r.json()["detail"].startswith("sampling_session_id")
     # its checkpoint outlives it: a new session loads it
     resumed = later.create_training_client_from_state(saved.path).result()
     assert _step(resumed, data) > 0

@@ -8,11 +8,13 @@ from typing import Any
 
 import grpc
 import pytest
+from tinker.proto import response_conv
 from tinker.types.futures_retrieve_response import FuturesRetrieveResponse
 from tinker.types.join_sampling_session_response import JoinSamplingSessionResponse
 
 from lockstep.gateway.deps import owner_of
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.wire.v1 import tinker_pb2
 from tests.scheduler_standin import (
     TEST_API_KEY,
     StandInScheduler,
@@ -63,6 +65,46 @@ def test_retrieve_futures_asks_for_the_clone_and_shapes_the_sdk_answer(
         5,
         LONG_POLL,  # no timeout: the gateway's long-poll
     )
+
+
+def test_answers_a_poll_brought_along_are_served_once(api: Any, sched: StandInScheduler) -> None:
+    """A completion sent with its answer: the SDK's retrieve_future that follows is answered
+    by the gateway (no scheduler call), once; a second fetch, or a completion sent without
+    its answer (past the poll's prefetch budget), asks the scheduler."""
+    sample = tinker_pb2.SampleResponse()
+    sample.sequences.add(stop_reason=tinker_pb2.STOP_REASON_STOP, tokens=b"\7\0\0\0")
+    failure = pb.JobError(message="engine said no", category="user")
+    sched.replies["RetrieveFutures"] = pb.RetrieveFuturesReply(
+        completions=[
+            pb.FutureCompletion(
+                request_id="req-a",
+                payload_size=sample.ByteSize(),
+                answer=pb.FutureReply(result=pb.JobResult(sample=sample)),
+            ),
+            pb.FutureCompletion(
+                request_id="req-b", failed=True, answer=pb.FutureReply(error=failure)
+            ),
+            pb.FutureCompletion(request_id="req-c", payload_size=9),  # past the budget
+        ],
+        cursor=3,
+    )
+    assert _poll(api, prev_cursor=0).json()["cursor"] == 3
+    sched.replies["RetrieveFuture"] = pb.FutureReply(
+        error=pb.JobError(message="asked the scheduler", category="user")
+    )
+
+    def fetch(rid: str) -> Any:
+        headers = {"X-Tinker-Request-Type": "Sample"}
+        return api.post("/api/v1/retrieve_future", json={"request_id": rid}, headers=headers)
+
+    first = fetch("req-a")
+    assert first.status_code == 200, first.text
+    assert response_conv.deserialize_sample_response(first.content).sequences[0].tokens == [7]
+    assert "engine said no" in fetch("req-b").text
+    assert sched.requests("RetrieveFuture") == []  # both answered by the gateway
+    assert "asked the scheduler" in fetch("req-a").text  # served once: then the scheduler
+    assert "asked the scheduler" in fetch("req-c").text
+    assert [r.request_id for r in sched.requests("RetrieveFuture")] == ["req-a", "req-c"]
 
 
 @pytest.mark.parametrize(("timeout", "held"), [(0, 0.0), (1.5, 1.5), (600, LONG_POLL)])

@@ -90,6 +90,36 @@ def test_completions_are_logged_per_clone_once_and_dropped_once_seen(clean_redis
     asyncio.run(go())
 
 
+def test_a_poll_sends_the_answers_along_within_its_prefetch_budget(
+    clean_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each completion comes with the job its retrieve_future would read (result, or error),
+    while the poll's byte budget lasts; one past it comes without, and the next fits again."""
+    monkeypatch.setattr(sample_futures, "PREFETCH_BYTES_PER_POLL", 10)
+
+    async def go() -> None:
+        store = await _store(clean_redis)
+        a, b, c, d = [await _claim(store, s) for s in (1, 2, 3, 4)]
+        assert await sample_futures.finish(store, a, result=b"123456")
+        assert await sample_futures.finish(store, b, result=b"too long to fit")
+        assert await sample_futures.finish(store, c, error="engine said no")
+        assert await sample_futures.finish(store, d, result=b"1234")
+        found = await sample_futures.since(store, "o", SAMPLER, 0, 0)
+        assert _ids(found) == [(j.request_id, j is c) for j in (a, b, c, d)]
+        assert set(found.answers) == {a.request_id, c.request_id, d.request_id}
+        done, failed, last = (found.answers[j.request_id] for j in (a, c, d))
+        assert (done.status, done.result) == (JobStatus.DONE, b"123456")
+        assert (failed.status, failed.error, failed.result) == (
+            JobStatus.FAILED,
+            "engine said no",
+            None,
+        )
+        assert (last.status, last.result) == (JobStatus.DONE, b"1234")  # 6 + 4 bytes: fits
+        await store.close()
+
+    asyncio.run(go())
+
+
 def test_cancel_and_finish_race_whoever_writes_first_wins(clean_redis: str) -> None:
     async def go() -> None:
         store = Store.from_url(clean_redis)

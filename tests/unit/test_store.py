@@ -11,10 +11,20 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from lockstep.scheduler.state import keys
-from lockstep.scheduler.state.claims import ClaimConflict, TenantLimitReached, TrainingClaim
+from lockstep.scheduler.state import commit, keys
+from lockstep.scheduler.state.claims import (
+    ClaimConflict,
+    NotLive,
+    TenantLimitReached,
+    TrainingClaim,
+)
 from lockstep.scheduler.state.outcome import Outcome
-from lockstep.scheduler.state.records import LoraRecord, ModelRecord
+from lockstep.scheduler.state.records import (
+    LoraRecord,
+    ModelRecord,
+    SamplerRecord,
+    SessionRecord,
+)
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 
@@ -117,6 +127,90 @@ def test_finishing_a_job_records_it_and_advances_the_model(clean_redis: str) -> 
         assert (await store.cycles.queued_ops())[0] == {}
         (c1, _), (c2, _) = await store.cycles.begin([]), await store.cycles.begin([])
         assert c2 == c1 + 1
+        await store.close()
+
+    run(go())
+
+
+def test_cycle_numbers_continue_from_the_last_commit_after_a_restart(clean_redis: str) -> None:
+    """A scheduler numbers its cycles in process from the stored number; a commit stores the
+    number reached, so a restarted one continues after it, and a cycle that never committed
+    left nothing under its number (it may be given again)."""
+
+    async def go() -> None:
+        first = Store.from_url(clean_redis)
+        assert [(await first.cycles.begin([]))[0] for _ in range(3)] == [1, 2, 3]
+        assert await first.cycles.commit([]) == []
+        assert (await first.cycles.begin([]))[0] == 4  # begun, never committed: the process dies
+        restarted = Store.from_url(clean_redis)
+        assert (await restarted.cycles.begin([]))[0] == 4
+        assert await restarted.cycles.commit([]) == []
+        stale = Store.from_url(clean_redis)  # a number behind never moves the stored one back
+        await commit.commit_ops(stale.redis, 60, [], clock=2)
+        assert int(await stale.redis.get(keys.CLOCK)) == 4
+        for store in (first, restarted, stale):
+            await store.close()
+
+    run(go())
+
+
+def test_a_claim_on_an_existing_model_checks_it_is_live(clean_redis: str) -> None:
+    """With the model's session named, the claim itself refuses a model that is gone, or whose
+    session is gone or ended (nothing is queued); a live one is claimed."""
+
+    async def go() -> None:
+        store = Store.from_url(clean_redis)
+
+        def claim(seq_id: int) -> TrainingClaim:
+            return TrainingClaim(
+                owner="o",
+                model_id="sess-1:train:0",
+                seq_id=seq_id,
+                kind="optim_step",
+                payload=b"x",
+                tokens=0,
+                live_session="sess-1",
+            )
+
+        with pytest.raises(NotLive) as gone:
+            await store.jobs.claim_training(claim(1))
+        assert gone.value.state == "no_record"
+        await store.runs.put(model_record())
+        with pytest.raises(NotLive) as no_session:
+            await store.jobs.claim_training(claim(1))
+        assert no_session.value.state == "no_session"
+        now = time.time()
+        session = SessionRecord(session_id="sess-1", owner="o", created=now, last_heartbeat=now)
+        await store.sessions.put(session)
+        rid, created = await store.jobs.claim_training(claim(1))
+        assert created
+        session.finished = True
+        await store.sessions.put(session)
+        with pytest.raises(NotLive) as ended:
+            await store.jobs.claim_training(claim(2))
+        assert ended.value.state == "ended"
+        queued, _ = await store.cycles.queued_ops()
+        assert [op.request_id for op in queued["sess-1:train:0"]] == [rid]  # only the live one
+
+        async def sample(sampler_id: str, seq_id: int) -> tuple[str, bool]:
+            return await store.jobs.claim_sample(
+                owner="o", sampler_id=sampler_id, seq_id=seq_id, payload=b"s", live_session="sess-1"
+            )
+
+        with pytest.raises(NotLive) as no_sampler:
+            await sample("sess-1:sample:0", 1)
+        assert no_sampler.value.state == "no_record"
+        await store.samplers.put(
+            SamplerRecord(
+                sampler_id="sess-1:sample:0", owner="o", session_id="sess-1", base_model="m"
+            )
+        )
+        with pytest.raises(NotLive) as sampler_ended:
+            await sample("sess-1:sample:0", 1)
+        assert sampler_ended.value.state == "ended"
+        session.finished = False
+        await store.sessions.put(session)
+        assert (await sample("sess-1:sample:0", 1))[1]
         await store.close()
 
     run(go())

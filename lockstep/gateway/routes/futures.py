@@ -9,7 +9,7 @@ from typing import Annotated
 import grpc
 from fastapi import APIRouter, Header, Response
 
-from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler, Settings
+from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Prefetched, Scheduler, Settings
 from lockstep.gateway.ops import registry
 from lockstep.gateway.schema import requests as rq
 from lockstep.gateway.schema import responses as rs
@@ -35,14 +35,21 @@ async def retrieve_future(
     owner: Owner,
     stub: Scheduler,
     settings: Settings,
+    prefetched: Prefetched,
     request_type: Annotated[str | None, Header(alias="X-Tinker-Request-Type")] = None,
 ) -> Response:
     """Hold the call until the result is ready or `long_poll_seconds` pass (then try_again).
 
-    `allow_metadata_only` is ignored: the payload is always sent.
+    `allow_metadata_only` is ignored: the payload is always sent. A sample whose answer this
+    gateway's session poll brought along is answered from it.
     """
     request_id = check_id("request_id", body.request_id)
     wait = settings.long_poll_seconds
+    reply = prefetched.take(owner, request_id)
+    if reply is not None:
+        return tr.future_response(
+            request_id, reply, lambda result: registry.answer(result, request_type)
+        )
     try:
         reply = await stub.RetrieveFuture(
             pb.RetrieveFutureRequest(owner=owner, request_id=request_id, timeout_seconds=wait),
@@ -63,7 +70,11 @@ async def retrieve_future(
 
 @router.post("/retrieve_futures")
 async def retrieve_futures(
-    body: rq.FuturesRetrieveRequest, owner: Owner, stub: Scheduler, settings: Settings
+    body: rq.FuturesRetrieveRequest,
+    owner: Owner,
+    stub: Scheduler,
+    settings: Settings,
+    prefetched: Prefetched,
 ) -> rs.FuturesRetrieveResponse:
     """The sampling session's (clone's) samples finished or failed since `prev_cursor`, held
     until there is one or the long-poll (`timeout`, at most `long_poll_seconds`) runs out.
@@ -90,6 +101,7 @@ async def retrieve_futures(
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             await asyncio.sleep(UNAVAILABLE_PAUSE_S)
         raise
+    prefetched.keep(owner, reply.completions)  # their retrieve_future calls come next
     return tr.completions(reply)
 
 

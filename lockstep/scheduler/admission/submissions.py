@@ -26,6 +26,7 @@ from lockstep.scheduler.ops.custom_loss import Created, CustomLosses
 from lockstep.scheduler.state.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.state.claims import (
     ClaimConflict,
+    NotLive,
     QueueFull,
     TenantLimitReached,
     TrainingClaim,
@@ -151,6 +152,7 @@ class Submissions:
                 default=0,
             ),
             max_runs=self.limits.max_tenants,
+            live_session=queued.live_session,
         )
         try:
             rid, created = await self.store.jobs.claim_training(claim)
@@ -158,6 +160,10 @@ class Submissions:
             raise OverCapacity(
                 f"model {model_id} has {exc.queued} requests queued; retry later"
             ) from exc
+        except NotLive as exc:  # refused as admission would have: it holds its seq_id
+            refusal = self.ctx.catalog.not_live(model_id, queued.live_session or "", exc.state)
+            await self._hold_seq(req, payload, str(refusal))
+            raise refusal from exc
         metrics.submitted(req.owner, model_id, kind, created)
         if created:
             tracing.submitted(rid)  # [trace hook] queue wait starts
@@ -209,10 +215,15 @@ class Submissions:
                 seq_id=s.seq_id,
                 payload=payload,
                 backlog=self.limits.max_pending_samples,
+                live_session=s.live_session,
             )
             metrics.submitted(req.owner, s.sampler_id, OpKind.SAMPLE, created)
             if created:
                 tracing.submitted(rid)  # [trace hook] queue wait starts
+        except NotLive as exc:  # refused as admission would have
+            raise self.ctx.catalog.not_live(
+                s.sampler_id, s.live_session or "", exc.state, sampler=True
+            ) from exc
         except QueueFull as exc:
             raise OverCapacity("the sampling queue is full; retry later") from exc
         except ClaimConflict as exc:

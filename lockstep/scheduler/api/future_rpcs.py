@@ -14,6 +14,7 @@ from lockstep.scheduler.ops import registry
 from lockstep.scheduler.state import redis_conn, sample_futures
 from lockstep.scheduler.state.catalog import Catalog, NotFound
 from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.jobs import Job
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import JobStatus, OpKind
@@ -73,11 +74,7 @@ class FutureRpcs:
         if job.status == JobStatus.PENDING:
             state, reason = self.queue_state(job.model_id)
             return pb.FutureReply(try_again=pb.TryAgain(queue_state=state, reason=reason))
-        if job.status == JobStatus.FAILED:
-            return pb.FutureReply(
-                error=pb.JobError(message=job.error or "failed", category=job.category or "unknown")
-            )
-        return pb.FutureReply(result=pb.JobResult.FromString(job.result or b""))
+        return finished_reply(job)
 
     async def retrieve_futures(self, request: pb.RetrieveFuturesRequest) -> pb.RetrieveFuturesReply:
         timeout = min(max(request.timeout_seconds, 0.0), MAX_POLL_SECONDS)
@@ -101,6 +98,10 @@ class FutureRpcs:
                 )
         except sample_futures.CursorAhead as exc:
             raise UserInputError("prev_cursor", str(exc)) from exc
+        for entry in found.entries:
+            job = found.answers.get(entry.request_id)
+            if job is not None and job.status != JobStatus.PENDING:
+                entry.answer.CopyFrom(finished_reply(job))
         return pb.RetrieveFuturesReply(completions=found.entries, cursor=found.cursor)
 
     async def cancel_future(self, request: pb.CancelFutureRequest) -> pb.CancelFutureReply:
@@ -118,3 +119,12 @@ class FutureRpcs:
             self.board.cancelled(job.request_id, sample_futures.job_topic(job))
             log.info("sample %s cancelled by its client", job.request_id)
         return pb.CancelFutureReply(outcome=outcome.value)
+
+
+def finished_reply(job: Job) -> pb.FutureReply:
+    """What a finished (done or failed) job's future answers."""
+    if job.status == JobStatus.FAILED:
+        return pb.FutureReply(
+            error=pb.JobError(message=job.error or "failed", category=job.category or "unknown")
+        )
+    return pb.FutureReply(result=pb.JobResult.FromString(job.result or b""))

@@ -114,7 +114,7 @@ class Clock:
         if not runs:
             return plan
         started = time.monotonic()
-        cycle = await self.dispatcher.begin(plan)  # its number and payloads: one round trip
+        cycle = await self.dispatcher.begin(plan)  # its number; payloads not held (one trip)
         await self.observers.dispatching(cycle, plan)
         try:
             # The one place training runs: in colocated mode the sampler gives its memory

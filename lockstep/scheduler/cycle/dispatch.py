@@ -86,7 +86,7 @@ class Dispatcher:
 
     async def begin(self, plan: CyclePlan) -> int:
         """Number the cycle and read the payloads it needs (not decoded already): one round
-        trip."""
+        trip, none when every payload is held."""
         ops = [*plan.pre, *plan.passes, *plan.optims, *plan.post]
         held = (self.decoded, self.parts)  # decoded at submission, or kept between parts
         unread = [op.request_id for op in ops if not any(op.request_id in h for h in held)]

@@ -91,6 +91,9 @@ class Claim(NamedTuple):
     tokens: int  # pass tokens (the cycle's token budget)
     new_model: ModelRecord | None = None
     decoded: PassRequest | None = None  # the validated pass, kept for dispatch
+    # An existing model's session: the claim checks the model still exists and this session
+    # has not ended (`SubmitContext.owned_model` read neither).
+    live_session: str | None = None
 
 
 class SampleClaim(NamedTuple):
@@ -99,6 +102,7 @@ class SampleClaim(NamedTuple):
     sampler_id: str
     seq_id: int
     num_samples: int
+    live_session: str | None = None  # the sampler's session: the claim checks it is live
 
 
 class Hold(NamedTuple):
@@ -146,7 +150,10 @@ class SubmitContext:
     sample_images: ImageReader  # judges a sample prompt's image chunks (the sampler's)
 
     async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
-        return await self.catalog.live_model(owner, model_id)  # tenancy: session ended?
+        """The model a request is for, if `owner`'s (its owner and session only: see
+        `Catalog.addressed_model`); its Claim names the session (`live_session`) so the claim
+        checks the model is still live."""
+        return await self.catalog.addressed_model(owner, model_id)
 
 
 class RunContext(Protocol):

@@ -51,7 +51,9 @@ class ForwardBackward(PassOp):
         await ctx.custom_losses.check_data(pass_req)  # its inputs' ranks, its price per datum
         kind = OpKind.FORWARD if fb.forward_only else OpKind.FORWARD_BACKWARD
         tokens = translate.pass_tokens(pass_req)
-        return Claim(fb.model_id, fb.seq_id, kind, tokens, decoded=pass_req)
+        return Claim(
+            fb.model_id, fb.seq_id, kind, tokens, decoded=pass_req, live_session=model.session_id
+        )
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PASS if current <= Phase.PASS else None

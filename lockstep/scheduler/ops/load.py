@@ -51,9 +51,9 @@ class Load(SingleOp):
         if not checkpoint_dir(ctx.data_dir, path).is_dir():
             raise NotFound(f"checkpoint {path} has no files on this server")
         if load.HasField("model_id"):  # load_state on an existing model, in its seq order
-            await ctx.owned_model(owner, load.model_id)
+            model = await ctx.owned_model(owner, load.model_id)
             check_seq(load.seq_id)
-            return Claim(load.model_id, load.seq_id, OpKind.LOAD, 0)
+            return Claim(load.model_id, load.seq_id, OpKind.LOAD, 0, live_session=model.session_id)
         # create-via-load: a new model whose id the SDK computes itself
         session = await ctx.catalog.live_session(owner, load.session_id)
         if load.model_seq_id < 0:

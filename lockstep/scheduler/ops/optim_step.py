@@ -26,7 +26,7 @@ class OptimStep(StepOp):
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
         o = req.optim_step
-        await ctx.owned_model(req.owner, o.model_id)
+        model = await ctx.owned_model(req.owner, o.model_id)
         check_seq(o.seq_id)
         if not o.HasField("adam"):
             raise UserInputError("adam_params", "field required")
@@ -39,7 +39,7 @@ class OptimStep(StepOp):
             finite(beta, f"adam_params.{name}", 0.0)
             if beta >= 1.0:
                 raise UserInputError(f"adam_params.{name}", f"must be < 1, got {beta}")
-        return Claim(o.model_id, o.seq_id, OpKind.OPTIM_STEP, 0)
+        return Claim(o.model_id, o.seq_id, OpKind.OPTIM_STEP, 0, live_session=model.session_id)
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.OPTIM if current <= Phase.PASS else None

@@ -23,7 +23,7 @@ class Sample(Op):
         """Every rule of a sample, judged here once: the gateway only checks its address and
         the engines trust what is admitted."""
         s = req.sample
-        await ctx.catalog.live_sampler(req.owner, s.sampling_session_id)
+        sampler = await ctx.catalog.addressed_sampler(req.owner, s.sampling_session_id)
         translate.inline_assets(s.prompt_chunks, "prompt", ctx.sample_images)
         prompt, _ = translate.sample_prompt(s, ctx.sample_images)  # images become their tokens
         limits = ctx.limits
@@ -32,7 +32,9 @@ class Sample(Op):
         _check_prompt(prompt, ctx)
         _check_params(s.params, len(prompt), ctx.card.max_context_length)
         _check_logprobs(s, len(prompt), ctx.card.vocab_size)
-        return SampleClaim(s.sampling_session_id, s.seq_id, s.num_samples)
+        return SampleClaim(
+            s.sampling_session_id, s.seq_id, s.num_samples, live_session=sampler.session_id
+        )
 
 
 def _check_prompt(prompt: list[int], ctx: SubmitContext) -> None:

@@ -62,7 +62,7 @@ class Save(SingleOp):
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
         s = req.save_weights
-        await ctx.owned_model(req.owner, s.model_id)
+        model = await ctx.owned_model(req.owner, s.model_id)
         check_seq(s.seq_id)
         if s.HasField("name"):
             validate_name(s.name, "path")
@@ -78,7 +78,7 @@ class Save(SingleOp):
             if s.kind != pb.CHECKPOINT_KIND_EXTERNAL:
                 raise UserInputError(encryption.FIELD, "only save_weights_external encrypts")
             encryption.parse_recipients(list(s.age_recipients))
-        return Claim(s.model_id, s.seq_id, OpKind.SAVE, 0)
+        return Claim(s.model_id, s.seq_id, OpKind.SAVE, 0, live_session=model.session_id)
 
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PRE if current == Phase.PRE else Phase.POST

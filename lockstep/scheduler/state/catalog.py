@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+from cachetools import LRUCache
+
 from lockstep.engine.types import ModelCard
 from lockstep.errors import UserInputError
 from lockstep.paths import TinkerPath, checkpoint_dir
@@ -31,6 +33,11 @@ class OverCapacity(RuntimeError):
     """A queue is full right now: the client should retry later (429 / try_again)."""
 
 
+# Models and samplers whose owner and session one scheduler keeps in memory (a record is a few
+# hundred bytes).
+ADDRESSED_KEPT = 100_000
+
+
 class Catalog:
     def __init__(
         self, store: Store, card: ModelCard, served_names: list[str], data_dir: Path
@@ -39,6 +46,11 @@ class Catalog:
         self.card = card
         self.served_names = served_names
         self.data_dir = data_dir
+        # Models and samplers found live by this process (addressed_model, addressed_sampler):
+        # their owner and session, by id (model and sampler ids never collide).
+        self._addressed: LRUCache[str, ModelRecord | SamplerRecord] = LRUCache(
+            maxsize=ADDRESSED_KEPT
+        )
 
     # ------------------------------------------------------------------ base models
     def resolve_base_model(self, name: str) -> ModelCard:
@@ -81,6 +93,40 @@ class Catalog:
         permanent 400, not a 404 (its runs and checkpoints still exist)."""
         rec = await self.owned_session(owner, session_id)
         return _live(rec, field)
+
+    async def addressed_model(self, owner: str, model_id: str) -> ModelRecord:
+        """A model of `owner` as this process last found it live (`live_model`, read once):
+        its owner and session never change, so a request on it reads nothing here; its claim
+        checks that the model still exists and its session has not ended (`claims.NotLive`,
+        answered as `live_model` would by `not_live`). Only the record's owner and session
+        may be relied on: the rest may be stale."""
+        rec = self._addressed.get(model_id)
+        if not isinstance(rec, ModelRecord):
+            rec = await self.live_model(owner, model_id)
+            self._addressed[model_id] = rec
+        elif rec.owner != owner:
+            raise NotFound(f"model {model_id} does not exist")
+        return rec
+
+    async def addressed_sampler(self, owner: str, sampler_id: str) -> SamplerRecord:
+        """`addressed_model` for a sampler (`live_sampler`, read once per process)."""
+        rec = self._addressed.get(sampler_id)
+        if not isinstance(rec, SamplerRecord):
+            rec = await self.live_sampler(owner, sampler_id)
+            self._addressed[sampler_id] = rec
+        elif rec.owner != owner:
+            raise NotFound(f"sampler {sampler_id} does not exist")
+        return rec
+
+    def not_live(self, name: str, session_id: str, state: str, sampler: bool = False) -> Exception:
+        """What a claim that found model (or sampler) `name` of session `session_id` not live
+        (`claims.NotLive.state`) answers: the refusal `live_model` / `live_sampler` gives."""
+        self._addressed.pop(name, None)
+        if state == "ended":
+            return _ended(session_id, "sampling_session_id" if sampler else "model_id")
+        if state == "no_session":
+            return NotFound(f"session {session_id} does not exist")
+        return NotFound(f"{'sampler' if sampler else 'model'} {name} does not exist")
 
     async def live_model(self, owner: str, model_id: str) -> ModelRecord:
         """A model of `owner` whose session has not ended (what a training request needs), read
@@ -239,9 +285,13 @@ def _owned_session(rec: SessionRecord | None, owner: str, session_id: str) -> Se
 
 def _live(rec: SessionRecord, field: str) -> SessionRecord:
     if rec.finished:
-        raise UserInputError(
-            field,
-            f"session {rec.session_id} has ended (closed, or no heartbeat within the expiry); "
-            "its checkpoints remain: start a new session and load them",
-        )
+        raise _ended(rec.session_id, field)
     return rec
+
+
+def _ended(session_id: str, field: str) -> UserInputError:
+    return UserInputError(
+        field,
+        f"session {session_id} has ended (closed, or no heartbeat within the expiry); "
+        "its checkpoints remain: start a new session and load them",
+    )

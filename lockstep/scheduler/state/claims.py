@@ -52,11 +52,28 @@ end
 """
 
 
+def _live_check(flag: str, record: str, session: str) -> str:
+    """A request on an existing model or sampler (ARGV `flag` "1") is claimed only while its
+    record (KEYS `record`) exists and its session (KEYS `session`) has not ended: checked in
+    the claim itself, so admission need not read them (and a session that ends meanwhile
+    cannot slip a request in)."""
+    return f"""
+if ARGV[{flag}] == '1' then
+  if redis.call('EXISTS', KEYS[{record}]) == 0 then return {{'no_record', '', ''}} end
+  local session = redis.call('GET', KEYS[{session}])
+  if not session then return {{'no_session', '', ''}} end
+  if cjson.decode(session)['finished'] == true then return {{'ended', '', ''}} end
+end
+"""
+
+
 # Training. KEYS[4] active models, KEYS[5] model, KEYS[6] session's models, KEYS[7] owner's
-# runs, KEYS[8] all models. ARGV[6] seq_id, ARGV[7] model id, ARGV[8] new model record ('' if
-# none), ARGV[9] its creation time, ARGV[10] runs per key limit, ARGV[11] server runs limit.
+# runs, KEYS[8] all models, KEYS[9] the model's session. ARGV[6] seq_id, ARGV[7] model id,
+# ARGV[8] new model record ('' if none), ARGV[9] its creation time, ARGV[10] runs per key
+# limit, ARGV[11] server runs limit, ARGV[12] "1": check the model is live (_live_check).
 CLAIM_TRAINING = (
-    _HEAD
+    _live_check("12", "5", "9")
+    + _HEAD
     + _refuse_past_backlog("ZCARD")
     + """
 if ARGV[8] ~= '' then
@@ -66,7 +83,7 @@ if ARGV[8] ~= '' then
   local everyone = redis.call('SCARD', KEYS[8])
   if total > 0 and everyone >= total then return {'max_tenants', '', tostring(everyone)} end
 end
-local FIELDS = 12
+local FIELDS = 13
 """
     + _WRITE_JOB
     + """
@@ -82,12 +99,14 @@ return {'created', ARGV[1], ''}
 """
 )
 
-# Sampling: the queue is the sampling lane's FIFO list.
+# Sampling: the queue is the sampling lane's FIFO list. KEYS[4] the sampler, KEYS[5] its
+# session; ARGV[6] "1": check the sampler is live (_live_check).
 CLAIM_SAMPLE = (
-    _HEAD
+    _live_check("6", "4", "5")
+    + _HEAD
     + _refuse_past_backlog("LLEN")
     + """
-local FIELDS = 6
+local FIELDS = 7
 """
     + _WRITE_JOB
     + """
@@ -107,6 +126,18 @@ class TenantLimitReached(Exception):
     def __init__(self, limit: str, count: int, most: int) -> None:
         super().__init__(f"{limit}: {count} runs, at most {most}")
         self.limit, self.count, self.most = limit, count, most
+
+
+class NotLive(Exception):
+    """The claim found the model or sampler gone, or its session gone or ended (`state`:
+    no_record, no_session, ended)."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__(state)
+        self.state = state
+
+
+NOT_LIVE = ("no_record", "no_session", "ended")
 
 
 class QueueFull(Exception):
@@ -131,6 +162,9 @@ class TrainingClaim:
     backlog: int = 0  # refuse (QueueFull) when the model already has this many queued
     max_runs_per_key: int = 0
     max_runs: int = 0
+    # The session of the existing model the request is for, checked live by the claim
+    # (NotLive); None: no check (a new model, or a refused request holding its seq_id).
+    live_session: str | None = None
 
 
 def new_request_id() -> str:
@@ -181,7 +215,7 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
     session = model.session_id if model is not None else ""
     reply = await redis.eval(
         CLAIM_TRAINING,
-        8,
+        9,
         keys.seq_claim(c.model_id, c.seq_id),
         keys.job(rid),
         keys.pending(c.model_id),
@@ -190,6 +224,7 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
         keys.session_models(session),
         keys.owner_runs(c.owner),
         keys.ALL_MODELS,
+        keys.session(c.live_session or ""),
         rid,
         want,
         c.backlog,
@@ -201,9 +236,12 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
         0.0 if model is None else model.created,
         c.max_runs_per_key,
         c.max_runs,
+        "0" if c.live_session is None else "1",
         *_flat(fields),
     )
     state, found, detail = (part.decode() for part in reply)
+    if state in NOT_LIVE:
+        raise NotLive(state)
     if state == "max_tenants_per_key":
         raise TenantLimitReached(state, int(detail), c.max_runs_per_key)
     if state == "max_tenants":
@@ -220,25 +258,32 @@ async def claim_sample(
     payload: bytes,
     backlog: int,
     ttl_s: int,
+    live_session: str | None = None,
 ) -> tuple[str, bool]:
     """Queue a sample request exactly once; (request id, created). The claim expires with
-    the results (`ttl_s`)."""
+    the results (`ttl_s`). With `live_session` (the sampler's session), only while the sampler
+    exists and its session has not ended (else NotLive)."""
     rid, want = new_request_id(), digest(payload)
     fields = job_fields(rid, OpKind.SAMPLE, owner, sampler_id, seq_id, want, payload, 0)
     reply = await redis.eval(
         CLAIM_SAMPLE,
-        3,
+        5,
         keys.sample_claim(sampler_id, seq_id),
         keys.job(rid),
         keys.SAMPLE_QUEUE,
+        keys.sampler(sampler_id),
+        keys.session(live_session or ""),
         rid,
         want,
         backlog,
         keys.job(""),
         ttl_s,
+        "0" if live_session is None else "1",
         *_flat(fields),
     )
     state, found, detail = (part.decode() for part in reply)
+    if state in NOT_LIVE:
+        raise NotLive(state)
     return _answer(state, found, detail, want)
 
 

@@ -109,22 +109,38 @@ def progress_of(raw: list[bytes | None]) -> tuple[int, int | None]:
     return int(raw[0] or 0), None if raw[1] is None else int(raw[1])
 
 
+# The cycle number reached: stored unless a larger one is (KEYS[1] the clock, ARGV[1] it).
+_ADVANCE_CLOCK = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
 async def commit_ops(
-    redis: Any, result_ttl_s: int, pairs: Sequence[tuple[QueuedOp, Outcome]]
+    redis: Any,
+    result_ttl_s: int,
+    pairs: Sequence[tuple[QueuedOp, Outcome]],
+    clock: int | None = None,
 ) -> list[bool]:
     """Record each op's outcome (one script per op, all in one round trip), in the order given:
-    a model's ops must come in seq_id order. Idempotent: an op no longer pending was committed
-    already (False)."""
+    a model's ops must come in seq_id order; with `clock`, the cycle number reached (never moved
+    back). Idempotent: an op no longer pending was committed already (False)."""
     models = await _models_before(redis, pairs)
     todo = list(range(len(pairs)))
     committed = [False] * len(pairs)
-    while todo:
+    while todo or clock is not None:
         async with redis.pipeline(transaction=False) as pipe:
+            if clock is not None:
+                pipe.eval(_ADVANCE_CLOCK, 1, keys.CLOCK, clock)
             for i in todo:
                 op, outcome = pairs[i]
                 args = _args(op, outcome, models.get(i, (b"", b"")), result_ttl_s)
                 pipe.eval(COMMIT_OP, 9, *_keys(op, outcome), *args)
             replies = await pipe.execute()
+        if clock is not None:
+            replies, clock = replies[1:], None
         retry = [i for i, reply in zip(todo, replies, strict=True) if int(reply) < 0]
         for i, reply in zip(todo, replies, strict=True):
             committed[i] = int(reply) == 1

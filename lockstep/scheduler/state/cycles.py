@@ -61,6 +61,7 @@ class Cycles:
         self.redis = redis
         self.jobs = jobs
         self.result_ttl_s = jobs.result_ttl_s
+        self._clock: int | None = None  # the last cycle number given (begin)
 
     async def queued_ops(self) -> tuple[dict[str, list[QueuedOp]], dict[str, int]]:
         """Every active model's queued requests in seq order, and each model's next seq_id:
@@ -94,14 +95,22 @@ class Cycles:
         return queues, next_seq
 
     async def begin(self, request_ids: Sequence[str]) -> tuple[int, dict[str, bytes]]:
-        """The new cycle's number and the payloads of its requests, in one round trip."""
+        """The new cycle's number and the payloads of its requests (not held decoded): at most
+        one round trip, none when every payload is held. The clock numbers its cycles in
+        process, from the number Redis keeps (read once), and each commit stores the number it
+        reached (`commit`): a cycle that never commits (aborted, or its scheduler died) wrote
+        nothing under its number, so a restart may give that number again."""
+        if self._clock is None:
+            self._clock = int(await self.redis.get(keys.CLOCK) or 0)
+        self._clock += 1
+        if not request_ids:
+            return self._clock, {}
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.incr(keys.CLOCK)
             for rid in request_ids:
                 pipe.hget(keys.job(rid), "payload")
-            cycle, *payloads = await pipe.execute()
+            payloads = await pipe.execute()
         found = zip(request_ids, payloads, strict=True)
-        return int(cycle), {rid: p for rid, p in found if p is not None}
+        return self._clock, {rid: p for rid, p in found if p is not None}
 
     async def progress(self, model_id: str) -> tuple[int, int | None]:
         """(next_seq, snapshot_seq) of a model."""
@@ -111,8 +120,9 @@ class Cycles:
 
     async def commit(self, pairs: Sequence[tuple[QueuedOp, Outcome]]) -> list[bool]:
         """Record each op's outcome, each atomically (`commit.commit_ops`), all in one round
-        trip; a model's ops come in seq_id order. False: that op was committed already."""
-        return await commit.commit_ops(self.redis, self.result_ttl_s, pairs)
+        trip, with the cycle number reached; a model's ops come in seq_id order. False: that op
+        was committed already."""
+        return await commit.commit_ops(self.redis, self.result_ttl_s, pairs, self._clock)
 
     async def commit_one(self, op: QueuedOp, outcome: Outcome) -> bool:
         """Record one op's outcome (see `commit`)."""

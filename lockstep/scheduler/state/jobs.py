@@ -65,9 +65,17 @@ class Jobs:
         return await claims.claim_training(self.redis, claim)
 
     async def claim_sample(
-        self, *, owner: str, sampler_id: str, seq_id: int, payload: bytes, backlog: int = 0
+        self,
+        *,
+        owner: str,
+        sampler_id: str,
+        seq_id: int,
+        payload: bytes,
+        backlog: int = 0,
+        live_session: str | None = None,
     ) -> tuple[str, bool]:
-        """Queue a sample request exactly once; QueueFull past `backlog` queued samples."""
+        """Queue a sample request exactly once; QueueFull past `backlog` queued samples; with
+        `live_session`, NotLive unless the sampler exists and that session has not ended."""
         return await claims.claim_sample(
             self.redis,
             owner=owner,
@@ -76,6 +84,7 @@ class Jobs:
             payload=payload,
             backlog=backlog,
             ttl_s=self.result_ttl_s,
+            live_session=live_session,
         )
 
     async def get(self, request_id: str, payload: bool = True) -> Job | None:

@@ -17,7 +17,7 @@ from enum import IntEnum, StrEnum
 
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.batch import WriteBatch
-from lockstep.scheduler.state.jobs import Job
+from lockstep.scheduler.state.jobs import Job, job_from
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, JobStatus
@@ -26,6 +26,11 @@ from lockstep.vocab import ErrorCategory, JobStatus
 CLONE_SPAN = 1_000_000_000
 # Completions handed out per poll (the rest come on the next one, at once).
 MAX_PER_POLL = 1000
+# Result bytes a poll sends along with its completions (what the SDK's retrieve_future of each
+# will ask for next: the gateway answers those itself); the rest are fetched as usual.
+PREFETCH_BYTES_PER_POLL = 4 << 20
+# The job fields a prefetched answer is made of.
+_ANSWER_FIELDS = ("status", "result", "error", "category")
 # Completions one log keeps unacknowledged. A client that waits per request (older SDKs,
 # --sample-polling per-request) never acknowledges any; a session poller acknowledges on every
 # poll and is never this far behind (the sample queue itself holds at most 20000 by default).
@@ -168,25 +173,44 @@ async def pending(store: Store, request_ids: list[str]) -> set[str]:
 class Completions:
     entries: list[pb.FutureCompletion]
     cursor: int
+    # The finished job (status, result, error) of each completion sent with its answer.
+    answers: dict[str, Job]
 
 
 # One poll in one round trip. KEYS: the sampler's record, completion log, its cursor. ARGV: the
-# caller, prev_cursor, most entries. Nil: no such sampler of the caller's (nothing touched);
-# else {last cursor, entries after prev_cursor} once the entries at or before it are dropped.
+# caller, prev_cursor, most entries, prefetch budget (bytes), job key prefix. Nil: no such
+# sampler of the caller's (nothing touched); else {last cursor, entries after prev_cursor, the
+# answer fields of each entry (false past the prefetch budget)} once the entries at or before
+# prev_cursor are dropped.
 _SINCE = """
 local rec = redis.call('GET', KEYS[1])
 if not rec or cjson.decode(rec)['owner'] ~= ARGV[1] then return nil end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
 local last = redis.call('GET', KEYS[3]) or '0'
-return {last, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf', 'LIMIT', 0, ARGV[3])}
+local entries = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf', 'LIMIT', 0, ARGV[3])
+local budget = tonumber(ARGV[4])
+local answers = {}
+for i, entry in ipairs(entries) do
+  local rid = string.match(entry, '^[^|]*|[^|]*|([^|]*)|')
+  local f = redis.call('HMGET', ARGV[5] .. rid, 'status', 'result', 'error', 'category')
+  local size = f[2] and #f[2] or 0
+  if f[1] and size <= budget then
+    budget = budget - size
+    answers[i] = f
+  else
+    answers[i] = false
+  end
+end
+return {last, entries, answers}
 """
 
 
 async def since(
     store: Store, owner: str, sampling_session_id: str, clone: int, prev_cursor: int
 ) -> Completions | None:
-    """The completions after `prev_cursor`; those at or before it are dropped (seen). None: the
-    sampling session is not `owner`'s (or does not exist), and nothing was dropped."""
+    """The completions after `prev_cursor`, with the finished jobs of those that fit the
+    prefetch budget; those at or before it are dropped (seen). None: the sampling session is
+    not `owner`'s (or does not exist), and nothing was dropped."""
     found = await store.redis.eval(
         _SINCE,
         3,
@@ -196,10 +220,12 @@ async def since(
         owner,
         prev_cursor,
         MAX_PER_POLL,
+        PREFETCH_BYTES_PER_POLL,
+        keys.job(""),
     )
     if found is None:
         return None
-    last_raw, raw = found
+    last_raw, raw, answer_fields = found
     last = int(last_raw)
     if prev_cursor > last:
         raise CursorAhead(
@@ -208,8 +234,9 @@ async def since(
             "server's state was reset)"
         )
     entries = []
+    answers = {}
     cursor = prev_cursor
-    for item in raw:
+    for item, fields in zip(raw, answer_fields, strict=True):
         at, state, rid, size = item.decode().split("|")
         cursor = int(at)
         entries.append(
@@ -217,7 +244,10 @@ async def since(
                 request_id=rid, failed=state == LogState.FAILED, payload_size=int(size)
             )
         )
-    return Completions(entries, cursor)
+        if fields:  # sent along: what its retrieve_future would read
+            present = zip(_ANSWER_FIELDS, fields, strict=True)
+            answers[rid] = job_from(rid, {k: v for k, v in present if v is not None})
+    return Completions(entries, cursor, answers)
 
 
 async def join(store: Store, sampling_session_id: str) -> int:
