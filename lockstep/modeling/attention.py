@@ -131,7 +131,7 @@ def row_attention_forward(
     dim_v = value.shape[-1]
     layout = packing.current()
     if layout is None or batch != 1:
-        split = zip(query.split(1), key.split(1), value.split(1), strict=True)
+        split = zip(*(torch.split(t, 1) for t in (query, key, value)), strict=True)
         rows = [_row(q, k, v, scaling, sliding_window, s_aux) for q, k, v in split]
         return torch.stack(rows), None
     if varlen_takes(query, value, sliding_window, s_aux):
@@ -150,7 +150,7 @@ def row_attention_forward(
     if at < seq:
         sizes.append(seq - at)
         real.append(False)
-    split = zip(*(t.split(sizes, dim=2) for t in (query, key, value)), strict=True)
+    split = zip(*(torch.split(t, sizes, dim=2) for t in (query, key, value)), strict=True)
     parts = [
         _row(q, k, v, scaling, sliding_window, s_aux) if row else query.new_zeros(n, heads, dim_v)
         for row, n, (q, k, v) in zip(real, sizes, split, strict=True)

@@ -176,7 +176,7 @@ class MultiLoRALinear(nn.Module):
         else:
             # One split of the run (its backward one concatenation, not a zero-filled gradient
             # of x per adapter), then each adapter's own GEMM pair over its tokens.
-            pieces = covered.split([s.stop - s.start for s in segments])
+            pieces = torch.split(covered, [s.stop - s.start for s in segments])
             deltas = [slot.pair(seg, xi, per_row) for seg, xi in zip(segments, pieces, strict=True)]
             delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas)
         return _assemble_run(delta, run, rows, per_row, slot.out_features)

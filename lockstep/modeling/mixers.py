@@ -47,7 +47,7 @@ def run_per_row(module: nn.Module, narrow: Narrow) -> None:
         blocks = layout.blocks()
         # One split (its backward one concatenation), not a slice per block (each slice's
         # backward a zero-filled gradient of the whole sequence).
-        pieces = hidden.split([width for _, width in blocks], dim=1)
+        pieces = torch.split(hidden, [width for _, width in blocks], dim=1)
         outs = []
         for (start, width), piece in zip(blocks, pieces, strict=True):
             with narrow(start, start + width):
