@@ -123,7 +123,7 @@ def test_an_abandoned_sample_is_cancelled_on_the_server(
         _wait_calls(server, "/api/v1/asample", sent + 1)  # its future exists on the server
         victim.future().cancel()  # abandoned
         _wait_calls(server, "/api/v1/cancel_future", cancels)
-    assert server.log().count("cancelled by its client") == logged + 1
+    assert server.log().count("cancelled by its client") > logged
     assert len(blocker.result(timeout=3 * WAIT_S).sequences[0].tokens) == RUNNING
     # the sampler still serves what comes next
     after = sampler.sample(prompt=_prompt(13), num_samples=1, sampling_params=short)
