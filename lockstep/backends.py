@@ -52,11 +52,24 @@ def start_engines(
             ),
         )
     deadline = Deadline(engine.deadline_s, engine.deadline_per_token_s)
-    # The sampler starts beside the trainer (its process's imports overlap the trainer's start)
-    # and loads its model once the trainer is up, which has then measured the memory left to it.
+    if sampler.kind != "local":
+        # Launched after the trainer, from this thread: an external engine's launcher ties the
+        # engine's life to the thread that launched it (PR_SET_PDEATHSIG, rollout/launcher.py).
+        trainer = ProcessTrainingEngine(factory, "trainer", deadline)
+        try:
+            sampling = rollout_config.start_sampler(
+                sampler, model_dir, served_name, data_dir, deadline
+            )
+        except BaseException:
+            trainer.close()
+            raise
+        return trainer, sampling
+    # The local sampler's process starts beside the trainer's (its imports overlap the trainer's
+    # start) and loads its model once the trainer is up, which has then measured the memory left
+    # to it.
     trainer_up: Future[None] = Future()
     with ThreadPoolExecutor(1, thread_name_prefix="sampler-start") as pool:
-        sampling = pool.submit(
+        local = pool.submit(
             rollout_config.start_sampler,
             sampler,
             model_dir,
@@ -72,7 +85,7 @@ def start_engines(
             raise
         trainer_up.set_result(None)
         try:
-            return trainer, sampling.result()
+            return trainer, local.result()
         except BaseException:
             trainer.close()
             raise

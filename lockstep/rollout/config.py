@@ -42,14 +42,11 @@ def start_sampler(
 ) -> SamplingEngine:
     """Build the configured sampling engine (this may start a server and wait for it).
 
-    With `after`, it loads the model only once `after` is done (the trainer is up; if that
-    fails, so does this): the local sampler's process starts at once and waits, an external
-    engine is launched then."""
+    `after` (the local sampler): its process starts at once and loads the model only once
+    `after` is done (the trainer is up; if that fails, so does this)."""
     logs = data_dir / "logs"
     slots = cfg.resident_adapters
     if cfg.kind != "local":
-        if after is not None:
-            after.result()
         check_external_family(cfg.kind, model_dir)
     if cfg.kind == "vllm":
         from lockstep.rollout.vllm import VllmLaunchConfig, VllmSamplingEngine
