@@ -2,14 +2,21 @@
 
 `start_server` runs `python -m lockstep.cli serve` on a free loopback port with its own data dir
 and returns once `/api/v1/healthz` answers 200; `stop_server` drains it with SIGTERM.
+
+A server of the built-in model finds it already in its data dir: it is built once per process
+(the same bytes in every directory, lockstep.modeling.tiny) and copied there, which spares every
+further server its seconds of building.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -29,6 +36,31 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
+_built: list[Path] = []  # this process's build of the default model
+
+
+def _default_model() -> Path:
+    from lockstep.modeling.tiny import ensure_default_model
+
+    if not _built:
+        cache = Path(tempfile.mkdtemp(prefix="lockstep-default-model-"))
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        _built.append(ensure_default_model(cache))
+    return _built[0]
+
+
+def _seed_default_model(data_dir: Path) -> None:
+    """Copy the built default model where `lockstep serve --data-dir data_dir` looks for it."""
+    built = _default_model()
+    target = data_dir / "models" / built.name
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=".copy-", dir=target.parent))
+    shutil.copytree(built, partial, dirs_exist_ok=True)
+    os.rename(partial, target)  # atomic, as a build is: nothing or a complete directory
+
+
 def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
     """Start `lockstep serve --data-dir data_dir *extra` and wait until it is healthy.
 
@@ -37,6 +69,8 @@ def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
     port = free_port()
     log_path = data_dir.parent / f"{data_dir.name}-serve.log"
     data_dir.mkdir(parents=True, exist_ok=True)
+    if not any(arg.split("=")[0] in ("--model", "--config") for arg in extra):
+        _seed_default_model(data_dir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -66,7 +100,7 @@ def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
                     return server
         except OSError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)
     stop_server(server)
     raise RuntimeError(f"lockstep serve not ready in {timeout}s:\n{server.log()[-5000:]}")
 

@@ -6,6 +6,11 @@ default settings counts each such ping as abuse (it allows a ping without calls 
 5 minutes) and, after two strikes, answers GOAWAY ENHANCE_YOUR_CALM "too_many_pings" and drops the
 connection, failing whatever call was in flight at that moment. So the server must be told the
 client's policy: `server_options` permits pings without calls at twice the client's rate.
+
+The channel also retries a failed connection at most half a second apart. gRPC's default backoff
+grows from 1 s by 1.6x up to 2 minutes, so a gateway that started before its scheduler listened
+(every `lockstep serve`: the scheduler loads the engines first) or that lost a restarted scheduler
+kept answering 503 for seconds, up to minutes, after the scheduler was back.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ class KeepalivePolicy:
 
 
 KEEPALIVE = KeepalivePolicy()
+# Reconnecting to a local scheduler is cheap; being cut off from it for long is not.
+RECONNECT_FIRST_MS = 100
+RECONNECT_MAX_MS = 500
 
 
 def _message_limits(max_message_bytes: int) -> Options:
@@ -45,6 +53,8 @@ def channel_options(max_message_bytes: int, policy: KeepalivePolicy = KEEPALIVE)
         ("grpc.keepalive_timeout_ms", policy.ping_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),  # no cap on pings between data frames
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
     ]
 
 

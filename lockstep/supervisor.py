@@ -11,9 +11,11 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -72,6 +74,7 @@ class Supervisor:
         self.host, self.port = cfg.gateway.host, cfg.gateway.port
         self.children: list[Child] = []
         self.metrics_port = cfg.metrics.port or 0
+        self.redis_url = ""
         self._stopping = False
 
     def _redis(self) -> tuple[Child | None, str]:
@@ -117,6 +120,7 @@ class Supervisor:
         """The children's commands: each gets the one resolved config (`--config FILE`), its
         wiring filled in here (Redis URL, gRPC address, ports, secret file)."""
         redis_child, redis_url = self._redis()
+        self.redis_url = redis_url
         if redis_child is not None:
             self.children.append(redis_child)
         # `lockstep admin` finds the (embedded, randomly ported) Redis of this data dir here
@@ -188,12 +192,25 @@ class Supervisor:
         for child in self.children:
             child.start()
             if child.name == "redis":
-                time.sleep(0.2)
+                self._wait_accepting(child, self.redis_url)
+
+    @staticmethod
+    def _wait_accepting(child: Child, url: str, timeout: float = 10) -> None:
+        """Until Redis takes connections (a few ms), so the scheduler's first ping finds it;
+        past `timeout` the scheduler starts anyway (and is restarted if that ping fails)."""
+        port = urllib.parse.urlsplit(url).port
+        deadline = time.monotonic() + timeout
+        while child.running() and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port or 6379), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.01)
 
     def watch(self) -> int:
         """Keep the children running until asked to stop. Returns the exit code."""
         while not self._stopping:
-            time.sleep(0.5)
+            time.sleep(0.1)
             for child in self.children:
                 if self._stopping or child.running():
                     continue

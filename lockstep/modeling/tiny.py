@@ -18,9 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from tokenizers import Tokenizer
 
 DEFAULT_MODEL_NAME = "Lockstep/tiny-qwen3"
@@ -102,6 +101,7 @@ def write_tokenizer(
 
 def build_tiny_model(directory: Path, corpus: str) -> None:
     """Write the tokenizer and the random-init model into an existing empty `directory`."""
+    import torch  # here, not at the top: `lockstep serve` finds a built model without it
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     eos_id, vocab = write_tokenizer(directory, corpus)
@@ -157,6 +157,8 @@ def _portable_tokenizer_config(path: Path) -> None:
 
 def init_weights(model: torch.nn.Module, std: float) -> None:
     """Norms = 1, everything else N(0, std) from a generator seeded by the parameter's name."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -6,7 +6,7 @@ or `--sampler-url URL` (attach to an engine someone else runs; the kind says whi
 
 from __future__ import annotations
 
-import functools
+from concurrent.futures import Future
 from pathlib import Path
 
 from lockstep.config import SamplerConfig
@@ -38,8 +38,12 @@ def start_sampler(
     served_name: str,
     data_dir: Path,
     deadline: Deadline = NO_DEADLINE,
+    after: Future[None] | None = None,
 ) -> SamplingEngine:
-    """Build the configured sampling engine (this may start a server and wait for it)."""
+    """Build the configured sampling engine (this may start a server and wait for it).
+
+    `after` (the local sampler): its process starts at once and loads the model only once
+    `after` is done (the trainer is up; if that fails, so does this)."""
     logs = data_dir / "logs"
     slots = cfg.resident_adapters
     if cfg.kind != "local":
@@ -80,22 +84,14 @@ def start_sampler(
                 log_file=logs / "sglang.log",
             )
         )
-    from lockstep.rollout.local import LocalSamplingEngine
-    from lockstep.workers.process import ProcessSamplingEngine
+    from lockstep.workers.process import NamedFactory, ProcessSamplingEngine
 
-    local = functools.partial(
-        LocalSamplingEngine,
-        model_dir,
-        served_name,
-        slots,
-        dtype=None if cfg.dtype == "auto" else cfg.dtype,
-        decode=cfg.decode,
+    local = NamedFactory(  # named, not imported: the sampler's process loads torch
+        "lockstep.rollout.local:LocalSamplingEngine",
+        (model_dir, served_name, slots),
+        {"dtype": None if cfg.dtype == "auto" else cfg.dtype, "decode": cfg.decode},
     )
-    return ProcessSamplingEngine(
-        local,
-        "sampler",
-        deadline,
-    )
+    return ProcessSamplingEngine(local, "sampler", deadline, after)
 
 
 def _has_gpu() -> bool:

@@ -258,8 +258,8 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     for task in tasks:
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(task, timeout=30)
-    trainer.close()
-    sampler.close()
+    # Each engine process takes a second or so to exit (torch's teardown): close both at once.
+    await asyncio.gather(asyncio.to_thread(trainer.close), asyncio.to_thread(sampler.close))
     parts.submissions.custom_losses.pricer.close()
     await store.close()
     if ops is not None:

@@ -15,13 +15,16 @@ answers EngineDied and exits instead of serving another call on it: the caller r
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -109,9 +112,33 @@ def share_cores() -> int:
     return threads
 
 
+@dataclass(frozen=True)
+class NamedFactory:
+    """Builds `target` ("module:Class") with these arguments, in the engine's process.
+
+    The engine's class is named, not imported: the process that starts the engine (the
+    scheduler) never loads torch and transformers (seconds of start-up, memory it has no use
+    for); the engine's process loads them as soon as it starts (`load`)."""
+
+    target: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Callable[..., Any]:
+        module, _, name = self.target.partition(":")
+        built: Callable[..., Any] = getattr(importlib.import_module(module), name)
+        return built
+
+    def __call__(self) -> Any:
+        return self.load()(*self.args, **self.kwargs)
+
+
 def _serve(factory: Callable[[], Any], conn: Connection) -> None:
     try:
         share_cores()
+        if isinstance(factory, NamedFactory):
+            factory.load()  # its imports, before the go-ahead (EngineProcess `after`)
+        conn.recv()  # the go-ahead
         engine = factory()
     except BaseException as exc:  # report start-up failures instead of dying silently
         conn.send((False, RuntimeError(f"engine failed to start: {exc!r}")))
@@ -139,7 +166,14 @@ def _serve(factory: Callable[[], Any], conn: Connection) -> None:
 
 
 class EngineProcess:
-    """A child process hosting one engine object built by `factory` (which must pickle)."""
+    """A child process hosting one engine object built by `factory` (which must pickle).
+
+    With `after`, the child starts at once (Python and the engine's modules load, which is most
+    of an engine's start-up) but builds its engine only once `after` is done: an engine whose
+    start must not overlap another's (the trainer measures the memory left to it once loaded)
+    still spends its import time beside it. If `after` fails, the child is stopped and its
+    error raised.
+    """
 
     def __init__(
         self,
@@ -147,6 +181,7 @@ class EngineProcess:
         name: str,
         start_timeout: float = 600,
         deadline: Deadline = NO_DEADLINE,
+        after: Future[None] | None = None,
     ) -> None:
         self.name = name
         self.deadline = deadline
@@ -154,9 +189,9 @@ class EngineProcess:
         self.start_timeout = start_timeout
         self.restarts = 0
         self._lock = threading.Lock()
-        self._start()
+        self._start(after)
 
-    def _start(self) -> None:
+    def _start(self, after: Future[None] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -165,6 +200,15 @@ class EngineProcess:
         with _engine_env():
             self._proc.start()
         child.close()
+        if after is not None:
+            try:
+                after.result()
+            except BaseException:
+                self._proc.kill()
+                self._proc.join(5)
+                raise
+        with contextlib.suppress(OSError):  # a child already gone: recv says so below
+            self._conn.send(None)  # go ahead: build the engine
         if not self._conn.poll(self.start_timeout):
             self.close()
             raise EngineDied(f"{self.name} did not start within {self.start_timeout}s")
@@ -307,8 +351,9 @@ class ProcessSamplingEngine(SamplingEngine):
         factory: Callable[[], SamplingEngine],
         name: str = "sampler",
         deadline: Deadline = NO_DEADLINE,
+        after: Future[None] | None = None,
     ) -> None:
-        self.process = EngineProcess(factory, name, deadline=deadline)
+        self.process = EngineProcess(factory, name, deadline=deadline, after=after)
         self._card: ModelCard = self.process.call("card")
         self._rows: dict[str, int] = {}  # rows of the generations running in slices
         self._capabilities: SamplerCapabilities = self.process.call("capabilities")

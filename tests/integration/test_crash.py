@@ -92,9 +92,9 @@ def serve_child(server: Server, module: str) -> psutil.Process:
     raise AssertionError(f"no {module} under lockstep serve")
 
 
-def trainer_pid(server: Server) -> int:
-    pids = re.findall(r"trainer ready in process (\d+)", server.log())
-    assert pids, "the scheduler logs its trainer's pid"
+def engine_pid(server: Server, engine: str = "trainer") -> int:
+    pids = re.findall(rf"{engine} ready in process (\d+)", server.log())
+    assert pids, f"the scheduler logs its {engine}'s pid"
     return int(pids[-1])
 
 
@@ -116,9 +116,10 @@ def fresh(tmp_path: Path):  # type: ignore[no-untyped-def]
         stop_server(srv)
 
 
-def test_kill_scheduler_gateway_and_worker_mid_run(fresh) -> None:  # type: ignore[no-untyped-def]
-    calm = fresh("calm")
-    reference = [adapter(calm, p) for p in train(calm)]
+def test_kill_scheduler_gateway_and_worker_mid_run(server: Server, fresh) -> None:  # type: ignore[no-untyped-def]
+    # The uninterrupted run: on the session's server (tenants of their own; a tenant's numbers
+    # do not depend on who else the server serves).
+    reference = [adapter(server, p) for p in train(server)]
 
     stormy = fresh("stormy")
     rng = random.Random(7)
@@ -134,7 +135,7 @@ def test_kill_scheduler_gateway_and_worker_mid_run(fresh) -> None:  # type: igno
         if victim is None:
             return
         if victim == "worker":
-            kill(trainer_pid(stormy))
+            kill(engine_pid(stormy))
         else:
             kill(serve_child(stormy, f"lockstep.{victim}").pid)
         killed.append(victim)
@@ -158,14 +159,15 @@ def assert_same_adapters(
 
 
 REDIS_STEPS = 30
+POLLED_TOKENS = 32
+REQUESTS = "lockstep_http_request_duration_seconds_count"
 
 
-def test_kill_redis_mid_run(fresh) -> None:  # type: ignore[no-untyped-def]
+def test_kill_redis_mid_run(server: Server, fresh) -> None:  # type: ignore[no-untyped-def]
     """kill -9 of the embedded Redis (twice): the supervisor restarts it on its port and data
     directory, it replays its append-only file, the scheduler's client reconnects (with backoff)
     and the clock carries on where it was; no step is lost or doubled."""
-    calm = fresh("calm")
-    reference = [adapter(calm, p) for p in train(calm, steps=REDIS_STEPS)]
+    reference = [adapter(server, p) for p in train(server, steps=REDIS_STEPS)]
 
     stormy = fresh("stormy")
     kills = {8: 0.0, 20: 0.3}  # step -> pause after the kill
@@ -193,16 +195,30 @@ def test_samples_on_the_session_poller_survive_a_scheduler_kill(fresh) -> None: 
     srv = fresh("poller")
     client = tinker.ServiceClient(base_url=srv.base_url, api_key=API_KEY)
     sampler = client.create_sampling_client(base_model="Lockstep/tiny-qwen3").result()
-    # 800 tokens each: seconds of decoding, so the kill lands while they are pending.
-    params = types.SamplingParams(max_tokens=800, temperature=1.0, stop=[])
-    futures = [
-        sampler.sample(types.ModelInput.from_ints([1 + i, 2, 3]), 1, params) for i in range(8)
-    ]
-    time.sleep(0.3)  # submitted, running
-    kill(serve_child(srv, "lockstep.scheduler").pid)
-    assert not all(f.future().done() for f in futures), "all done before the kill"
+    params = types.SamplingParams(max_tokens=POLLED_TOKENS, temperature=1.0, stop=[])
+    # The sampling engine's process is stopped (SIGSTOP) until the scheduler is killed: every
+    # sample is still pending at the kill, however fast the box.
+    frozen = engine_pid(srv, "sampler")
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        futures = [
+            sampler.sample(types.ModelInput.from_ints([1 + i, 2, 3]), 1, params) for i in range(8)
+        ]
+        deadline = time.monotonic() + 60
+        while (
+            total(
+                scrape(srv.base_url + "/metrics"), REQUESTS, route="/api/v1/asample", status="200"
+            )
+            < 8
+        ):
+            assert time.monotonic() < deadline, "the samples did not reach the server"
+            time.sleep(0.1)
+        kill(serve_child(srv, "lockstep.scheduler").pid)
+        assert not any(f.future().done() for f in futures), "done before the kill"
+    finally:
+        os.kill(frozen, signal.SIGCONT)  # orphaned by the kill: it exits
     for future in futures:
-        assert len(future.result(timeout=240).sequences[0].tokens) == 800
+        assert len(future.result(timeout=240).sequences[0].tokens) == POLLED_TOKENS
     assert "scheduler exited" in srv.log()
     polls = scrape(srv.base_url + "/metrics")  # the gateway lived through it: its counts too
     assert total(polls, "lockstep_http_request_duration_seconds_count", route=POLL_ROUTE) > 0

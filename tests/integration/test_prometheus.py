@@ -173,11 +173,14 @@ def _api(base: str, path: str, **params: Any) -> Any:
 
 def _wait_for_targets(base: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
+    targets: list[dict[str, Any]] = []
     while True:
         try:
-            targets = _api(base, "targets")["activeTargets"]
-            if len(targets) == 2 and all(t["health"] == "up" for t in targets):
-                return
+            # 503 "Service Unavailable" (not JSON) until its storage is open
+            if httpx.get(f"{base}/-/ready", timeout=30).status_code == 200:
+                targets = _api(base, "targets")["activeTargets"]
+                if len(targets) == 2 and all(t["health"] == "up" for t in targets):
+                    return
         except httpx.HTTPError:
             targets = []
         assert time.monotonic() < deadline, f"targets not up: {targets}"

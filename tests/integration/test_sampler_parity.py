@@ -1,7 +1,7 @@
 """Every sampling engine that runs here serves what the local sampler serves.
 
 The same cases go through the tinker SDK to `lockstep serve --sampler local` and `--sampler vllm`
-(its venv built on first use, the `vllm_python` fixture); each engine's
+(the session's `vllm_server`, its venv built on first use); each engine's
 answers are compared with the local sampler's: n > 1 greedy and seeded, stop tokens and strings,
 prompt and top-k logprobs, max_tokens edges, and tinker-cookbook's temperature check (sampled
 logprobs at temperature T are log p_T: pairwise differences scale by 1/T). SGLang does not run
@@ -10,9 +10,6 @@ here; its engine is tested against a stand-in (tests/rollout).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,25 +17,10 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.integration.conftest import API_KEY, Server, start_server, stop_server
+from tests.integration.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.e2e
 PROMPT_TEXT = "English: banana split\nPig Latin:"
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory, vllm_python: Path) -> Iterator[Server]:
-    os.environ.setdefault("TINKER_API_KEY", API_KEY)
-    srv = start_server(
-        tmp_path_factory.mktemp("parity-vllm") / "data",
-        "--sampler",
-        "vllm",
-        "--vllm-python",
-        str(vllm_python),
-        timeout=400,
-    )
-    yield srv
-    assert stop_server(srv) == 0, srv.log()[-5000:]
 
 
 @pytest.fixture(scope="module", params=["local", "vllm"])

@@ -6,9 +6,13 @@ never runs)."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
+import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -27,6 +31,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 COUNT = "lockstep_http_request_duration_seconds_count"
 WAIT_S = 60.0
 BLOCK = 800  # tokens: a sample that keeps the sampling lane busy for a second or more
+RUNNING = 64  # tokens: a sample in flight (or just done) while the sampling engine is stopped
 MAX_BODY = 8_000_000  # --max-body-bytes of the second server
 
 
@@ -97,24 +102,40 @@ def _wait_calls(server: Server, route: str, above: float) -> None:
         time.sleep(0.1)
 
 
+@contextmanager
+def _frozen(server: Server) -> Iterator[None]:
+    """The server's sampling engine process stopped (SIGSTOP) for the block: no sample can be
+    answered meanwhile, however fast or slow the box (a call in flight waits; its deadline is
+    minutes away)."""
+    pids = re.findall(r"sampler ready in process (\d+)", server.log())
+    assert pids, "the scheduler logs its sampler's pid"
+    pid = int(pids[-1])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_an_abandoned_sample_is_cancelled_on_the_server(
     server: Server, sampler: tinker.SamplingClient
 ) -> None:
     cancels = _calls(server, "/api/v1/cancel_future")
     sent = _calls(server, "/api/v1/asample")
-    long = types.SamplingParams(max_tokens=BLOCK, temperature=1.0, stop=[])
-    blocker = sampler.sample(prompt=_prompt(11), num_samples=1, sampling_params=long)
+    logged = server.log().count("cancelled by its client")
+    running = types.SamplingParams(max_tokens=RUNNING, temperature=1.0, stop=[])
+    blocker = sampler.sample(prompt=_prompt(11), num_samples=1, sampling_params=running)
     _wait_calls(server, "/api/v1/asample", sent)
-    time.sleep(0.3)  # the lane is running it: what comes next waits for the next batch
     short = types.SamplingParams(max_tokens=2, temperature=1.0)
-    # As long as the blocker: samples share the lane in slices, so a short one would be answered
-    # before the client abandons it.
-    victim = sampler.sample(prompt=_prompt(12), num_samples=1, sampling_params=long)
-    _wait_calls(server, "/api/v1/asample", sent + 1)  # its future exists on the server
-    victim.future().cancel()  # abandoned while it is generated beside the blocker
-    _wait_calls(server, "/api/v1/cancel_future", cancels)
-    assert "cancelled by its client" in server.log()
-    assert len(blocker.result(timeout=3 * WAIT_S).sequences[0].tokens) == BLOCK
+    # Held by the stopped engine (queued, or in its call beside the blocker): it cannot be
+    # answered before the client abandons it.
+    with _frozen(server):
+        victim = sampler.sample(prompt=_prompt(12), num_samples=1, sampling_params=short)
+        _wait_calls(server, "/api/v1/asample", sent + 1)  # its future exists on the server
+        victim.future().cancel()  # abandoned
+        _wait_calls(server, "/api/v1/cancel_future", cancels)
+    assert server.log().count("cancelled by its client") > logged
+    assert len(blocker.result(timeout=3 * WAIT_S).sequences[0].tokens) == RUNNING
     # the sampler still serves what comes next
     after = sampler.sample(prompt=_prompt(13), num_samples=1, sampling_params=short)
     assert len(after.result(timeout=WAIT_S).sequences) == 1

