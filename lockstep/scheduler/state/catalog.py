@@ -9,7 +9,9 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from cachetools import LRUCache
 
@@ -33,6 +35,7 @@ class OverCapacity(RuntimeError):
     """A queue is full right now: the client should retry later (429 / try_again)."""
 
 
+Addressed = TypeVar("Addressed", ModelRecord, SamplerRecord)
 # Models and samplers whose owner and session one scheduler keeps in memory (a record is a few
 # hundred bytes).
 ADDRESSED_KEPT = 100_000
@@ -100,22 +103,28 @@ class Catalog:
         checks that the model still exists and its session has not ended (`claims.NotLive`,
         answered as `live_model` would by `not_live`). Only the record's owner and session
         may be relied on: the rest may be stale."""
-        rec = self._addressed.get(model_id)
-        if not isinstance(rec, ModelRecord):
-            rec = await self.live_model(owner, model_id)
-            self._addressed[model_id] = rec
-        elif rec.owner != owner:
-            raise NotFound(f"model {model_id} does not exist")
-        return rec
+        return await self._addressed_as(owner, model_id, ModelRecord, self.live_model, "model")
 
     async def addressed_sampler(self, owner: str, sampler_id: str) -> SamplerRecord:
         """`addressed_model` for a sampler (`live_sampler`, read once per process)."""
-        rec = self._addressed.get(sampler_id)
-        if not isinstance(rec, SamplerRecord):
-            rec = await self.live_sampler(owner, sampler_id)
-            self._addressed[sampler_id] = rec
+        return await self._addressed_as(
+            owner, sampler_id, SamplerRecord, self.live_sampler, "sampler"
+        )
+
+    async def _addressed_as(
+        self,
+        owner: str,
+        name: str,
+        kind: type[Addressed],
+        read: Callable[[str, str], Awaitable[Addressed]],
+        what: str,
+    ) -> Addressed:
+        rec = self._addressed.get(name)
+        if not isinstance(rec, kind):
+            rec = await read(owner, name)
+            self._addressed[name] = rec
         elif rec.owner != owner:
-            raise NotFound(f"sampler {sampler_id} does not exist")
+            raise NotFound(f"{what} {name} does not exist")
         return rec
 
     def not_live(self, name: str, session_id: str, state: str, sampler: bool = False) -> Exception:
