@@ -17,8 +17,10 @@ lockstep_redis_round_trips_total over the run: one per command, pipeline or tran
 Then the span profile (benchmarks/spans.py): n more forwards and samples, one at a time, with
 both processes' /metrics scraped around each and the session trace read at the end; each
 request's wall time is cut into SDK client / HTTP + gateway / gRPC hop / scheduler handler /
-Redis / clock wait / engine compute (its in-process median) / engine pipe / cycle other /
-future retrieval, and the per-part medians are reported (`spans` in the JSON, stacked bars in
+Redis / clock wait / engine compute (its in-process median) / engine idle wake (the in-process
+call paced as the server's is, IDLE_BETWEEN_S apart, over back to back: an idle core's cold
+caches and wake-up) / engine pipe / cycle other / future retrieval, and the per-part medians
+are reported (`spans` in the JSON, stacked bars in
 the PNG).
 
 Last, 8 tenants run pipelined forward_backward + optim_step loops: the scheduler process's own
@@ -83,6 +85,9 @@ TARGETS = {
     "scheduler_cpu_share": 0.08,
 }
 PROFILED = {"forward": "trainer", "sample": "sampler"}  # request kind -> its engine
+# The profiled calls are also timed in process with the engine idle this long between calls,
+# about a request's wall time through the server: the server's engine idles so between them.
+IDLE_BETWEEN_S = 0.015
 
 
 # Full (generation 2) collections of this process's heap during timed requests: the server's
@@ -95,7 +100,7 @@ def _count_full_collections(phase: str, info: dict[str, int]) -> None:
         CLIENT_GC["full_collections"] += 1
 
 
-def timed(fn: Callable[[], object], n: int, desc: str) -> list[float]:
+def timed(fn: Callable[[], object], n: int, desc: str, idle_s: float = 0.0) -> list[float]:
     for _ in range(3):  # warm-up: first-call costs, connection set-up
         fn()
     out = []
@@ -103,6 +108,7 @@ def timed(fn: Callable[[], object], n: int, desc: str) -> list[float]:
         start = time.perf_counter()
         fn()
         out.append(time.perf_counter() - start)
+        time.sleep(idle_s)
     return out
 
 
@@ -115,13 +121,14 @@ def direct(n: int) -> dict[str, list[float]]:
     backward = PassRequest("r", "m", "cross_entropy", {}, False, [one])
     sampler = LocalSamplingEngine(model_dir, MODEL)
     sample = SampleRequest("s", None, [5], 1, SampleParams(max_tokens=1, seed=0))
-    out = {
-        "forward": timed(lambda: trainer.run_passes([forward]), n, "in-process forward"),
-        "forward_backward": timed(
-            lambda: trainer.run_passes([backward]), n, "in-process forward_backward"
-        ),
-        "sample": timed(lambda: sampler.sample([sample]), n, "in-process sample"),
+    calls = {
+        "forward": lambda: trainer.run_passes([forward]),
+        "forward_backward": lambda: trainer.run_passes([backward]),
+        "sample": lambda: sampler.sample([sample]),
     }
+    out = {name: timed(call, n, f"in-process {name}") for name, call in calls.items()}
+    for name in PROFILED:  # idle between calls as the server's engine is (spans: idle wake)
+        out[f"{name} paced"] = timed(calls[name], n, f"in-process {name}, paced", IDLE_BETWEEN_S)
     trainer.close()
     return out
 
@@ -249,10 +256,12 @@ def summarize(sdk: dict[str, Any], local: dict[str, list[float]]) -> list[dict[s
     rows = []
     for name, res in sdk.items():
         base = statistics.median(local[name]) * 1000 if name in local else 0.0
+        paced = local.get(f"{name} paced")
         rows.append(
             {
                 "request": name,
                 "in_process_p50_ms": base,
+                "in_process_paced_p50_ms": statistics.median(paced) * 1000 if paced else None,
                 "sdk_p50_ms": ms(res["times"], 0.5),
                 "sdk_p99_ms": ms(res["times"], 0.99),
                 "added_p50_ms": ms(res["times"], 0.5) - base,
@@ -299,7 +308,7 @@ def plot(rows: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> Pat
     ax.legend()
     kinds = [k for k, p in profiles.items() if p.get("requests")]
     bottom = np.zeros(len(kinds))
-    colors = plt.get_cmap("tab10").colors
+    colors = plt.get_cmap("tab20").colors[: len(spans.PARTS)]
     for part, color in zip(spans.PARTS, colors, strict=True):
         values = np.array([max(profiles[k]["parts_ms"][part], 0.0) for k in kinds])
         bx.bar(kinds, values, 0.5, bottom=bottom, label=part, color=color)
@@ -347,7 +356,12 @@ def main() -> None:
             stop_server(server)
     rows = summarize(sdk["requests"], local)
     profiles = {
-        kind: spans.profile(sdk["profiled"][kind], engine, statistics.median(local[kind]))
+        kind: spans.profile(
+            sdk["profiled"][kind],
+            engine,
+            statistics.median(local[kind]),
+            statistics.median(local[f"{kind} paced"]),
+        )
         for kind, engine in PROFILED.items()
     }
     checks = target_checks(rows, cpu["share"])
@@ -361,6 +375,7 @@ def main() -> None:
         [
             "request",
             "in-proc p50",
+            "paced",
             "SDK p50",
             "SDK p99",
             "added p50",

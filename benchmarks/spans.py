@@ -43,6 +43,7 @@ PARTS = (
     "Redis",
     "clock wait",
     "engine compute",
+    "engine idle wake",
     "engine pipe",
     "cycle other",
     "future retrieval",
@@ -152,8 +153,13 @@ def attach_trace(samples: list[Sample], trace: dict[str, Any], kind: str) -> Non
                 break
 
 
-def parts(s: Sample, engine: str, in_process_s: float) -> dict[str, float] | None:  # noqa: C901
-    """One request's wall time cut into PARTS (seconds); None without its trace event."""
+def parts(  # noqa: C901
+    s: Sample, engine: str, in_process_s: float, paced_s: float
+) -> dict[str, float] | None:
+    """One request's wall time cut into PARTS (seconds); None without its trace event.
+    `in_process_s`: the engine call's in-process median, called back to back; `paced_s`: the
+    same with the engine idle between calls as the server's is (the difference, an idle core's
+    cold caches and wake-up, is the machine's, not the pipe's)."""
     if not s.trace or len(s.http) < 2:
         return None
     g, sch, tr = s.gateway, s.scheduler, s.trace
@@ -191,6 +197,7 @@ def parts(s: Sample, engine: str, in_process_s: float) -> dict[str, float] | Non
     redis_queue = min(redis_queue, max(queue, 0.0))
     redis_run = min(redis_run, max(run - busy, 0.0))
     compute = min(in_process_s, busy)
+    wake = min(max(paced_s - in_process_s, 0.0), busy - compute)
     out = {
         "SDK client": (a1 - s.t0) + (s.t1 - b_last),
         "HTTP + gateway": (way_in - grpc_in - rpc.get("Submit", 0.0)) + http_out,
@@ -199,16 +206,19 @@ def parts(s: Sample, engine: str, in_process_s: float) -> dict[str, float] | Non
         "Redis": redis_in + redis_queue + redis_run + redis_out,
         "clock wait": queue - redis_queue,
         "engine compute": compute,
-        "engine pipe": busy - compute,
+        "engine idle wake": wake,
+        "engine pipe": busy - compute - wake,
         "cycle other": run - busy - redis_run,
         "future retrieval": way_out - grpc_out - http_out - redis_out,
     }
     return out
 
 
-def profile(samples: list[Sample], engine: str, in_process_s: float) -> dict[str, Any]:
+def profile(
+    samples: list[Sample], engine: str, in_process_s: float, paced_s: float
+) -> dict[str, Any]:
     """Per-part medians (ms) over the requests whose trace event was found."""
-    cut = [p for p in (parts(s, engine, in_process_s) for s in samples) if p is not None]
+    cut = [p for p in (parts(s, engine, in_process_s, paced_s) for s in samples) if p is not None]
     if not cut:
         return {"requests": 0}
     walls = [s.t1 - s.t0 for s in samples if s.trace]

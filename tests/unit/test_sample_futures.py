@@ -282,3 +282,82 @@ def test_a_log_nobody_acknowledges_keeps_only_its_newest_completions(
         await store.close()
 
     asyncio.run(go())
+
+
+async def _counted_poll(
+    store: Store, board: FutureBoard, reads: list[int], want: int
+) -> asyncio.Task[sample_futures.Completions]:
+    """A session poll from cursor 0 as RetrieveFutures waits (handed completions accepted),
+    counting its reads of the log; returned once its first read is done."""
+    first_read = asyncio.Event()
+
+    async def read() -> sample_futures.Completions:
+        reads.append(1)
+        found = await sample_futures.since(store, "o", SAMPLER, 0, 0)
+        assert found is not None
+        first_read.set()
+        return found
+
+    poll = asyncio.create_task(
+        board.wait_until(
+            sample_futures.topic(SAMPLER, 0),
+            read,
+            lambda found: len(found.entries) >= want,
+            timeout=60,
+            finished=sample_futures.handed,
+        )
+    )
+    await first_read.wait()  # it read the empty log and waits (a wake-up from now on counts)
+    return poll
+
+
+def test_a_waiting_poll_is_handed_what_the_lane_logged(
+    clean_redis: str, sampler: RecordingSampler
+) -> None:
+    """The lane hands the completions it just logged (with their answers) to the poll waiting
+    on their log: the poll answers without reading the log back, the same as a read would."""
+
+    async def go() -> None:
+        store = await _store(clean_redis)
+        board = FutureBoard(store)
+        lane = SamplingLane(store, sampler, board)
+        jobs = [await _claim(store, 1), await _claim(store, 2)]
+        reads: list[int] = []
+        poll = await _counted_poll(store, board, reads, 2)
+        assert await lane.serve_once() == 2
+        found = await poll
+        assert len(reads) == 1  # its first read only
+        again = await sample_futures.since(store, "o", SAMPLER, 0, 0)
+        assert again is not None
+        assert found.entries == again.entries and found.cursor == again.cursor == 2
+        assert sorted(found.answers) == sorted(j.request_id for j in jobs)
+        for rid, answer in found.answers.items():
+            stored = again.answers[rid]
+            assert (answer.status, answer.result) == (stored.status, stored.result)
+            assert answer.status == JobStatus.DONE and answer.result
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_a_poll_reads_the_log_when_something_else_was_logged_between(
+    clean_redis: str, sampler: RecordingSampler
+) -> None:
+    """A completion this process did not hand over (logged by another writer after the poll's
+    read) breaks the run of cursors: the poll reads the log and misses nothing."""
+
+    async def go() -> None:
+        store = await _store(clean_redis)
+        board = FutureBoard(store)
+        lane = SamplingLane(store, sampler, board)
+        elsewhere, here = await _claim(store, 1), await _claim(store, 2)
+        reads: list[int] = []
+        poll = await _counted_poll(store, board, reads, 1)
+        assert await sample_futures.finish(store, elsewhere, error="another writer")  # no wake
+        assert await lane.serve_once() == 1  # only `here` is still queued
+        found = await poll
+        assert len(reads) == 2
+        assert _ids(found) == [(elsewhere.request_id, True), (here.request_id, False)]
+        await store.close()
+
+    asyncio.run(go())

@@ -95,6 +95,7 @@ class FutureRpcs:
                     read,
                     lambda c: bool(c.entries),
                     timeout,
+                    sample_futures.handed,
                 )
         except sample_futures.CursorAhead as exc:
             raise UserInputError("prev_cursor", str(exc)) from exc

@@ -337,12 +337,14 @@ class SamplingLane:
             else (run.job, pb.JobResult(sample=translate.sample_response(result, run.topk)), None)
             for run, result in done
         ]
+        encoded = _encoded(answers)
+        logged: dict[str, list[sample_futures.Logged]] = {}
         try:
             async with self.store.batch() as batch:
                 if self.accounting is not None:  # tenancy: usage per key
                     requests = [run.request for run, _ in done]
                     await self.accounting.on_sampled(jobs, requests, results, batch)
-                sample_futures.queue_finish(batch, self.store.result_ttl_s, _encoded(answers))
+                at = sample_futures.queue_finish(batch, self.store.result_ttl_s, encoded)
                 for started in sorted({run.started for run, _ in done}):  # [trace hook]
                     jobs_done = [
                         (r.job.request_id, r.job.model_id, r.job.seq_id)
@@ -350,8 +352,9 @@ class SamplingLane:
                         if r.started == started
                     ]
                     tracing.sampled(batch, jobs_done, started)  # [trace hook]
+            logged = sample_futures.logged(batch.replies, at, encoded)
         finally:  # a refused write still sent the answers beside it
-            self._notify(jobs)
+            self._notify(jobs, logged)
 
     async def _live(
         self, call: list[tuple[Job, SampleRequest, int]]
@@ -377,9 +380,18 @@ class SamplingLane:
         await sample_futures.finish_all(self.store, _encoded(done))
         self._notify([job for job, _, _ in done])
 
-    def _notify(self, jobs: list[Job]) -> None:
+    def _notify(
+        self, jobs: list[Job], logged: dict[str, list[sample_futures.Logged]] | None = None
+    ) -> None:
+        """Wake these samples' futures and their sessions' pollers, handing over what was
+        logged (`logged`, per poller topic) so they need not read it back."""
+        logged = logged or {}
+        handed = {item.entry.request_id: item for items in logged.values() for item in items}
         for job in jobs:
-            self.board.notify(job.request_id, sample_futures.job_topic(job))
+            item = handed.get(job.request_id)
+            self.board.notify(job.request_id, value=None if item is None else item.recorded())
+        for topic in {sample_futures.job_topic(job) for job in jobs}:
+            self.board.notify(topic, value=tuple(logged.get(topic, ())) or None)
 
 
 def _encoded(

@@ -18,14 +18,15 @@ T = TypeVar("T")
 
 
 class _Wake(asyncio.Event):
-    """A wake-up, with what completed when the waker knows it (else the waiter reads it)."""
+    """A wake-up, with what completed when the waker knows it (else the waiter reads it): a
+    job's `Recorded` outcome, or the completions a sampling session's log just took."""
 
-    value: Recorded | None = None
+    value: object = None
 
 
 class FutureBoard:
     """In-process wake-ups. A result is read from Redis (it survives restarts), except that the
-    clock hands the outcome it just committed to the futures waiting on it."""
+    clock and the sampling lane hand what they just committed to the futures waiting on it."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -39,7 +40,7 @@ class FutureBoard:
         """How many calls wait on `key` now."""
         return self._waiters.get(key, 0)
 
-    def notify(self, *keys: str, value: Recorded | None = None) -> None:
+    def notify(self, *keys: str, value: object = None) -> None:
         # The event goes with the wake-up: a later wait on the key (a poller's next poll) waits
         # for the next completion instead of waking at once.
         for key in keys:
@@ -56,8 +57,10 @@ class FutureBoard:
     async def wait(self, request_id: str, timeout: float) -> Job | None:
         """The job once finished, or as it stands when `timeout` runs out; None if unknown."""
 
-        def finished(job: Job | None, outcome: Recorded) -> Job | None:
-            return None if job is None else replace(job, **vars(outcome))
+        def finished(job: Job | None, outcome: object) -> Job | None:
+            if job is None or not isinstance(outcome, Recorded):
+                return None
+            return replace(job, **vars(outcome))
 
         return await self.wait_until(
             request_id,
@@ -73,10 +76,11 @@ class FutureBoard:
         read: Callable[[], Awaitable[T]],
         done: Callable[[T], bool],
         timeout: float,
-        finished: Callable[[T, Recorded], T] | None = None,
+        finished: Callable[[T, object], T | None] | None = None,
     ) -> T:
         """`read()` once `done` holds for it, or as it stands when `timeout` runs out. With
-        `finished`, a wake-up that carries the outcome completes the first read instead."""
+        `finished`, a wake-up that carries what completed completes the first read instead
+        (unless `finished` answers None: then it is read)."""
         # Register before reading so a completion between the read and the wait is not missed.
         event = self._events.setdefault(key, _Wake())
         self._waiters[key] += 1
@@ -89,7 +93,9 @@ class FutureBoard:
             except TimeoutError:
                 pass
             if event.is_set() and event.value is not None and finished is not None:
-                return finished(value, event.value)
+                handed = finished(value, event.value)
+                if handed is not None:
+                    return handed
             return await read()
         finally:
             self._waiters[key] -= 1

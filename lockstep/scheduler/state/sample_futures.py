@@ -12,12 +12,13 @@ completions of its own clone only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum, StrEnum
 
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.jobs import Job, job_from
+from lockstep.scheduler.state.outcome import Recorded
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, JobStatus
@@ -38,6 +39,7 @@ MAX_LOGGED = 100_000
 
 # KEYS: job, sample queue, completion log, its cursor. ARGV: request id, status, ttl,
 # result ("" = none), error ("" = none), category, log state, payload bytes, log length cap.
+# Returns the completion's place in the log (its cursor), 0 if the job had an outcome already.
 _FINISH = """
 redis.call('LREM', KEYS[2], 1, ARGV[1])
 if redis.call('HGET', KEYS[1], 'status') ~= 'pending' then
@@ -53,7 +55,7 @@ redis.call('ZADD', KEYS[3], c, c .. '|' .. ARGV[7] .. '|' .. ARGV[1] .. '|' .. A
 redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -1 - tonumber(ARGV[9]))
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('EXPIRE', KEYS[4], ARGV[3])
-return 1
+return c
 """
 
 
@@ -124,7 +126,8 @@ def queue_finish(
     category: ErrorCategory = ErrorCategory.USER,
 ) -> list[int]:
     """`finish` for each (job, result, error) queued on `batch` (a caller's batch: its other
-    writes go in the same round trip); where each one's reply (1: written) will be."""
+    writes go in the same round trip); where each one's reply (its cursor, 0: not written)
+    will be."""
     at = []
     for job, result, error in done:
         failed = error is not None
@@ -175,6 +178,74 @@ class Completions:
     cursor: int
     # The finished job (status, result, error) of each completion sent with its answer.
     answers: dict[str, Job]
+    last: int  # the log's last cursor when it was read
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One completion as this process just logged it (FINISH's reply): the poll waiting on its
+    log is handed it instead of reading it back."""
+
+    cursor: int
+    entry: pb.FutureCompletion
+    answer: Job  # the finished job's answer fields
+
+    def recorded(self) -> Recorded:
+        """The outcome, for a future waiting on this one request."""
+        a = self.answer
+        return Recorded(a.status, a.result, a.error, a.category)
+
+
+def logged(
+    replies: list[object],
+    at: list[int],
+    done: list[tuple[Job, bytes | None, str | None]],
+    category: ErrorCategory = ErrorCategory.USER,
+) -> dict[str, list[Logged]]:
+    """What a sent `queue_finish` logged, per poller topic in log order (from the batch's
+    `replies`; a finish that wrote nothing logged nothing)."""
+    found: dict[str, list[Logged]] = {}
+    for i, (job, result, error) in zip(at, done, strict=True):
+        cursor = replies[i]
+        if not isinstance(cursor, int) or cursor <= 0:
+            continue
+        failed = error is not None
+        size = 0 if failed else len(result or b"")
+        entry = pb.FutureCompletion(request_id=job.request_id, failed=failed, payload_size=size)
+        answer = replace(
+            job,
+            payload=b"",
+            status=JobStatus.FAILED if failed else JobStatus.DONE,
+            result=None if failed else result or b"",
+            error=error,
+            category=category if failed else None,
+        )
+        found.setdefault(job_topic(job), []).append(Logged(cursor, entry, answer))
+    for items in found.values():
+        items.sort(key=lambda item: item.cursor)
+    return found
+
+
+def handed(read: Completions, value: object) -> Completions | None:
+    """The completions a wake-up handed over (`Logged`s), if they follow on straight from the
+    poll's empty read (nothing logged between them by anyone else: else None, read them)."""
+    if not isinstance(value, tuple) or read.entries:
+        return None
+    items = [item for item in value if isinstance(item, Logged)][:MAX_PER_POLL]
+    if not items:
+        return None
+    cursors = [item.cursor for item in items]
+    # The read found nothing after the poll's cursor and the log ended there (`last`).
+    if read.cursor != read.last or cursors != list(range(read.last + 1, cursors[-1] + 1)):
+        return None
+    answers = {}
+    budget = PREFETCH_BYTES_PER_POLL
+    for item in items:
+        size = len(item.answer.result or b"")
+        if size <= budget:
+            budget -= size
+            answers[item.entry.request_id] = item.answer
+    return Completions([item.entry for item in items], cursors[-1], answers, cursors[-1])
 
 
 # One poll in one round trip. KEYS: the sampler's record, completion log, its cursor. ARGV: the
@@ -247,7 +318,7 @@ async def since(
         if fields:  # sent along: what its retrieve_future would read
             present = zip(_ANSWER_FIELDS, fields, strict=True)
             answers[rid] = job_from(rid, {k: v for k, v in present if v is not None})
-    return Completions(entries, cursor, answers)
+    return Completions(entries, cursor, answers, last)
 
 
 async def join(store: Store, sampling_session_id: str) -> int:
