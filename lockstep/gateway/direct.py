@@ -16,6 +16,7 @@ OpenAPI document and the fallback are unchanged.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -61,10 +62,20 @@ _STATE: dict[Any, str] = {
 }
 
 
+class _Kind(enum.Enum):
+    """Where an endpoint parameter's value comes from."""
+
+    CALLER = "caller"  # the authenticated caller (owner, quota)
+    STATE = "state"  # the app's state (scheduler stub, settings, prefetched answers)
+    HEADER = "header"
+    REQUEST = "request"  # the request itself (an op that reads its raw body)
+    BODY = "body"  # the JSON body, validated by its model
+
+
 @dataclass(frozen=True)
 class _Param:
     name: str
-    kind: str  # "caller", "state", "header", "request", "body"
+    kind: _Kind
     source: Any  # caller: its resolver; state: the attribute; header: its name, lower case
     default: Any = None
 
@@ -80,18 +91,18 @@ class _Route:
 def _param(name: str, parameter: inspect.Parameter) -> _Param:
     annotation = parameter.annotation
     if annotation is Request:
-        return _Param(name, "request", None)
+        return _Param(name, _Kind.REQUEST, None)
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-        return _Param(name, "body", None)
+        return _Param(name, _Kind.BODY, None)
     if get_origin(annotation) is Annotated:
         marker = get_args(annotation)[1]
         if isinstance(marker, Depends) and marker.dependency in _CALLER:
-            return _Param(name, "caller", _CALLER[marker.dependency])
+            return _Param(name, _Kind.CALLER, _CALLER[marker.dependency])
         if isinstance(marker, Depends) and marker.dependency in _STATE:
-            return _Param(name, "state", _STATE[marker.dependency])
+            return _Param(name, _Kind.STATE, _STATE[marker.dependency])
         if isinstance(marker, Header) and marker.alias:
             default = None if parameter.default is inspect.Parameter.empty else parameter.default
-            return _Param(name, "header", marker.alias.lower(), default)
+            return _Param(name, _Kind.HEADER, marker.alias.lower(), default)
     raise ValueError(f"direct route: cannot resolve parameter {name!r} ({annotation!r})")
 
 
@@ -100,7 +111,7 @@ def _direct(route: APIRoute) -> _Route:
         raise ValueError(f"direct route {route.path}: route-level dependencies")
     signature = inspect.signature(route.endpoint, eval_str=True)
     params = tuple(_param(name, p) for name, p in signature.parameters.items())
-    bodies = [signature.parameters[p.name].annotation for p in params if p.kind == "body"]
+    bodies = [signature.parameters[p.name].annotation for p in params if p.kind is _Kind.BODY]
     if len(bodies) > 1:
         raise ValueError(f"direct route {route.path}: more than one body")
     model = route.response_model
@@ -218,18 +229,18 @@ def _arguments(direct: _Route, request: Request, raw: bytes) -> dict[str, Any]:
     state = request.app.state
     kwargs: dict[str, Any] = {}
     for p in direct.params:
-        if p.kind == "caller":
+        if p.kind is _Kind.CALLER:
             if caller is None:
                 try:
                     caller = deps.authenticate(request, request.headers.get("x-api-key"))
                 except ApiError as e:
                     raise _Fallback from e
             kwargs[p.name] = p.source(caller)
-        elif p.kind == "state":
+        elif p.kind is _Kind.STATE:
             kwargs[p.name] = getattr(state, p.source)
-        elif p.kind == "header":
+        elif p.kind is _Kind.HEADER:
             kwargs[p.name] = request.headers.get(p.source, p.default)
-        elif p.kind == "request":
+        elif p.kind is _Kind.REQUEST:
             kwargs[p.name] = request
         else:
             assert direct.body is not None
