@@ -14,8 +14,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from lockstep import grpc_options, runtime
+from lockstep.gateway import direct
 from lockstep.gateway.answers import Answers
 from lockstep.gateway.body import BodyLimitMiddleware
+from lockstep.gateway.direct import DirectRoutes
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.inference.lane import new_sessions
 from lockstep.gateway.openapi import install_openapi
@@ -97,6 +99,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # bodies read by hand (forward_backward: protobuf or JSON)
     install_openapi(app, [m for op in registry.ops() for m in op.documented])
     app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers
+    app.add_middleware(DirectRoutes, routes=direct.routes(app, direct.HOT_PATHS))  # innermost
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RefusalMiddleware)  # outside the body limit: it reports that one's 413s
     app.add_middleware(MetricsMiddleware)  # outermost: times everything

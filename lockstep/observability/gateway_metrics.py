@@ -3,6 +3,9 @@ requests in flight, compressed bodies, and its calls to the scheduler as it sees
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from lockstep.observability.metrics import GATEWAY, HTTP_BUCKETS, gateway_error
@@ -67,9 +70,16 @@ def compressed_body(encoding: str, wire_bytes: int, plain_bytes: int) -> None:
     HTTP_COMPRESSED_BYTES.labels(encoding, "plain").inc(plain_bytes)
 
 
-def http_request(method: str, route: str, status: int, seconds: float) -> None:
+@functools.lru_cache(maxsize=4096)
+def _http_series(method: str, route: str, status: int) -> Any:
+    """One series' child (route templates and statuses are few): `labels()` per request costs
+    more than the observation."""
     method = method if method in _METHODS else "OTHER"
-    HTTP_SECONDS.labels(method, route, str(status)).observe(seconds)
+    return HTTP_SECONDS.labels(method, route, str(status))
+
+
+def http_request(method: str, route: str, status: int, seconds: float) -> None:
+    _http_series(method, route, status).observe(seconds)
     category = http_error_category(status)
     if category is not None:
         gateway_error(category)
