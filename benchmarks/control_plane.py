@@ -1,7 +1,8 @@
 """Control-plane cost: what SDK -> gateway -> gRPC -> Redis -> clock adds to a minimal request.
 
 A real `lockstep serve` on the tiny model with the triggered clock and `--clock-gather 0` (no
-gather window is counted), against the same engine calls made in-process:
+gather window is counted), against the same engine calls made in-process (in a fresh process
+set up as the server's engine processes are: ENGINE_ENV and their share of the cores):
 
   forward           a 1-token `forward` (rank-32 adapter) through the SDK vs `run_passes`
   forward_backward  the same datum's `forward_backward` (no optimizer step) vs `run_passes`
@@ -33,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing as mp
 import statistics
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,7 @@ from lockstep.modeling.tiny import ensure_default_model
 from lockstep.ports import free_port
 from lockstep.rollout.local.sampler import LocalSamplingEngine
 from lockstep.workers.local.trainer import LocalTrainingEngine
+from lockstep.workers.process import engine_env, share_cores
 
 NAME = "control_plane"
 MODEL = "Lockstep/tiny-qwen3"
@@ -113,6 +117,14 @@ def timed(fn: Callable[[], object], n: int, desc: str, idle_s: float = 0.0) -> l
 
 
 def direct(n: int) -> dict[str, list[float]]:
+    """The engine calls in process, in a fresh process set up as the server's engine processes
+    are (ENGINE_ENV, their share of the cores): the same engine, without the server around it."""
+    with engine_env(), ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_direct, n).result()
+
+
+def _direct(n: int) -> dict[str, list[float]]:
+    share_cores()
     model_dir = ensure_default_model(Path.home() / ".cache" / "lockstep" / "models")
     trainer = LocalTrainingEngine(model_dir, MODEL, device="cpu")
     trainer.create_model("m", LoraSpec(rank=32, seed=1))

@@ -70,7 +70,7 @@ _env_lock = threading.Lock()
 
 
 @contextmanager
-def _engine_env() -> Iterator[None]:
+def engine_env() -> Iterator[None]:
     """`ENGINE_ENV` (where unset) in os.environ while a child starts: spawn copies it then, and
     OpenMP reads it when the child loads it."""
     with _env_lock:
@@ -197,7 +197,7 @@ class EngineProcess:
         self._proc = ctx.Process(
             target=_serve, args=(self.factory, child), name=self.name, daemon=True
         )
-        with _engine_env():
+        with engine_env():
             self._proc.start()
         child.close()
         if after is not None:
