@@ -78,6 +78,21 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app `body` (already read) whole, then the client's own
+    messages (its disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # http.disconnect, when the client goes away
+
+    return replayed
+
+
 class BodyLimitMiddleware:
     """Buffers, bounds and decompresses HTTP request bodies before the app sees them."""
 
@@ -106,16 +121,7 @@ class BodyLimitMiddleware:
             headers.append((b"content-length", str(len(body)).encode()))
             scope["headers"] = headers  # in place: outer middleware reads the scope afterwards
 
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # http.disconnect, when the client goes away
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay(body, receive), send)
 
     async def _read(
         self, headers: list[tuple[bytes, bytes]], receive: Receive

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, get_args, get_origin
 
@@ -32,13 +32,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lockstep.gateway import deps
+from lockstep.gateway.body import ASGIApp, Receive, Scope, Send, replay
 from lockstep.gateway.errors import ApiError
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # What every training step and sample calls (forward is a forward_backward).
 HOT_PATHS = (
@@ -160,19 +155,6 @@ async def _read(receive: Receive) -> bytes:
     return b"".join(chunks)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # http.disconnect, when the client goes away
-
-    return replay
-
-
 class _Fallback(Exception):
     """The request leaves the plain path: FastAPI answers it."""
 
@@ -190,7 +172,7 @@ class DirectRoutes:
             await self.app(scope, receive, send)
             return
         raw = await _read(receive)
-        receive = _replay(raw, receive)
+        receive = replay(raw, receive)
         request = Request(scope, receive)
         try:
             kwargs = _arguments(direct, request, raw)

@@ -13,25 +13,12 @@ import pytest
 from lockstep.gateway import direct
 from lockstep.v1 import scheduler_pb2 as pb
 from tests.scheduler_standin import StandInScheduler, gateway_client
-from tests.unit.test_gateway_routes import MODEL, _fwd_bwd
+from tests.unit.test_gateway_routes import FB_JSON, MODEL, _fwd_bwd
 from tests.unit.test_gateway_sampling import _sample
 
 HOT = direct.HOT_PATHS
 JSON = {"Content-Type": "application/json"}
 PROTO = {"Content-Type": "application/x-protobuf"}
-FB_JSON = {
-    "model_id": MODEL,
-    "seq_id": 2,
-    "forward_input": {
-        "data": [
-            {
-                "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
-                "loss_fn_inputs": {"target_tokens": {"data": [2, 3], "dtype": "int64"}},
-            }
-        ],
-        "loss_fn": "cross_entropy",
-    },
-}
 OPTIM = {"model_id": MODEL, "seq_id": 4, "adam_params": {"learning_rate": 0.001}}
 FUTURES = {"target": {"sampling_session_id": "sess-1:sample:0"}, "prev_cursor": 0, "timeout": 0.1}
 RESULT = pb.FutureReply(result=pb.JobResult(optim_step=pb.OptimStepResult()))

@@ -6,6 +6,7 @@ have their own files.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -208,20 +209,24 @@ def test_forward_backward_rejections(api: Any) -> None:
     assert (zero.status_code, zero.json()) == (400, {"detail": "seq_id: must be >= 1"})
 
 
+# A forward_backward as the SDK sends it in JSON.
+FB_JSON: dict[str, Any] = {
+    "model_id": MODEL,
+    "seq_id": 2,
+    "forward_input": {
+        "data": [
+            {
+                "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                "loss_fn_inputs": {"target_tokens": {"data": [2, 3], "dtype": "int64"}},
+            }
+        ],
+        "loss_fn": "cross_entropy",
+    },
+}
+
+
 def test_forward_backward_json_body(api: Any, sched: StandInScheduler) -> None:
-    body: dict[str, Any] = {
-        "model_id": MODEL,
-        "seq_id": 2,
-        "forward_input": {
-            "data": [
-                {
-                    "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
-                    "loss_fn_inputs": {"target_tokens": {"data": [2, 3], "dtype": "int64"}},
-                }
-            ],
-            "loss_fn": "cross_entropy",
-        },
-    }
+    body = copy.deepcopy(FB_JSON)
     assert api.post("/api/v1/forward_backward", json=body).status_code == 200
     fb = sched.last("Submit").forward_backward
     assert (fb.seq_id, fb.forward_only, len(fb.data)) == (2, True, 1)
