@@ -15,16 +15,12 @@ from lockstep.v1 import scheduler_pb2_grpc
 
 
 def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    series: list[Any] = []  # its child, once first called (no empty series for unused ones)
-
     async def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return await call(*args, **kwargs)
         finally:
-            if not series:
-                series.append(gateway_metrics.GRPC_CLIENT_SECONDS.labels(method))
-            series[0].observe(time.perf_counter() - start)
+            gateway_metrics.grpc_call(method, time.perf_counter() - start)
 
     return timed
 

@@ -83,3 +83,13 @@ def http_request(method: str, route: str, status: int, seconds: float) -> None:
     category = http_error_category(status)
     if category is not None:
         gateway_error(category)
+
+
+@functools.lru_cache(maxsize=256)
+def _grpc_series(method: str) -> Any:
+    return GRPC_CLIENT_SECONDS.labels(method)
+
+
+def grpc_call(method: str, seconds: float) -> None:
+    """One call to the scheduler, as the gateway timed it."""
+    _grpc_series(method).observe(seconds)
