@@ -25,7 +25,9 @@ are reported (`spans` in the JSON, stacked bars in
 the PNG).
 
 Last, 8 tenants run pipelined forward_backward + optim_step loops: the scheduler process's own
-CPU time (its engines run in child processes) over the wall time.
+CPU time (its engines run in child processes) over the wall time. And each hop at its barest
+(hop_floors.py: HTTP, gRPC and Redis round trips with nothing behind them), summed over a
+request's path (PATH_HOPS): what no code behind the hops can take a request below.
 
     python benchmarks/control_plane.py [--n 60] [--steps 12]
 """
@@ -45,6 +47,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import hop_floors
 import httpx
 import numpy as np
 import redis
@@ -89,6 +92,14 @@ TARGETS = {
     "scheduler_cpu_share": 0.08,
 }
 PROFILED = {"forward": "trainer", "sample": "sampler"}  # request kind -> its engine
+# The hops on a request's path, one after another: a forward's two HTTP calls (forward, then
+# retrieve_future) and their two gRPC calls, the claim, the cycle's plan and commit; a sample's
+# three HTTP calls (asample, the session poll's answer, retrieve_future answered by the gateway)
+# over two gRPC calls, the claim and the sampling lane's read and answer.
+PATH_HOPS = {
+    "forward": {"http": 2, "grpc": 2, "redis": 3},
+    "sample": {"http": 3, "grpc": 2, "redis": 3},
+}
 # The profiled calls are also timed in process with the engine idle this long between calls,
 # about a request's wall time through the server: the server's engine idles so between them.
 IDLE_BETWEEN_S = 0.015
@@ -151,6 +162,7 @@ class RedisCounter:
 
     def __init__(self, server: Server, scheduler_metrics: str) -> None:
         url = (server.data_dir / "redis" / "url").read_text().strip()
+        self.url = url
         self.redis = redis.Redis.from_url(url)
         self.metrics_url = scheduler_metrics
         start, began = self.totals(), time.monotonic()
@@ -260,6 +272,17 @@ def scheduler_cpu(server: Server, tenants: int, steps: int) -> dict[str, float]:
     return {"tenants": tenants, "steps": steps, "wall_s": wall, "cpu_s": cpu, "share": cpu / wall}
 
 
+def path_floors(floors: dict[str, Any]) -> dict[str, Any]:
+    """What the hops on each request's path (PATH_HOPS) cost at their barest."""
+    return {
+        kind: {
+            "hops": hops,
+            "p50_ms": sum(count * floors[hop]["p50_ms"] for hop, count in hops.items()),
+        }
+        for kind, hops in PATH_HOPS.items()
+    }
+
+
 def ms(values: list[float], q: float) -> float:
     return float(np.quantile(values, q)) * 1000
 
@@ -362,6 +385,7 @@ def main() -> None:
         }
         try:
             counter = RedisCounter(server, urls["scheduler"])
+            floors = hop_floors.floors(200, counter.url)
             sdk = through_sdk(server, args.n, counter, http_log, urls)
             cpu = scheduler_cpu(server, args.tenants, args.steps)
         finally:
@@ -382,6 +406,8 @@ def main() -> None:
     results.update({"idle_redis_round_trips_per_s": idle_trips, "requests": rows})
     results.update({"spans": profiles, "scheduler_cpu": cpu, "target_checks": checks})
     results["client_full_collections"] = CLIENT_GC["full_collections"]
+    results["hop_floors"] = floors
+    results["path_floors"] = path_floors(floors)
     print_table(
         "added latency per minimal request (ms; SDK minus in-process)",
         [
@@ -406,6 +432,17 @@ def main() -> None:
             ["sum of parts", *(sum(profiles[k]["parts_ms"].values()) for k in kinds)],
             ["wall (median)", *(profiles[k]["wall_ms"] for k in kinds)],
             ["requests matched", *(profiles[k]["requests"] for k in kinds)],
+        ],
+    )
+    print_table(
+        "the hops at their barest (hop_floors.py) and a request's path over them, p50 ms",
+        ["", "http", "grpc", "redis", "forward path", "sample path"],
+        [
+            [
+                "ms",
+                *(floors[h]["p50_ms"] for h in ("http", "grpc", "redis")),
+                *(results["path_floors"][k]["p50_ms"] for k in PATH_HOPS),
+            ]
         ],
     )
     print_table(
