@@ -321,7 +321,9 @@ def target_checks(rows: list[dict[str, Any]], cpu_share: float) -> list[dict[str
     return [t | {"met": t["value"] <= t["goal"]} for t in out]
 
 
-def plot(rows: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> Path:
+def plot(
+    rows: list[dict[str, Any]], profiles: dict[str, dict[str, Any]], floors: dict[str, Any]
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,10 +337,12 @@ def plot(rows: list[dict[str, Any]], profiles: dict[str, dict[str, Any]]) -> Pat
     for i, name in enumerate(names):
         goals = TARGETS.get(name)
         if isinstance(goals, dict) and "added_p50_ms" in goals:
-            ax.hlines(goals["added_p50_ms"], i - 0.4, i, colors="tab:blue", linestyles="--")
-            ax.hlines(goals["added_p99_ms"], i, i + 0.4, colors="tab:orange", linestyles="--")
+            ax.hlines(goals["added_p50_ms"], i - 0.4, i, colors="black", linestyles="--")
+            ax.hlines(goals["added_p99_ms"], i, i + 0.4, colors="black", linestyles="--")
+        if name in floors:
+            ax.hlines(floors[name]["p50_ms"], i - 0.4, i, colors="dimgray", linestyles=":", lw=2)
     ax.set_xticks(x, names)
-    ax.set_ylabel("ms over the in-process call (dashes: targets)")
+    ax.set_ylabel("ms over the in-process call\n(dashes: targets; dots: the path's bare hops)")
     ax.set_title("added latency per minimal request (gather window 0)")
     ax.legend()
     kinds = [k for k, p in profiles.items() if p.get("requests")]
@@ -455,7 +459,8 @@ def main() -> None:
         ["target", "measured", "goal", "met"],
         [[t["target"], t["value"], t["goal"], check(t["met"])] for t in checks],
     )
-    results["figure"] = str(plot(rows, profiles).relative_to(REPO_ROOT))
+    figure = plot(rows, profiles, results["path_floors"])
+    results["figure"] = str(figure.relative_to(REPO_ROOT))
     write_json(NAME, results)
 
 
