@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -37,16 +38,20 @@ class Server:
 
 
 _built: list[Path] = []  # this process's build of the default model
+# Servers may be started side by side (a fixture's thread): one builds, the others wait for it
+# (two builds at once also import transformers at once, which its lazy modules do not survive).
+_build_lock = threading.Lock()
 
 
 def _default_model() -> Path:
     from lockstep.modeling.tiny import ensure_default_model
 
-    if not _built:
-        cache = Path(tempfile.mkdtemp(prefix="lockstep-default-model-"))
-        atexit.register(shutil.rmtree, cache, ignore_errors=True)
-        _built.append(ensure_default_model(cache))
-    return _built[0]
+    with _build_lock:
+        if not _built:
+            cache = Path(tempfile.mkdtemp(prefix="lockstep-default-model-"))
+            atexit.register(shutil.rmtree, cache, ignore_errors=True)
+            _built.append(ensure_default_model(cache))
+        return _built[0]
 
 
 def _seed_default_model(data_dir: Path) -> None:
