@@ -205,10 +205,15 @@ def _poll(
     return _ok(http.post("/api/v1/retrieve_futures", json=body))
 
 
-def test_a_cancelled_queued_sample_never_runs(http: httpx.Client, sampling_session: str) -> None:
-    blocker = _asample(http, sampling_session, 1, BLOCK)  # keeps the lane busy
-    victim = _asample(http, sampling_session, 2, 2)  # queued behind it
-    cancelled = _ok(http.post("/api/v1/cancel_future", json={"request_id": victim}))
+def test_a_cancelled_queued_sample_never_runs(
+    server: Server, http: httpx.Client, sampling_session: str
+) -> None:
+    blocker = _asample(http, sampling_session, 1, BLOCK)
+    # The engine stopped: the victim is queued behind the blocker (or held in the engine's call
+    # beside it), and the cancel is written first however fast the box samples.
+    with _frozen(server):
+        victim = _asample(http, sampling_session, 2, 2)
+        cancelled = _ok(http.post("/api/v1/cancel_future", json={"request_id": victim}))
     assert cancelled == {"request_id": victim, "outcome": "cancelled"}
     answer = _retrieve(http, victim).json()
     assert answer["category"] == "user" and "cancelled" in answer["error"], answer
