@@ -68,7 +68,7 @@ from gpu_sampler import sample_throughput
 from rich.console import Console
 
 from lockstep.engine.types import LoraSpec
-from lockstep.modeling import attention, experts, linear_lora
+from lockstep.modeling import attention, experts, grouped_gemm, linear_lora
 from lockstep.training import logprobs
 from lockstep.workers.local.trainer import LocalTrainingEngine
 
@@ -255,7 +255,9 @@ def _switches(
             linear_lora, "GROUPED_IN_BASE_DTYPE", on
         )
     if family == "moe" and not run.quick:  # (the hybrid's own layers dominate its time)
-        switches["per_group_expert_matmul"] = lambda on: setattr(experts, "GROUPED_KERNEL", not on)
+        switches["per_group_expert_matmul"] = lambda on: setattr(
+            grouped_gemm, "GROUPED_KERNEL", not on
+        )
         switches["per_adapter_expert_lora"] = lambda on: setattr(
             experts, "GROUPED_ADAPTERS", not on
         )

@@ -22,7 +22,8 @@ from lockstep.engine.shape import (
     RecurrentShape,
 )
 from lockstep.errors import UnsupportedModel
-from lockstep.modeling.experts import experts_layout
+from lockstep.modeling import transformers_range
+from lockstep.modeling.experts import experts_layout, unreadable_flags
 
 # Recurrent mixers the per-row wrapper runs exactly (their forward takes the hidden states first
 # and keeps no state between calls without a cache).
@@ -90,12 +91,20 @@ def is_feed_forward(module: nn.Module) -> bool:
 def refuse_unknown_experts(path: str, module: nn.Module) -> None:
     """3-D projection weights outside a known experts layout would train frozen: refuse them."""
     fused = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and "proj" in n]
-    if fused:
-        raise UnsupportedModel(
-            f"{path} ({type(module).__name__}): experts stored as {fused} in a layout Lockstep "
-            "cannot put LoRA on (expected transformers' fused gate_up_proj/down_proj with a "
-            "gate, or up_proj/down_proj without one)"
-        )
+    if not fused:
+        return
+    unknown = unreadable_flags()
+    why = (
+        f"it declares experts layout flags Lockstep does not compute: {unknown}"
+        if unknown
+        else "expected its fused gate_up_proj/down_proj with a gate, or up_proj/down_proj "
+        "without one, and no post-expert norm"
+    )
+    raise UnsupportedModel(
+        f"{path} ({type(module).__name__}): experts stored as {fused} in a layout Lockstep "
+        f"cannot put LoRA on (transformers {transformers_range.installed()}: {why}; "
+        f"tested: {transformers_range.REQUIREMENT})"
+    )
 
 
 # -- shapes --------------------------------------------------------------------------------

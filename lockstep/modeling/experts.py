@@ -18,20 +18,30 @@ LoRA, the pairs whose adapter trains the layer are regrouped once per call, adap
 expert order kept (group g*E + e: adapter g's pairs routed to expert e), gathered once per
 projection input (gate and up share it), and each projection's LoRA is ONE grouped GEMM pair over
 all K x E (adapter, expert) groups (`torch._grouped_mm`: no per-adapter or per-expert launches on
-CUDA), added back with one index_add. Routing stays dropless and every pair's result depends only
+CUDA; cut into runs under the backend's group limit, `grouped_gemm.py`), added back with one
+index_add. Routing stays dropless and every pair's result depends only
 on its token, so a tenant alone and packed get the same numbers (to float rounding). The router
 stays frozen (it is not an expert).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from lockstep.modeling.grouped_gemm import (
+    Cuts,
+    cuts_between,
+    group_ends,
+    group_limit,
+    grouped_mm,
+    lora_stack,
+)
 from lockstep.modeling.routing import Routing, RoutingSlot
 
 # Tinker's names for the three expert projections.
@@ -40,9 +50,6 @@ GATE, UP, DOWN = "w1", "w3", "w2"
 PLAIN_UP, PLAIN_DOWN = "w1", "w2"
 PLACEHOLDERS = {"gated": (), "plain": ("w3",)}
 ExpertsLayout = Literal["gated", "plain"]
-# Use torch's grouped GEMM kernel where it takes the operands (False: one matmul per group;
-# benchmarks/moe_gpu.py compares the two).
-GROUPED_KERNEL = True
 # Each projection's LoRA as one grouped GEMM pair over every (adapter, expert) group of a call
 # (False: a gather, a grouped GEMM pair and a copy per adapter and projection, the path this
 # replaced; benchmarks/gpu_kernels.py compares the two).
@@ -66,25 +73,64 @@ class ExpertSlot:
         return self._owner.down_proj.device
 
 
+# The layout flags transformers' `use_experts_implementation` sets on an experts module that
+# Lockstep computes, each with the value it means where the installed release does not declare
+# it (has_post_expert_norm arrived in 5.20; before it no experts module had such a norm).
+LAYOUT_FLAGS: dict[str, bool | None] = {
+    "is_concatenated": None,
+    "is_transposed": None,
+    "has_bias": None,
+    "has_gate": None,
+    "has_post_expert_norm": False,
+}
+# The decorator's arguments that are not layout flags.
+_NOT_FLAGS = frozenset({"experts_class", "experts_interface"})
+
+
+@functools.cache
+def declared_flags() -> frozenset[str]:
+    """The layout flags the installed transformers declares (its decorator's keyword arguments)."""
+    from transformers.integrations import moe
+
+    names = inspect.signature(moe.use_experts_implementation).parameters
+    return frozenset(names) - _NOT_FLAGS
+
+
+def unreadable_flags() -> list[str]:
+    """Layout flags the installed transformers declares that Lockstep does not compute: experts
+    modules of such a release are refused (`decoder_layers.refuse_unknown_experts`)."""
+    return sorted(declared_flags() - set(LAYOUT_FLAGS))
+
+
+def _layout_flags(module: nn.Module) -> dict[str, bool] | None:
+    """The module's layout flags, read as the installed release declares them; None when one is
+    missing or the release declares one Lockstep does not compute."""
+    declared = declared_flags()
+    if declared - set(LAYOUT_FLAGS):
+        return None
+    flags = {}
+    for name, absent in LAYOUT_FLAGS.items():
+        value = getattr(module, name, None) if name in declared else absent
+        if not isinstance(value, bool):
+            return None
+        flags[name] = value
+    return flags
+
+
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The layout of a transformers 5 experts module `MultiLoRAExperts` computes, or None."""
     down = getattr(module, "down_proj", None)
-    known = (
-        isinstance(down, nn.Parameter)
-        and down.dim() == 3
-        and getattr(module, "has_post_expert_norm", True) is False
-        and isinstance(getattr(module, "is_transposed", None), bool)
-        and isinstance(getattr(module, "is_concatenated", None), bool)
-    )
-    if not known:
+    if not (isinstance(down, nn.Parameter) and down.dim() == 3):
         return None
-    gate = getattr(module, "has_gate", None)
-    if gate is True and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+    flags = _layout_flags(module)
+    if flags is None or flags["has_post_expert_norm"]:
+        return None
+    if flags["has_gate"] and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
         return "gated"
     up = getattr(module, "up_proj", None)
     act = getattr(module, "act_fn", None)
     plain = isinstance(up, nn.Parameter) and up.dim() == 3 and callable(act)
-    return "plain" if gate is False and plain else None
+    return "plain" if not flags["has_gate"] and plain else None
 
 
 class MultiLoRAExperts(nn.Module):
@@ -239,6 +285,9 @@ class _AdapterGroups:
         self.group = adapter.index_select(0, self.index)
         key = self.group * experts + expert.index_select(0, self.index)
         self.ends = group_ends(key, len(self.names) * experts)
+        # Where the K x E groups are cut under the backend's limit: at adapter boundaries, whose
+        # rows the host already counted (no device read).
+        self.cuts: Cuts | None = cuts_between(experts, counts[1:], group_limit(token.device))
         self._scale = {w: (s, row) for (w, s), row in zip(scales.items(), table, strict=True)}
         self._row_scale: dict[tuple[float | None, ...], torch.Tensor] = {}
 
@@ -265,9 +314,9 @@ class _AdapterGroups:
         if all(w is None for w in weights):
             return None
         a, b = lora_stack(weights, xs.dtype)  # [K*E, r, in], [K*E, out, r]
-        h = grouped_mm(xs, a.mT, self.ends)
+        h = grouped_mm(xs, a.mT, self.ends, self.cuts)
         h = h * self._scale_of(which, h.dtype)
-        return grouped_mm(h, b.mT, self.ends)
+        return grouped_mm(h, b.mT, self.ends, self.cuts)
 
     def _scale_of(self, which: str, dtype: torch.dtype) -> torch.Tensor:
         """[pairs, 1]: each grouped pair's adapter's scale for projection `which` (one gather
@@ -321,68 +370,3 @@ def _constants(
     )
     routing.constants[key] = built
     return built
-
-
-def lora_stack(
-    adapters: Sequence[tuple[torch.Tensor, torch.Tensor] | None], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adapters' A [(E,) r_i, in] and B [(E,) out, r_i] as A [G, r, in] and B [G, out, r] in
-    `dtype` for one grouped GEMM pair: one group per expert of each adapter (one per 2-D
-    adapter), in order. Ranks are zero-padded to the largest, rounded up to whole 16-byte rows
-    (what the grouped kernel needs of every operand); exact: padded rank rows and columns add
-    zeros. None: an adapter that does not train it, all zeros (its groups add exact zeros).
-    Autograd reaches each adapter's own tensors and nothing else."""
-    real = [w for w in adapters if w is not None]
-    a0, b0 = real[0]
-    align = 16 // dtype.itemsize
-    rank = -(-max(a.shape[-2] for a, _ in real) // align) * align
-    groups = a0.numel() // (a0.shape[-2] * a0.shape[-1])
-    a_parts, b_parts = [], []
-    for w in adapters:
-        if w is None:
-            a_parts.append(a0.new_zeros(groups, rank, a0.shape[-1], dtype=dtype))
-            b_parts.append(b0.new_zeros(groups, b0.shape[-2], rank, dtype=dtype))
-            continue
-        a, b = (t.to(dtype).reshape(-1, *t.shape[-2:]) for t in w)
-        missing = rank - a.shape[-2]
-        a_parts.append(F.pad(a, (0, 0, 0, missing)) if missing else a)
-        b_parts.append(F.pad(b, (0, missing)) if missing else b)
-    if len(a_parts) == 1:
-        return a_parts[0], b_parts[0]
-    return torch.cat(a_parts), torch.cat(b_parts)
-
-
-def group_ends(sorted_groups: torch.Tensor, groups: int) -> torch.Tensor:
-    """int32 end offset of each group's run in a sorted group index (empty groups included)."""
-    return torch.bincount(sorted_groups, minlength=groups).cumsum(0).to(torch.int32)
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """x [m, k] in runs of rows (group g: rows ends[g-1]..ends[g]-1) @ w [G, k, n] -> [m, n].
-
-    torch's grouped GEMM kernel where it takes the operands (16-byte aligned strides; CUDA
-    needs sm80+), else one matmul per non-empty group."""
-    if GROUPED_KERNEL and _kernel_takes(x, w):
-        y = torch._grouped_mm(x, w, offs=ends)
-        # Its backward needs the same strides of the gradient; a part of a fused gate|up has not.
-        if y.requires_grad:
-            y.register_hook(torch.Tensor.contiguous)  # type: ignore[no-untyped-call]
-        return y
-    parts, start = [], 0
-    for g, end in enumerate(ends.tolist()):
-        if end > start:
-            parts.append(x[start:end] @ w[g])
-        start = end
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
-
-
-def _kernel_takes(*operands: torch.Tensor) -> bool:
-    if operands[0].is_cuda and torch.cuda.get_device_capability(operands[0].device) < (8, 0):
-        return False
-    for t in operands:
-        if t.data_ptr() % 16 or t.dtype != operands[0].dtype:
-            return False
-        for size, stride in zip(t.shape, t.stride(), strict=True):
-            if size > 1 and stride != 1 and (stride * t.element_size()) % 16:
-                return False
-    return True

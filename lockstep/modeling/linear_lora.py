@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.modeling.experts import grouped_mm, lora_stack
+from lockstep.modeling.grouped_gemm import grouped_mm, lora_stack
 from lockstep.modeling.routing import Routing, RoutingSlot, Segment
 
 

@@ -14,8 +14,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lockstep.modeling import experts as experts_module
-from lockstep.modeling import zoo
-from lockstep.modeling.experts import MultiLoRAExperts, experts_layout, lora_stack
+from lockstep.modeling import grouped_gemm, zoo
+from lockstep.modeling.experts import MultiLoRAExperts, experts_layout
+from lockstep.modeling.grouped_gemm import lora_stack
 from lockstep.modeling.routing import Routing, RoutingSlot
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "nemotron_h", "gpt_oss")
@@ -100,7 +101,7 @@ def _run(
         return y.detach(), grads
     finally:
         experts_module.GROUPED_ADAPTERS = True
-        experts_module.GROUPED_KERNEL = True
+        grouped_gemm.GROUPED_KERNEL = True
 
 
 @pytest.mark.parametrize("family", FAMILIES)

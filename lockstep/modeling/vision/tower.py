@@ -64,7 +64,15 @@ class VisionModel:
         pixels, grid = self._processing.pixels(images)
         out = self._image_features(pixels.to(self.device), grid.to(self.device), return_dict=True)
         embeds = list(out.pooler_output)
-        deep = [list(layer) for layer in out.deepstack_features] if self._deepstack else []
+        if not self._deepstack:
+            return embeds, []
+        # transformers >= 5.18 splits each deepstack layer's features per image; before, one
+        # tensor of every image's tokens in order.
+        sizes = [e.shape[0] for e in embeds]
+        deep = [
+            list(layer) if isinstance(layer, list | tuple) else list(torch.split(layer, sizes))
+            for layer in out.deepstack_features
+        ]
         return embeds, deep
 
     def inputs(self, input_ids: torch.Tensor, placed: Sequence[Placed]) -> dict[str, Any]:

@@ -53,6 +53,8 @@ from lockstep.engine.types import (
 from lockstep.errors import UnsupportedModel, UserInputError
 from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath, check_head, describe
 from lockstep.modeling.attention import ROW_ATTENTION
+from lockstep.modeling.checkpointing import LayerCheckpoints
+from lockstep.modeling.decoder_layers import decoder_layers
 from lockstep.modeling.linear_lora import MultiLoRALinear
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
@@ -107,11 +109,8 @@ class LocalTrainingEngine(TrainingEngine):
             )
         # A vision-language model's frozen tower: the images of each micro-batch in one call.
         self._vision = None if arch.vision is None else VisionModel(model, model_dir, arch.vision)
-        if activation_checkpointing:
-            # HF checkpoints decoder layers only in train mode; these models have no active
-            # dropout, so train mode changes nothing else. Non-reentrant: base weights are frozen.
-            model.activation_checkpointing_enable({"use_reentrant": False})
-            model.train()
+        self._checkpoints = LayerCheckpoints(decoder_layers(model))
+        self._checkpointed = range(self._checkpoints.count) if activation_checkpointing else ()
         self._model = model
         self._lora = LoraModel(model, arch)
         for mixer in arch.row_mixers if self._packed else ():
@@ -333,7 +332,11 @@ class LocalTrainingEngine(TrainingEngine):
         spans = [(s, r.length, r.datum.images) for r, s in zip(rows, starts, strict=True)]
         ids, at = seq.input_ids.to(self._device), seq.positions.to(self._device)
         inputs = decoder_inputs(self._vision, ids, at, spans)  # a VLM: images, M-RoPE per row
-        with self._lora.row_adapters(seq.blocks), seq.layout():
+        with (
+            self._lora.row_adapters(seq.blocks),
+            seq.layout(),
+            self._checkpoints.only(self._checkpointed),
+        ):
             hidden = self._decoder(**inputs, use_cache=False).last_hidden_state[0]
             terms: list[tuple[int, torch.Tensor]] = []
             for row, start in zip(rows, starts, strict=True):
@@ -358,7 +361,7 @@ class LocalTrainingEngine(TrainingEngine):
             if backward and live:
                 # d(sum)/d(loss_i) = 1: each adapter gets exactly the gradient of its own rows'
                 # losses; .grad accumulates over micro-batches until optim_step. Inside the
-                # routing: activation checkpointing recomputes LoRA layers during backward.
+                # routing and the checkpoint choice: checkpointed layers rerun during backward.
                 torch.stack(live).sum().backward()
                 state.ran(rows, {i for i, _ in terms if i not in state.failed})
 
