@@ -209,7 +209,10 @@ def snapshots(name: str, engine: LocalTrainingEngine, reps: int, out: Path) -> d
 def rss_child(args: argparse.Namespace) -> None:
     """One fresh trainer: load, then (if tokens > 0) one forward_backward + step; print peak RSS."""
     engine = LocalTrainingEngine(
-        model_dir(args.model), args.model, device="cpu", activation_checkpointing=args.ckpt
+        model_dir(args.model),
+        args.model,
+        device="cpu",
+        activation_checkpointing="always" if args.ckpt else "never",
     )
     if args.tokens:
         engine.create_model("t", LoraSpec(rank=32, seed=0))  # default --micro-batch-tokens

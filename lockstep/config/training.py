@@ -13,6 +13,7 @@ EngineKind = Literal["local", "megatron"]
 # possible (TP ranks share a node's links), SPREAD across nodes, STRICT_* or fail.
 RayPlacement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 DtypeName = Literal["float32", "bfloat16"]  # lockstep.engine.types.Dtype
+CheckpointingName = Literal["auto", "always", "never"]  # lockstep.engine.types.Checkpointing
 # A 4096-token micro-batch of SmolLM2-135M keeps ~7.5 GB of fp32 activations; 1024 fits a CPU box.
 DEFAULT_MICRO_BATCH_TOKENS = 1024
 # Snapshots cost I/O per tenant (a Qwen3-8B rank-32 adapter + Adam moments is ~1 GB); the replay
@@ -188,12 +189,14 @@ class EngineConfig:
             on=SCHEDULER,
         ),
     )
-    activation_checkpointing: bool = field(
-        default=False,
+    activation_checkpointing: CheckpointingName = field(
+        default="auto",
         metadata=flag(
             "--activation-checkpointing",
-            help="recompute decoder layers in backward instead of keeping their activations, "
-            "and on CPU return freed activation memory to the OS (--engine local)",
+            help="recompute decoder layers in backward instead of keeping their activations: "
+            "auto, the fewest layers a micro-batch needs to fit the memory budget (admission "
+            "counts a pass with every layer recomputed); always, every layer (and on CPU freed "
+            "activation memory goes back to the OS); never (--engine local)",
             on=SCHEDULER,
         ),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,22 +46,28 @@ class PassCost:
     2x a Mamba-2 mixer's projections (their chunked scans keep more or less per token), 2x the
     dense (or shared-expert) width, 5x each routed (token, expert) pair's input and width; plus
     8 * rank bytes per LoRA slot the token passes (adapters are fp32), plus fp32 copies of the
-    LoRA inputs where e < 4. With checkpointing only each layer's input is kept, plus two
-    recomputed layers. Attention that materialises scores keeps them in those layers: on the
-    packed path (windows, sinks, a value head narrower than q/k) 6 * heads * T^2 bytes each, on
-    the generic path (the model's own masked attention) 3 * heads * T^2 in every attention
-    layer; fused causal SDPA keeps none. The logits: 2 fp32 copies of one chunk of at most
+    LoRA inputs where e < 4. A checkpointed layer keeps only its input (e * H), and the
+    backward holds one checkpointed layer's recomputed activations at a time (the largest
+    checkpointed layer's bytes, once). Attention that materialises scores keeps them in those
+    layers: on the packed path (windows, sinks, a value head narrower than q/k) 6 * heads * T^2
+    bytes each, on the generic path (the model's own masked attention) 3 * heads * T^2 in every
+    attention layer; fused causal SDPA keeps none. The logits: 2 fp32 copies of one chunk of at most
     `chunk` positions (the fused head's logits and its logsumexp's exponentials,
     `training/logprobs.py`). The numbers come from the model's `ModelShape`; the coefficients are
     measured (tests/unit/test_pass_cost.py checks the formula against the peak a pass really
-    takes on the CPU, for every family of the zoo: never under, at most 25 % over).
+    takes on the CPU, for every family of the zoo: never under, at most 25 % over; and never
+    under with layers checkpointed).
     """
 
-    per_token: int
+    per_token: int  # with the checkpointing admission counts on (every layer, where allowed)
     scores_per_token_sq: int
     logits_per_token: int
     chunk: int
     batch_tokens: int
+    # Per token: each layer's bytes uncheckpointed, a checkpointed layer's input, the head's.
+    layers: tuple[int, ...] = ()
+    layer_input: int = 0
+    head: int = 0
 
     @classmethod
     def from_shape(
@@ -72,13 +79,14 @@ class PassCost:
         chunk_tokens: int,
         generic: bool,
     ) -> PassCost:
+        """`checkpointing`: whether a pass may checkpoint layers (admission then counts the
+        pass with every layer checkpointed; each micro-batch checkpoints only what it must,
+        `checkpoint_plan`)."""
         e = element_bytes
-        layers = [_layer_bytes(shape.hidden, la, e) for la in shape.layers]
+        layers = tuple(_layer_bytes(shape.hidden, la, e) for la in shape.layers)
         head = 8 * LORA_RANK * shape.head_slots
-        if checkpointing:
-            per_token = len(layers) * e * shape.hidden + 2 * max(layers) + head
-        else:
-            per_token = sum(layers) + head
+        every = range(len(layers)) if checkpointing else ()
+        per_token = _per_token(layers, e * shape.hidden, head, every)
         scored = 0
         for layer in shape.layers:
             att = layer.attention
@@ -94,12 +102,39 @@ class PassCost:
             logits_per_token=8 * shape.vocab,
             chunk=chunk_tokens,
             batch_tokens=batch_tokens,
+            layers=layers,
+            layer_input=e * shape.hidden,
+            head=head,
         )
 
     def pass_bytes(self, longest_row: int) -> int:
+        """What admission counts: a micro-batch of up to `batch_tokens` (or one longer row)."""
         tokens = max(longest_row, self.batch_tokens)
+        return self._bytes(self.per_token, tokens, longest_row)
+
+    def micro_batch_bytes(
+        self, tokens: int, longest_row: int, checkpointed: Collection[int] = ()
+    ) -> int:
+        """One micro-batch of `tokens` packed tokens whose longest row has `longest_row`, with
+        the layers `checkpointed` (indices)."""
+        per_token = _per_token(self.layers, self.layer_input, self.head, checkpointed)
+        return self._bytes(per_token, tokens, longest_row)
+
+    def checkpoint_plan(self, tokens: int, longest_row: int, budget_bytes: int) -> tuple[int, ...]:
+        """The fewest layers to checkpoint for the micro-batch to fit `budget_bytes`, the
+        biggest first (every layer when even that does not fit: admission counted that case)."""
+        if self.micro_batch_bytes(tokens, longest_row) <= budget_bytes:
+            return ()
+        chosen: list[int] = []
+        for index in sorted(range(len(self.layers)), key=lambda i: (-self.layers[i], i)):
+            chosen.append(index)
+            if self.micro_batch_bytes(tokens, longest_row, chosen) <= budget_bytes:
+                break
+        return tuple(sorted(chosen))
+
+    def _bytes(self, per_token: int, tokens: int, longest_row: int) -> int:
         logits = self.logits_per_token * min(tokens, self.chunk)
-        return self.per_token * tokens + self.scores_per_token_sq * longest_row**2 + logits
+        return per_token * tokens + self.scores_per_token_sq * longest_row**2 + logits
 
     def budget(self, budget_bytes: int, context: int, source: str) -> MemoryBudget:
         """The longest row (<= context) whose pass fits in `budget_bytes`."""
@@ -164,6 +199,18 @@ def cuda_budget(free: int, total: int, configured: int) -> tuple[int, str]:
 def describe(budget: MemoryBudget) -> str:
     """The budget in words, as messages and logs give it."""
     return f"{budget.budget_bytes / GIB:.2f} GiB ({budget.source})"
+
+
+def _per_token(
+    layers: tuple[int, ...], layer_input: int, head: int, checkpointed: Collection[int]
+) -> int:
+    """Bytes per token of a pass with the layers `checkpointed`: the others' activations, the
+    checkpointed ones' inputs, and the largest checkpointed layer's while it is recomputed."""
+    if not checkpointed:
+        return sum(layers) + head
+    kept = sum(b for i, b in enumerate(layers) if i not in checkpointed)
+    recomputed = max(layers[i] for i in checkpointed)
+    return kept + len(checkpointed) * layer_input + recomputed + head
 
 
 def _layer_bytes(hidden: int, layer: LayerShape, e: int) -> int:

@@ -29,6 +29,15 @@ class Dtype(StrEnum):
     BFLOAT16 = "bfloat16"
 
 
+class Checkpointing(StrEnum):
+    """When the local trainer recomputes decoder layers in backward (`--activation-checkpointing`)
+    instead of keeping their activations."""
+
+    AUTO = "auto"  # the fewest layers a micro-batch needs to fit the memory budget
+    ALWAYS = "always"  # every layer of every micro-batch
+    NEVER = "never"  # none: rows that would not fit without it are refused at submission
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """Shape of one tenant's adapter. `alpha` scales the update by alpha / rank."""

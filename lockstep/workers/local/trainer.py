@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, TrainerCa
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.pass_checks import check_passes, require_model
 from lockstep.engine.types import (
+    Checkpointing,
     LoraSpec,
     MemoryBudget,
     ModelCard,
@@ -79,7 +80,7 @@ class LocalTrainingEngine(TrainingEngine):
         device: torch.device | str | None = None,
         micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
         dtype: str | None = None,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: Checkpointing | str = Checkpointing.AUTO,
         trainer_path: TrainerPath | None = None,
         memory_budget_bytes: int = 0,
     ) -> None:
@@ -109,8 +110,8 @@ class LocalTrainingEngine(TrainingEngine):
             )
         # A vision-language model's frozen tower: the images of each micro-batch in one call.
         self._vision = None if arch.vision is None else VisionModel(model, model_dir, arch.vision)
+        self._checkpointing = Checkpointing(activation_checkpointing)
         self._checkpoints = LayerCheckpoints(decoder_layers(model))
-        self._checkpointed = range(self._checkpoints.count) if activation_checkpointing else ()
         self._model = model
         self._lora = LoraModel(model, arch)
         for mixer in arch.row_mixers if self._packed else ():
@@ -135,7 +136,7 @@ class LocalTrainingEngine(TrainingEngine):
         cost = memory.PassCost.from_shape(
             arch.shape,
             next(model.parameters()).element_size(),
-            activation_checkpointing,
+            self._checkpointing is not Checkpointing.NEVER,
             micro_batch_tokens if self._packed else 1,
             self._chunk,
             generic=not self._packed,
@@ -147,14 +148,14 @@ class LocalTrainingEngine(TrainingEngine):
             found = memory.cpu_budget(memory_budget_bytes)
         self._pass_cost = cost  # what admission assumes a pass takes (tests/unit/test_pass_cost.py)
         if self._device.type == "cpu":  # glibc's heap: memory over speed with checkpointing
-            if activation_checkpointing:
+            if self._checkpointing is Checkpointing.ALWAYS:
                 element = next(model.parameters()).element_size()
                 hidden = int(model.config.hidden_size)
                 host_memory.release_big_frees(
                     host_memory.mmap_threshold(micro_batch_tokens, hidden, element)
                 )
             else:
-                host_memory.keep_for_next_pass(cost.pass_bytes(micro_batch_tokens))
+                host_memory.keep_for_next_pass(cost.micro_batch_bytes(micro_batch_tokens, 1))
         self._memory = cost.budget(found[0], self._card.max_context_length, found[1])
         if self._vision is not None:  # the tower's pass: the largest image it fits
             self._memory = self._vision.budget(self._memory, found[0], micro_batch_tokens)
@@ -335,7 +336,7 @@ class LocalTrainingEngine(TrainingEngine):
         with (
             self._lora.row_adapters(seq.blocks),
             seq.layout(),
-            self._checkpoints.only(self._checkpointed),
+            self._checkpoints.only(self._checkpointed(seq.input_ids.shape[-1], rows)),
         ):
             hidden = self._decoder(**inputs, use_cache=False).last_hidden_state[0]
             terms: list[tuple[int, torch.Tensor]] = []
@@ -364,6 +365,16 @@ class LocalTrainingEngine(TrainingEngine):
                 # routing and the checkpoint choice: checkpointed layers rerun during backward.
                 torch.stack(live).sum().backward()
                 state.ran(rows, {i for i, _ in terms if i not in state.failed})
+
+    def _checkpointed(self, tokens: int, rows: list[Row]) -> Collection[int]:
+        """The decoder layers a micro-batch of `tokens` packed tokens recomputes in backward."""
+        if self._checkpointing is Checkpointing.NEVER:
+            return ()
+        if self._checkpointing is Checkpointing.ALWAYS:
+            return range(self._checkpoints.count)
+        longest = max(r.length for r in rows)
+        budget = self._memory.budget_bytes
+        return self._pass_cost.checkpoint_plan(tokens, longest, budget)
 
     def _row_head(self, model_id: str) -> Head | LinearHead:
         """The LM head with `model_id`'s adapter: by its parts where it is a linear layer (the
