@@ -2,11 +2,14 @@
 download), their FLOPs per training token, and the timing helpers `gpu_suite.py` and
 `oom_retry_gpu.py` share.
 
-Shapes (a few full-width layers each; vocabulary, widths, heads and experts as published):
-  dense   Qwen3-8B: hidden 4096, 32/8 heads of 128, MLP 12288, vocab 151936
-  moe     Qwen3-30B-A3B: hidden 2048, 32/4 heads of 128, 128 experts of 768, top-8
-  hybrid  Qwen3.6-35B-A3B-like (the Qwen3.5-MoE text architecture): hidden 2048, 3 Gated
-          DeltaNet layers to 1 full-attention layer (16/2 heads of 256), 256 experts of 512,
+Shapes (vocabulary, widths, heads and experts as published):
+  dense   Qwen3-8B at full depth: 36 layers, hidden 4096, 32/8 heads of 128, MLP 12288, vocab
+          151936
+  moe     Qwen3-30B-A3B, 8 of its 48 layers (every tenant's LoRA on all 128 experts of 48 layers
+          would not fit one GPU beside 8 tenants' Adam state; the suite reports the layer stack's
+          MFU apart from the head's): hidden 2048, 32/4 heads of 128, 128 experts of 768, top-8
+  hybrid  Qwen3.6-35B-A3B-like (the Qwen3.5-MoE text architecture), 8 layers: hidden 2048, 3
+          Gated DeltaNet layers to 1 full-attention layer (16/2 heads of 256), 256 experts of 512,
           top-8, a shared expert of 512, vocab 248320 (widths as the Qwen3.5-35B-A3B config
           publishes them; the layer count is the suite's)
 Each has a `smoke` twin (hidden 64, 2 layers) that runs on a CPU in seconds.
@@ -14,6 +17,7 @@ Each has a `smoke` twin (hidden 64, 2 layers) that runs on a CPU in seconds.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,13 +57,13 @@ class Shape:
         return replace(self, layers=layers, settings=settings)
 
 
-_HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+_HYBRID_LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 2
 SHAPES = {
     "dense": Shape(
         "dense",
         "Qwen3-8B",
         "qwen3",
-        8,
+        36,
         {
             "vocab_size": 151936,
             "hidden_size": 4096,
@@ -74,7 +78,7 @@ SHAPES = {
         "moe",
         "Qwen3-30B-A3B",
         "qwen3_moe",
-        4,
+        8,
         {
             "vocab_size": 151936,
             "hidden_size": 2048,
@@ -95,7 +99,7 @@ SHAPES = {
         "hybrid",
         "Qwen3.6-35B-A3B",
         "qwen3_5_moe_text",
-        4,
+        8,
         {
             "vocab_size": 248320,
             "hidden_size": 2048,
@@ -204,12 +208,55 @@ def flops_per_token(engine: LocalTrainingEngine, length: int) -> dict[str, float
     types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     q_dim = config.num_attention_heads * config.head_dim
     attention = sum(12 * q_dim * length / 2 for t in types if t == "full_attention")
+    head = engine._head
+    assert isinstance(head, MultiLoRALinear)
+    head_flops = 4.0 * head.in_features * head.out_features
+    head_flops += 6.0 * RANK * (head.in_features + head.out_features)
     return {
         "active_base_params": float(base),
         "active_lora_params": float(lora),
         "flops_per_token_no_attention": 4.0 * base + 6.0 * lora,
         "flops_per_token": 4.0 * base + 6.0 * lora + attention,
+        "flops_per_token_head": head_flops,
     }
+
+
+def head_seconds(
+    engine: LocalTrainingEngine, per: dict[str, list[Datum]], device: str, reps: int
+) -> float:
+    """Median seconds of what a packed cycle spends in the LM head: every datum's positions
+    through the fused head + log-softmax with its tenant's head adapter, forward and backward,
+    row by row as the engine calls it, on random final hidden states."""
+    from lockstep.training.logprobs import target_logprobs
+
+    dtype = next(engine._model.parameters()).dtype
+    hidden = int(engine._model.config.get_text_config().hidden_size)
+    rows = []
+    for tenant, datums in per.items():
+        head = engine._row_head(tenant)
+        for d in datums:
+            n = len(d.tokens)
+            h = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
+            targets = torch.as_tensor(d.loss_inputs["target_tokens"], device=device).view(n, 1)
+            rows.append((h, targets, head))
+
+    def run() -> None:
+        total = sum(target_logprobs(h, t, head, engine._chunk).sum() for h, t, head in rows)
+        assert isinstance(total, torch.Tensor)
+        total.backward()
+
+    run()  # warm-up
+    times = []
+    for _ in range(max(1, reps)):
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    for tenant in per:  # the timed backward's gradients go: the next cycle starts clean
+        for p in engine._lora.adapter_parameters(tenant):
+            p.grad = None
+    return statistics.median(times)
 
 
 def data(seed: int, vocab: int, datums: int, length: int) -> list[Datum]:

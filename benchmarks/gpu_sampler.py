@@ -127,3 +127,27 @@ def agreement(got: list[SampleResult], want: list[SampleResult]) -> dict[str, fl
             diffs = [abs(x - y) for x, y in pairs]
             worst = max([worst, *diffs])
     return {"same_tokens_share": same / max(1, total), "max_abs_logprob_diff": worst}
+
+
+def decode_roofline(
+    directory: Path, sequences: int, context: float, bandwidth: float
+) -> dict[str, float]:
+    """The decode rate the HBM allows at `sequences` in flight: every step reads every weight
+    once (bf16 as saved; a MoE's experts all counted: at 32 sequences x top-8 nearly every expert
+    is touched) and every sequence's K/V of its full-attention layers at `context` positions;
+    generated tokens/s = sequences / (bytes per step / the measured copy bandwidth)."""
+    from transformers import AutoConfig
+
+    weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    config = AutoConfig.from_pretrained(directory).get_text_config()
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    full = sum(1 for t in types if t == "full_attention")
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", 0) or config.hidden_size // heads)
+    kv = full * 2 * int(config.num_key_value_heads) * head_dim * 2 * context * sequences
+    step = weights + kv
+    return {
+        "weight_bytes_per_step": float(weights),
+        "kv_bytes_per_step": float(kv),
+        "roofline_tokens_per_s": sequences * bandwidth / step,
+    }
