@@ -29,7 +29,8 @@ from rich.table import Table
 
 from lockstep.config import LockstepConfig
 from lockstep.demo.tenants import StepRecord, Tenant, make_tenants
-from lockstep.demo.view import ClockFigures, ClockPoller, render, scrape
+from lockstep.demo.view import ClockPoller, render, scrape
+from lockstep.observability.clock_figures import ClockFigures
 from lockstep.supervisor import Supervisor
 
 log = logging.getLogger("lockstep.demo")
