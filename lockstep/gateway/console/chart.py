@@ -101,7 +101,8 @@ def line_chart(title: str, xs: list[float], ys: list[float]) -> LineChart:
     path = " ".join(
         f"{'M' if i == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for i, (x, y) in enumerate(points)
     )
-    x_ticks = [Tick(t.at, f"{float(t.label):.0f}") for t in _ticks(x0, x1, px(x0), px(x1))]
+    steps = sorted({round(x0 + (x1 - x0) * i / 4) for i in range(5)})  # whole steps, once each
+    x_ticks = [Tick(px(x), f"{x:.0f}") for x in steps]
     y_ticks = _ticks(y0, y1, py(y0), py(y1))
     return LineChart(title, path, x_ticks, y_ticks, len(points), per_point, pairs[-1][1])
 

@@ -15,7 +15,7 @@ from lockstep.gateway.routes import accounting, runs
 from lockstep.gateway.schema import responses as rs
 
 RUNS_PER_PAGE = 100
-CHARTS_PER_RUN = 4  # the first metrics of a run drawn (losses first); the rest are listed
+CHARTS_PER_RUN = 3  # the first metrics of a run drawn (losses first); the rest are listed
 USAGE_DAYS = 14
 
 
