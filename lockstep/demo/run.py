@@ -279,8 +279,6 @@ def what_sharing_gave(s: Summary) -> list[str]:
     return lines
 
 
-
-
 def run_demo(
     cfg: LockstepConfig,
     steps: int,
