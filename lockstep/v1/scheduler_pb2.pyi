@@ -769,7 +769,7 @@ class CheckpointFiles(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., relative_paths: _Optional[_Iterable[str]] = ..., expires: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "time", "metrics", "datums", "tokens", "complete")
+    __slots__ = ("step", "time", "metrics", "datums", "tokens", "complete", "steps")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -783,13 +783,23 @@ class StepMetrics(_message.Message):
     DATUMS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     time: float
     metrics: _containers.ScalarMap[str, float]
     datums: int
     tokens: int
     complete: bool
-    def __init__(self, step: _Optional[int] = ..., time: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., datums: _Optional[int] = ..., tokens: _Optional[int] = ..., complete: bool = ...) -> None: ...
+    steps: int
+    def __init__(self, step: _Optional[int] = ..., time: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., datums: _Optional[int] = ..., tokens: _Optional[int] = ..., complete: bool = ..., steps: _Optional[int] = ...) -> None: ...
+
+class RunHistoryRequest(_message.Message):
+    __slots__ = ("run", "most_points")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    MOST_POINTS_FIELD_NUMBER: _ClassVar[int]
+    run: RunRef
+    most_points: int
+    def __init__(self, run: _Optional[_Union[RunRef, _Mapping]] = ..., most_points: _Optional[int] = ...) -> None: ...
 
 class RunHistory(_message.Message):
     __slots__ = ("steps", "first_step")

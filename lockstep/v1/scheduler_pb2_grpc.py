@@ -156,7 +156,7 @@ class SchedulerStub(object):
                 _registered_method=True)
         self.GetRunHistory = channel.unary_unary(
                 '/lockstep.v1.Scheduler/GetRunHistory',
-                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.RunRef.SerializeToString,
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistoryRequest.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistory.FromString,
                 _registered_method=True)
         self.ListRunFutures = channel.unary_unary(
@@ -541,7 +541,7 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'GetRunHistory': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRunHistory,
-                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RunRef.FromString,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistoryRequest.FromString,
                     response_serializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistory.SerializeToString,
             ),
             'ListRunFutures': grpc.unary_unary_rpc_method_handler(
@@ -1258,7 +1258,7 @@ class Scheduler(object):
             request,
             target,
             '/lockstep.v1.Scheduler/GetRunHistory',
-            lockstep_dot_v1_dot_scheduler__pb2.RunRef.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.RunHistoryRequest.SerializeToString,
             lockstep_dot_v1_dot_scheduler__pb2.RunHistory.FromString,
             options,
             channel_credentials,

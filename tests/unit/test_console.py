@@ -56,6 +56,19 @@ def test_steps_join_their_passes_as_one_request_and_keep_their_numbers_when_trim
     trimmed = steps_of(history[3:] + [entry(5, OPT, {}), entry(6, FB, {"loss:sum": 0.5})], 2)
     assert [s.step for s in trimmed.steps] == [0, 1, 2] and trimmed.first_step == 0
     assert steps_of(history[4:], 1).steps[0].step == 1
+    # At most N points: consecutive steps averaged, each point saying how many it is.
+    long = [
+        e
+        for i in range(10)
+        for e in (entry(2 * i, FB, {"loss:sum": float(i)}), entry(2 * i + 1, OPT, {}))
+    ]
+    thinned = steps_of(long, 10, most_points=4)
+    assert [(p.step, p.steps, p.metrics["loss:sum"]) for p in thinned.steps] == [
+        (2, 3, 1.0),
+        (5, 3, 4.0),
+        (8, 3, 7.0),
+        (9, 1, 9.0),
+    ]
     assert steps_of([], 0).steps == []
 
 

@@ -1,8 +1,8 @@
 """Inline SVG charts, drawn on the server: a line per metric over steps, bars per day.
 
-A chart never draws more than `MAX_POINTS` points: longer series are cut into buckets of
-consecutive steps and each point is its bucket's mean (the chart says how many steps a point
-is), so a page with 10,000 steps stays small and draws at once.
+A chart never draws more than `MAX_POINTS` points: the console asks the API for at most that
+many (consecutive steps averaged by the scheduler) and longer series are cut the same way here;
+the chart says how many steps a point is, so a page with 10,000 steps stays small.
 """
 
 from __future__ import annotations
@@ -82,10 +82,12 @@ def _ticks(low: float, high: float, pixels_low: float, pixels_high: float) -> li
     ]
 
 
-def line_chart(title: str, xs: list[float], ys: list[float]) -> LineChart:
-    """`ys` over `xs` (both non-empty, same length; non-finite values are left out)."""
+def line_chart(title: str, xs: list[float], ys: list[float], per_step: int = 1) -> LineChart:
+    """`ys` over `xs` (non-finite values are left out); `per_step`: steps each value already
+    is the mean of (the API's `points`)."""
     pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if math.isfinite(y)]
     points, per_point = _buckets([p[0] for p in pairs], [p[1] for p in pairs], MAX_POINTS)
+    per_point *= per_step
     if not points:
         return LineChart(title, "", [], [], 0, 1, float("nan"))
     x0, x1 = points[0][0], points[-1][0]

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
+from lockstep.gateway.console import chart
 from lockstep.gateway.console.chart import BarChart, LineChart, bar_chart, line_chart
 from lockstep.gateway.console.clock import ClockWatch
 from lockstep.gateway.deps import Caller, Scope, read_scope
@@ -67,7 +68,7 @@ async def run_page(caller: Caller, stub: Any, run_id: str) -> dict[str, Any]:
 async def run_live(caller: Caller, stub: Any, run_id: str) -> dict[str, Any]:
     """The part of a run's page that moves: its charts and its futures in flight."""
     scope = await scope_of(caller)
-    history = await runs.get_run_history(run_id, scope, stub)
+    history = await runs.get_run_history(run_id, scope, stub, chart.MAX_POINTS)
     futures = await runs.list_run_futures(run_id, scope, stub)
     charts, others = metric_charts(history)
     return {
@@ -88,9 +89,9 @@ def metric_charts(history: rs.RunHistoryResponse) -> tuple[list[LineChart], list
     charts = []
     for name in ordered[:CHARTS_PER_RUN]:
         steps = [s for s in history.steps if name in s.metrics]
-        charts.append(
-            line_chart(name, [float(s.step) for s in steps], [s.metrics[name] for s in steps])
-        )
+        per_point = max((s.steps for s in steps), default=1)
+        xs, ys = [float(s.step) for s in steps], [s.metrics[name] for s in steps]
+        charts.append(line_chart(name, xs, ys, per_point))
     return charts, ordered[CHARTS_PER_RUN:]
 
 

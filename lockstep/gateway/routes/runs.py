@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from lockstep.gateway.deps import (
     CALL_TIMEOUT_S,
@@ -66,9 +67,16 @@ async def get_training_run(run_id: str, scope: Reader, stub: Scheduler) -> rs.Tr
 
 
 @router.get("/training_runs/{run_id}/history")
-async def get_run_history(run_id: str, scope: Reader, stub: Scheduler) -> rs.RunHistoryResponse:
-    """The run's metrics per optimizer step, as the scheduler committed them."""
-    reply = await stub.GetRunHistory(_run_ref(scope, run_id), timeout=CALL_TIMEOUT_S)
+async def get_run_history(
+    run_id: str,
+    scope: Reader,
+    stub: Scheduler,
+    points: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+) -> rs.RunHistoryResponse:
+    """The run's metrics per optimizer step, as the scheduler committed them; with `points`,
+    at most that many, each the mean of consecutive steps (its `steps` says how many)."""
+    request = pb.RunHistoryRequest(run=_run_ref(scope, run_id), most_points=points)
+    reply = await stub.GetRunHistory(request, timeout=CALL_TIMEOUT_S)
     return tr.run_history(run_id, reply)
 
 

@@ -292,6 +292,7 @@ class StepMetrics(SchemaModel):
     datums: int
     tokens: int
     complete: bool  # False: the newest passes, whose optim_step has not run yet
+    steps: int = 1  # steps this point is the mean of (the route's `points`)
 
 
 class RunHistoryResponse(SchemaModel):

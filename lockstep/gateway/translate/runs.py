@@ -67,6 +67,7 @@ def run_history(run_id: str, h: pb.RunHistory) -> rs.RunHistoryResponse:
                 datums=s.datums,
                 tokens=s.tokens,
                 complete=s.complete,
+                steps=s.steps or 1,
             )
             for s in h.steps
         ],

@@ -210,10 +210,10 @@ class CatalogRpcs:
     async def get_training_run(self, request: pb.RunRef) -> pb.TrainingRun:
         return await self._run(await self._model(request))
 
-    async def get_run_history(self, request: pb.RunRef) -> pb.RunHistory:
-        model = await self._model(request)
+    async def get_run_history(self, request: pb.RunHistoryRequest) -> pb.RunHistory:
+        model = await self._model(request.run)
         entries, steps = await self.store.runs.history(model.model_id)
-        return run_history.steps_of(entries, steps)
+        return run_history.steps_of(entries, steps, request.most_points)
 
     async def list_run_futures(self, request: pb.RunRef) -> pb.RunFutures:
         model = await self._model(request)

@@ -31,9 +31,12 @@ class _Step:
     tokens: int = 0
 
 
-def steps_of(entries: list[HistoryEntry], steps_committed: int) -> pb.RunHistory:
+def steps_of(
+    entries: list[HistoryEntry], steps_committed: int, most_points: int = 0
+) -> pb.RunHistory:
     """The run's steps, oldest first; the last one is incomplete while its passes wait for
-    their optim_step."""
+    their optim_step. With `most_points`, runs of consecutive steps are sent as their means
+    (each point says how many steps it is), at most that many points."""
     index = steps_committed
     numbered: list[tuple[int, HistoryEntry]] = []
     for entry in reversed(entries):
@@ -53,21 +56,40 @@ def steps_of(entries: list[HistoryEntry], steps_committed: int) -> pb.RunHistory
             step.datums += entry.datums
             step.tokens += entry.tokens
     out = pb.RunHistory(first_step=min(steps, default=steps_committed))
-    for step in steps.values():
-        metrics = join_metrics(step.trained)
-        metrics |= {FORWARD_PREFIX + k: v for k, v in join_metrics(step.evaluated).items()}
-        metrics |= {STEP_PREFIX + k: v for k, v in (step.stepped or {}).items()}
-        out.steps.append(
-            pb.StepMetrics(
-                step=step.index,
-                time=step.time,
-                metrics=metrics,
-                datums=step.datums,
-                tokens=step.tokens,
-                complete=step.stepped is not None,
-            )
-        )
+    joined = [(step, _metrics(step)) for step in steps.values()]
+    size = -(-len(joined) // most_points) if most_points > 0 else 1
+    for i in range(0, len(joined), size):
+        out.steps.append(_point(joined[i : i + size]))
     return out
+
+
+def _metrics(step: _Step) -> dict[str, float]:
+    metrics = join_metrics(step.trained)
+    metrics |= {FORWARD_PREFIX + k: v for k, v in join_metrics(step.evaluated).items()}
+    return metrics | {STEP_PREFIX + k: v for k, v in (step.stepped or {}).items()}
+
+
+def _point(run: list[tuple[_Step, dict[str, float]]]) -> pb.StepMetrics:
+    """Consecutive steps as one point: the last step's number and time, each metric's mean
+    over the steps that have it, datums and tokens summed."""
+    last = run[-1][0]
+    if len(run) == 1:
+        metrics = run[0][1]
+    else:
+        sums: dict[str, list[float]] = {}
+        for _, m in run:
+            for k, v in m.items():
+                sums.setdefault(k, []).append(v)
+        metrics = {k: sum(v) / len(v) for k, v in sums.items()}
+    return pb.StepMetrics(
+        step=last.index,
+        time=last.time,
+        metrics=metrics,
+        datums=sum(s.datums for s, _ in run),
+        tokens=sum(s.tokens for s, _ in run),
+        complete=last.stepped is not None,
+        steps=len(run),
+    )
 
 
 def _joinable(metrics: dict[str, float]) -> dict[str, float]:
