@@ -68,6 +68,8 @@ async def _run(a: argparse.Namespace) -> list[dict[str, object]]:
     names = KeyRing.load(a.keys_file).names() if a.keys_file else {}
     rows: list[dict[str, object]] = []
     try:
+        if not getattr(a, "owner", None):
+            await store.sessions.index_owners()  # a Redis a server never indexed
         owners = [a.owner] if getattr(a, "owner", None) else await store.sessions.owners()
         now = time.time()
         for owner in owners:

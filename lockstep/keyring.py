@@ -5,6 +5,7 @@
     key = "tml-alice-..."         # the X-API-Key value
     max_training_runs = 8         # optional quota: training runs this key may create (0: none)
     revoked = false               # a revoked (or removed) key gets 401 from the next request on
+    admin = false                 # optional: also sees every key's runs and usage (read only)
 
 Adding a tenant is an edit and `kill -HUP <lockstep serve pid>`, no restart.
 """
@@ -29,6 +30,7 @@ class KeyEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     key: str
     max_training_runs: int = 0
     revoked: bool = False
+    admin: bool = False
 
 
 class _File(msgspec.Struct, forbid_unknown_fields=True):

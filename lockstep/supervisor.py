@@ -149,6 +149,7 @@ class Supervisor:
                 ("gateway", "file_url_secret_file"): secret,
                 ("gateway", "allow_any_tml_key"): allow_any,
                 ("gateway", "tokenizer_dir"): self.cfg.model.dir,
+                ("gateway", "scheduler_metrics_url"): self.scheduler_metrics_url,
             },
         )
         path = self.cfg.data_dir / "run" / "config.json"
@@ -156,6 +157,14 @@ class Supervisor:
         for name in ("scheduler", "gateway"):
             argv = [sys.executable, "-m", f"lockstep.{name}", "--config", str(path)]
             self.children.append(Child(name, argv))
+
+    @property
+    def scheduler_metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def console_url(self) -> str:
+        return f"http://{self.host}:{self.port}/console"
 
     def wait_ready(self, timeout: float = 600) -> None:
         url = f"http://{self.host}:{self.port}/api/v1/healthz"
@@ -174,13 +183,12 @@ class Supervisor:
                             ", ".join(self.cfg.model.served_names),
                         )
                         log.info(
-                            "metrics: http://%s:%d/metrics (gateway), "
-                            "http://%s:%d/metrics (scheduler)",
+                            "metrics: http://%s:%d/metrics (gateway), %s (scheduler)",
                             self.host,
                             self.port,
-                            self.host,
-                            self.metrics_port,
+                            self.scheduler_metrics_url,
                         )
+                        log.info("console: %s", self.console_url)
                         return
             except OSError:
                 pass

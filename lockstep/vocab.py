@@ -52,6 +52,14 @@ class JobStatus(StrEnum):
     FAILED = "failed"
 
 
+class RunStatus(StrEnum):
+    """What a training run is doing, as listed (GetTrainingRun, the console)."""
+
+    TRAINING = "training"  # training requests queued
+    IDLE = "idle"  # its session is live, nothing queued
+    ENDED = "ended"  # its session ended (closed, or silent past the expiry)
+
+
 class ErrorCategory(StrEnum):
     """The SDK's RequestErrorCategory: "user" errors are final, the SDK may retry others."""
 

@@ -307,6 +307,16 @@ class GatewayConfig:
             on=GATEWAY,
         ),
     )
+    admin_keys: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "--admin-key",
+            help="an API key that is accepted like any other and also sees every key's runs, "
+            "checkpoints and usage, read only (the console; access_scope=accessible); "
+            "repeatable (a keys file marks its own with admin = true)",
+            on=GATEWAY,
+        ),
+    )
     api_keys_file: Path | None = field(
         default=None,
         metadata=flag(
@@ -380,6 +390,16 @@ class GatewayConfig:
             "--long-poll-seconds",
             help="how long one retrieve_future call waits before answering try_again",
             on=GATEWAY_ONLY,
+        ),
+    )
+    scheduler_metrics_url: str | None = field(
+        default=None,
+        metadata=flag(
+            "--scheduler-metrics-url",
+            help="the scheduler's Prometheus /metrics URL, whose clock figures the console "
+            "shows (`lockstep serve` sets it; none: the console shows no clock)",
+            on=GATEWAY_ONLY,
+            metavar="URL",
         ),
     )
     scheduler_address: str | None = field(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import sys
 import time
 from collections import Counter
@@ -28,8 +29,10 @@ from rich.live import Live
 from rich.table import Table
 
 from lockstep.config import LockstepConfig
+from lockstep.config.flags import replace_paths
 from lockstep.demo.tenants import StepRecord, Tenant, make_tenants
-from lockstep.demo.view import ClockFigures, ClockPoller, render, scrape
+from lockstep.demo.view import ClockPoller, render, scrape
+from lockstep.observability.clock_figures import ClockFigures
 from lockstep.supervisor import Supervisor
 
 log = logging.getLogger("lockstep.demo")
@@ -285,13 +288,21 @@ def run_demo(
 ) -> int:
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     server_log = cfg.data_dir / "demo-serve.log"
-    sup = Supervisor(cfg)
+    # The demo's own admin key (the tenants have their own): the console shows every tenant.
+    console_key = f"tml-demo-console-{secrets.token_hex(6)}"
+    admin_keys = (*cfg.gateway.admin_keys, console_key)
+    sup = Supervisor(replace_paths(cfg, {("gateway", "admin_keys"): admin_keys}))
     with terminal_for_us(server_log) as console:
         console.print(f"server output: {server_log}", style="dim")
         try:
             with console.status("starting Lockstep: Redis, scheduler, trainer, sampler, gateway"):
                 sup.start()
                 sup.wait_ready()
+            console.print(
+                f"console: {sup.console_url} (API key {console_key}: sees every tenant)",
+                style="bold",
+                markup=False,
+            )
             demo = Demo(
                 console,
                 f"http://{sup.host}:{sup.port}",

@@ -1,85 +1,29 @@
 """The demo's live terminal view and the scheduler figures it shows.
 
 Cycle figures come from the scheduler's own Prometheus endpoint (the numbers an operator's
-dashboard shows): a poller scrapes it twice a second and turns counter deltas into one row per
-interval that had cycles (a row of one cycle is that cycle exactly; more are averaged).
+dashboard and the console show: `observability.clock_figures`): a poller scrapes it twice a
+second and turns counter deltas into one row per interval that had cycles (a row of one cycle is
+that cycle exactly; more are averaged).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-import time
 import urllib.request
 from collections import deque
-from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from lockstep.demo.tenants import Tenant
-
-
-@dataclass(frozen=True)
-class ClockFigures:
-    """Cumulative clock counters read from one scrape."""
-
-    at: float = 0.0
-    cycles: float = 0.0  # cycles with work
-    shared: float = 0.0  # cycles with work for two tenants or more
-    tenant_sum: float = 0.0
-    tokens: float = 0.0
-    seconds: float = 0.0  # summed duration of all cycles
-    counted: float = 0.0  # cycles timed (idle ones too under the periodic policy)
-    busy_ratio: float = 0.0
-
-    def plus(self, o: ClockFigures) -> ClockFigures:
-        """Two intervals' figures added (the latest busy ratio kept)."""
-        return ClockFigures(
-            self.at + o.at,
-            self.cycles + o.cycles,
-            self.shared + o.shared,
-            self.tenant_sum + o.tenant_sum,
-            self.tokens + o.tokens,
-            self.seconds + o.seconds,
-            self.counted + o.counted,
-            o.busy_ratio,
-        )
-
-    def minus(self, o: ClockFigures) -> ClockFigures:
-        return ClockFigures(
-            self.at - o.at,
-            self.cycles - o.cycles,
-            self.shared - o.shared,
-            self.tenant_sum - o.tenant_sum,
-            self.tokens - o.tokens,
-            self.seconds - o.seconds,
-            self.counted - o.counted,
-            self.busy_ratio,
-        )
+from lockstep.observability.clock_figures import ClockFigures, clock_figures
 
 
 def scrape(url: str) -> ClockFigures:
     with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    values: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = s.labels.get("kind") or s.labels.get("le") or ""
-            values[(s.name, key)] = s.value
-    tenant_cycles = values.get(("lockstep_cycle_tenants_count", ""), 0.0)
-    return ClockFigures(
-        at=time.monotonic(),
-        cycles=values.get(("lockstep_cycles_total", "work"), 0.0),
-        shared=tenant_cycles - values.get(("lockstep_cycle_tenants_bucket", "1.0"), 0.0),
-        tenant_sum=values.get(("lockstep_cycle_tenants_sum", ""), 0.0),
-        tokens=values.get(("lockstep_cycle_tokens_total", ""), 0.0),
-        seconds=values.get(("lockstep_cycle_duration_seconds_sum", ""), 0.0),
-        counted=values.get(("lockstep_cycle_duration_seconds_count", ""), 0.0),
-        busy_ratio=values.get(("lockstep_clock_busy_ratio", ""), 0.0),
-    )
+        return clock_figures(resp.read().decode())
 
 
 class ClockPoller:

@@ -24,6 +24,30 @@ def part_request(req: PassRequest, start: int, stop: int) -> PassRequest:
     return dataclasses.replace(req, data=req.data[start:stop], part=part)
 
 
+def join_metrics(pieces: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of datums reported in pieces ((metrics, datums) each) as one reduction over
+    all of them: `:sum` added, `:mean` weighted by each piece's datums. A metric a piece lacks
+    is joined over the pieces that have it (the history of a run whose losses changed).
+
+    Raises:
+        ValueError: a metric whose reduction is not `sum` or `mean` (not one an engine makes;
+            refused rather than reduced wrongly).
+    """
+    sums: dict[str, float] = {}
+    weights: dict[str, int] = {}
+    for metrics, datums in pieces:
+        for key, value in metrics.items():
+            reduction = key.rpartition(":")[2]
+            if reduction == "sum":
+                sums[key] = sums.get(key, 0.0) + value
+            elif reduction == "mean":
+                sums[key] = sums.get(key, 0.0) + value * datums
+                weights[key] = weights.get(key, 0) + datums
+            else:
+                raise ValueError(f"metric {key!r}: no rule joins its reduction over parts")
+    return {k: float(v / max(weights[k], 1)) if k in weights else float(v) for k, v in sums.items()}
+
+
 def join_results(parts: list[PassResult]) -> PassResult:
     """The whole request's result from its parts' results, in part order.
 
@@ -33,20 +57,8 @@ def join_results(parts: list[PassResult]) -> PassResult:
     """
     if len(parts) == 1:
         return parts[0]
-    keys = list(parts[0].metrics)
-    if any(list(p.metrics) != keys for p in parts):
+    if any(list(p.metrics) != list(parts[0].metrics) for p in parts):
         raise ValueError("the parts of one request returned different metrics")
-    sizes = [len(p.outputs) for p in parts]
-    metrics: dict[str, float] = {}
-    for key in keys:
-        values = [p.metrics[key] for p in parts]
-        reduction = key.rpartition(":")[2]
-        if reduction == "sum":
-            metrics[key] = float(sum(values))
-        elif reduction == "mean":
-            weighted = sum(v * n for v, n in zip(values, sizes, strict=True))
-            metrics[key] = float(weighted / max(sum(sizes), 1))
-        else:
-            raise ValueError(f"metric {key!r}: no rule joins its reduction over parts")
+    metrics = join_metrics([(p.metrics, len(p.outputs)) for p in parts])
     outputs = [out for p in parts for out in p.outputs]
     return PassResult(request_id=parts[0].request_id, outputs=outputs, metrics=metrics)

@@ -53,6 +53,8 @@ def settings_from_config(cfg: LockstepConfig) -> GatewaySettings:
         keys_file=g.keys_file,
         proto_compress_fwdbwd=compress_fwdbwd(g.fwdbwd_compression, g.host),
         sample_session_polling=g.sample_polling == "session",
+        admin_keys=frozenset(g.admin_keys),
+        scheduler_metrics_url=g.scheduler_metrics_url,
     )
 
 

@@ -17,6 +17,7 @@ from lockstep import grpc_options, runtime
 from lockstep.gateway import direct
 from lockstep.gateway.answers import Answers
 from lockstep.gateway.body import BodyLimitMiddleware
+from lockstep.gateway.console.routes import router as console_router
 from lockstep.gateway.direct import DirectRoutes
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.inference.lane import new_sessions
@@ -96,6 +97,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.compat_sessions = new_sessions()
     install_error_handlers(app)
     app.include_router(api_router())
+    app.include_router(console_router)  # /console: the web console (no key in its pages)
     # bodies read by hand (forward_backward: protobuf or JSON)
     install_openapi(app, [m for op in registry.ops() for m in op.documented])
     app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers

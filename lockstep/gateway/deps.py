@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, Header, Query, Request
 from starlette.requests import HTTPConnection
@@ -24,6 +24,16 @@ CALL_TIMEOUT_S = 30.0
 class Caller:
     owner: str  # the id the scheduler scopes everything to (lockstep.keyring.owner_of)
     max_training_runs: int = 0  # the keys file's quota for this key; 0: none
+    admin: bool = False  # also reads every key's runs and usage (access_scope=accessible)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a read covers: the caller's own, or every owner's (`all_owners`: an admin key that
+    asked with `access_scope=accessible`, as the SDK's RestClient can). Writes take `Owner`."""
+
+    owner: str
+    all_owners: bool = False
 
 
 def authenticate(conn: HTTPConnection, api_key: str | None) -> Caller:
@@ -33,11 +43,16 @@ def authenticate(conn: HTTPConnection, api_key: str | None) -> Caller:
     keyring: KeyRing | None = conn.app.state.keyring
     if not api_key:
         raise ApiError(401, "missing API key: send it in the X-API-Key header")
+    admin = False  # compared with every admin key, as below
+    for known in settings.admin_keys:
+        admin |= hmac.compare_digest(known.encode(), api_key.encode())
+    if admin:
+        return Caller(owner_of(api_key), admin=True)
     entry = keyring.lookup(api_key) if keyring is not None else None
     if entry is not None:
         if entry.revoked:
             raise ApiError(401, f"API key {entry.name!r} is revoked")
-        return Caller(owner_of(api_key), entry.max_training_runs)
+        return Caller(owner_of(api_key), entry.max_training_runs, entry.admin)
     if keyring is not None and not settings.api_keys:
         raise ApiError(401, "invalid API key")
     if settings.api_keys:
@@ -98,7 +113,18 @@ async def key_quota(caller: Annotated[Caller, Depends(require_caller)]) -> int:
     return caller.max_training_runs
 
 
+async def read_scope(
+    caller: Annotated[Caller, Depends(require_caller)],
+    access_scope: Annotated[Literal["owned", "accessible"], Query()] = "owned",
+) -> Scope:
+    """The one rule of who reads what: an admin key asking for `accessible` reads every
+    owner's; anyone else reads their own (`accessible` included: nothing is shared here but
+    published checkpoints, which every key reads by path)."""
+    return Scope(caller.owner, caller.admin and access_scope == "accessible")
+
+
 Owner = Annotated[str, Depends(require_owner)]
+Reader = Annotated[Scope, Depends(read_scope)]
 KeyQuota = Annotated[int, Depends(key_quota)]
 Scheduler = Annotated[Any, Depends(get_scheduler)]
 Settings = Annotated[GatewaySettings, Depends(get_settings)]

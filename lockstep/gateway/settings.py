@@ -60,6 +60,10 @@ class GatewaySettings:
             (`compress_fwdbwd` decides it from the config); any body may be compressed anyway.
         sample_session_polling: tell the SDK to wait for samples with one poller per sampling
             session (`/api/v1/retrieve_futures`) instead of a long-poll per sample.
+        admin_keys: keys accepted like any other that also read every key's runs,
+            checkpoints and usage (`access_scope=accessible`; the console).
+        scheduler_metrics_url: the scheduler's Prometheus endpoint, whose clock figures the
+            console shows. None: no clock in the console.
     """
 
     scheduler_address: str
@@ -76,6 +80,8 @@ class GatewaySettings:
     keys_file: Path | None = None
     proto_compress_fwdbwd: bool = False
     sample_session_polling: bool = True
+    admin_keys: frozenset[str] = frozenset()
+    scheduler_metrics_url: str | None = None
 
     def __post_init__(self) -> None:
         if not self.scheduler_address:

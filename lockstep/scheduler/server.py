@@ -199,6 +199,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
+    await store.sessions.index_owners()  # owners of a Redis written before the index existed
     tracing.configure(store.traces, cfg.trace_retention_s)
     trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()

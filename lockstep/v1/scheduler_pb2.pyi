@@ -133,14 +133,16 @@ class CreateCustomLossRequest(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., session_id: _Optional[str] = ..., custom_loss_seq_id: _Optional[int] = ..., name: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[CustomLossInput, _Mapping]]] = ..., graph_json: _Optional[bytes] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("owner", "limit", "offset")
+    __slots__ = ("owner", "limit", "offset", "all_owners")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ALL_OWNERS_FIELD_NUMBER: _ClassVar[int]
     owner: str
     limit: int
     offset: int
-    def __init__(self, owner: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    all_owners: bool
+    def __init__(self, owner: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., all_owners: bool = ...) -> None: ...
 
 class SessionList(_message.Message):
     __slots__ = ("session_ids", "total_count")
@@ -629,12 +631,14 @@ class ServerCapabilities(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ..., engines: _Optional[_Union[EngineCapabilities, _Mapping]] = ...) -> None: ...
 
 class RunRef(_message.Message):
-    __slots__ = ("owner", "run_id")
+    __slots__ = ("owner", "run_id", "all_owners")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_OWNERS_FIELD_NUMBER: _ClassVar[int]
     owner: str
     run_id: str
-    def __init__(self, owner: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    all_owners: bool
+    def __init__(self, owner: _Optional[str] = ..., run_id: _Optional[str] = ..., all_owners: bool = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("checkpoint_id", "checkpoint_type", "time", "tinker_path", "size_bytes", "public", "expires_at", "user_metadata")
@@ -664,7 +668,7 @@ class Checkpoint(_message.Message):
     def __init__(self, checkpoint_id: _Optional[str] = ..., checkpoint_type: _Optional[str] = ..., time: _Optional[float] = ..., tinker_path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., public: bool = ..., expires_at: _Optional[float] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TrainingRun(_message.Message):
-    __slots__ = ("training_run_id", "base_model", "model_owner", "is_lora", "last_request_time", "lora_rank", "last_checkpoint", "last_sampler_checkpoint", "user_metadata")
+    __slots__ = ("training_run_id", "base_model", "model_owner", "is_lora", "last_request_time", "lora_rank", "last_checkpoint", "last_sampler_checkpoint", "user_metadata", "steps", "tokens_trained", "status", "queued")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -681,6 +685,10 @@ class TrainingRun(_message.Message):
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     LAST_SAMPLER_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     base_model: str
     model_owner: str
@@ -690,7 +698,11 @@ class TrainingRun(_message.Message):
     last_checkpoint: Checkpoint
     last_sampler_checkpoint: Checkpoint
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_owner: _Optional[str] = ..., is_lora: bool = ..., last_request_time: _Optional[float] = ..., lora_rank: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., last_sampler_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    steps: int
+    tokens_trained: int
+    status: str
+    queued: int
+    def __init__(self, training_run_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_owner: _Optional[str] = ..., is_lora: bool = ..., last_request_time: _Optional[float] = ..., lora_rank: _Optional[int] = ..., last_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., last_sampler_checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., status: _Optional[str] = ..., queued: _Optional[int] = ...) -> None: ...
 
 class TrainingRunList(_message.Message):
     __slots__ = ("runs", "total_count")
@@ -701,16 +713,18 @@ class TrainingRunList(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[TrainingRun, _Mapping]]] = ..., total_count: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ("owner", "run_id", "limit", "offset")
+    __slots__ = ("owner", "run_id", "limit", "offset", "all_owners")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ALL_OWNERS_FIELD_NUMBER: _ClassVar[int]
     owner: str
     run_id: str
     limit: int
     offset: int
-    def __init__(self, owner: _Optional[str] = ..., run_id: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    all_owners: bool
+    def __init__(self, owner: _Optional[str] = ..., run_id: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., all_owners: bool = ...) -> None: ...
 
 class CheckpointList(_message.Message):
     __slots__ = ("checkpoints", "total_count")
@@ -754,6 +768,67 @@ class CheckpointFiles(_message.Message):
     expires: float
     def __init__(self, directory: _Optional[str] = ..., relative_paths: _Optional[_Iterable[str]] = ..., expires: _Optional[float] = ...) -> None: ...
 
+class StepMetrics(_message.Message):
+    __slots__ = ("step", "time", "metrics", "datums", "tokens", "complete", "steps")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    DATUMS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    time: float
+    metrics: _containers.ScalarMap[str, float]
+    datums: int
+    tokens: int
+    complete: bool
+    steps: int
+    def __init__(self, step: _Optional[int] = ..., time: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., datums: _Optional[int] = ..., tokens: _Optional[int] = ..., complete: bool = ..., steps: _Optional[int] = ...) -> None: ...
+
+class RunHistoryRequest(_message.Message):
+    __slots__ = ("run", "most_points")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    MOST_POINTS_FIELD_NUMBER: _ClassVar[int]
+    run: RunRef
+    most_points: int
+    def __init__(self, run: _Optional[_Union[RunRef, _Mapping]] = ..., most_points: _Optional[int] = ...) -> None: ...
+
+class RunHistory(_message.Message):
+    __slots__ = ("steps", "first_step")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepMetrics]
+    first_step: int
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., first_step: _Optional[int] = ...) -> None: ...
+
+class QueuedFuture(_message.Message):
+    __slots__ = ("request_id", "kind", "seq_id", "status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kind: str
+    seq_id: int
+    status: str
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[str] = ..., seq_id: _Optional[int] = ..., status: _Optional[str] = ...) -> None: ...
+
+class RunFutures(_message.Message):
+    __slots__ = ("futures", "total_count")
+    FUTURES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    futures: _containers.RepeatedCompositeFieldContainer[QueuedFuture]
+    total_count: int
+    def __init__(self, futures: _Optional[_Iterable[_Union[QueuedFuture, _Mapping]]] = ..., total_count: _Optional[int] = ...) -> None: ...
+
 class WeightsInfo(_message.Message):
     __slots__ = ("base_model", "is_lora", "lora_config")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -794,17 +869,19 @@ class StorageUsageReply(_message.Message):
     def __init__(self, checkpoint_count: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class UsageRequest(_message.Message):
-    __slots__ = ("owner", "start", "end")
+    __slots__ = ("owner", "start", "end", "all_owners")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    ALL_OWNERS_FIELD_NUMBER: _ClassVar[int]
     owner: str
     start: float
     end: float
-    def __init__(self, owner: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
+    all_owners: bool
+    def __init__(self, owner: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., all_owners: bool = ...) -> None: ...
 
 class UsageBucket(_message.Message):
-    __slots__ = ("start", "session_id", "base_model", "tokens_trained", "tokens_prefill", "tokens_sampled", "steps", "samples", "cycle_seconds", "checkpoints", "custom_losses")
+    __slots__ = ("start", "session_id", "base_model", "tokens_trained", "tokens_prefill", "tokens_sampled", "steps", "samples", "cycle_seconds", "checkpoints", "custom_losses", "owner")
     START_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -816,6 +893,7 @@ class UsageBucket(_message.Message):
     CYCLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_LOSSES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     start: float
     session_id: str
     base_model: str
@@ -827,7 +905,8 @@ class UsageBucket(_message.Message):
     cycle_seconds: float
     checkpoints: int
     custom_losses: int
-    def __init__(self, start: _Optional[float] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokens_trained: _Optional[int] = ..., tokens_prefill: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., cycle_seconds: _Optional[float] = ..., checkpoints: _Optional[int] = ..., custom_losses: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, start: _Optional[float] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., tokens_trained: _Optional[int] = ..., tokens_prefill: _Optional[int] = ..., tokens_sampled: _Optional[int] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., cycle_seconds: _Optional[float] = ..., checkpoints: _Optional[int] = ..., custom_losses: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class UsageReply(_message.Message):
     __slots__ = ("buckets",)

@@ -154,6 +154,16 @@ class SchedulerStub(object):
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.CheckpointRef.SerializeToString,
                 response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.WeightsInfo.FromString,
                 _registered_method=True)
+        self.GetRunHistory = channel.unary_unary(
+                '/lockstep.v1.Scheduler/GetRunHistory',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistoryRequest.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistory.FromString,
+                _registered_method=True)
+        self.ListRunFutures = channel.unary_unary(
+                '/lockstep.v1.Scheduler/ListRunFutures',
+                request_serializer=lockstep_dot_v1_dot_scheduler__pb2.RunRef.SerializeToString,
+                response_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RunFutures.FromString,
+                _registered_method=True)
         self.UnloadModel = channel.unary_unary(
                 '/lockstep.v1.Scheduler/UnloadModel',
                 request_serializer=lockstep_dot_v1_dot_scheduler__pb2.ModelRef.SerializeToString,
@@ -347,6 +357,20 @@ class SchedulerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunHistory(self, request, context):
+        """metrics per step, as committed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRunFutures(self, request, context):
+        """its training requests still queued
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UnloadModel(self, request, context):
         """Tenancy: freeing a model's engine state, and accounting scoped to the owner.
         a finished job: its future answers at once
@@ -514,6 +538,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetWeightsInfo,
                     request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.CheckpointRef.FromString,
                     response_serializer=lockstep_dot_v1_dot_scheduler__pb2.WeightsInfo.SerializeToString,
+            ),
+            'GetRunHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunHistory,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistoryRequest.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.RunHistory.SerializeToString,
+            ),
+            'ListRunFutures': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRunFutures,
+                    request_deserializer=lockstep_dot_v1_dot_scheduler__pb2.RunRef.FromString,
+                    response_serializer=lockstep_dot_v1_dot_scheduler__pb2.RunFutures.SerializeToString,
             ),
             'UnloadModel': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadModel,
@@ -1199,6 +1233,60 @@ class Scheduler(object):
             '/lockstep.v1.Scheduler/GetWeightsInfo',
             lockstep_dot_v1_dot_scheduler__pb2.CheckpointRef.SerializeToString,
             lockstep_dot_v1_dot_scheduler__pb2.WeightsInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/GetRunHistory',
+            lockstep_dot_v1_dot_scheduler__pb2.RunHistoryRequest.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.RunHistory.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRunFutures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Scheduler/ListRunFutures',
+            lockstep_dot_v1_dot_scheduler__pb2.RunRef.SerializeToString,
+            lockstep_dot_v1_dot_scheduler__pb2.RunFutures.FromString,
             options,
             channel_credentials,
             insecure,

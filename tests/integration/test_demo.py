@@ -56,6 +56,8 @@ def test_demo_trains_three_tenants_in_shared_cycles(tmp_path: Path) -> None:
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     assert summary["base_model_bytes"] == weights > 0
     closing = " ".join(out.split())  # the terminal wraps long lines
+    assert "console: http://127.0.0.1:" in closing
+    assert "/console (API key tml-demo-console-" in closing
     assert f"({weights / 1e6:.1f} MB of weights) for all 3 tenants" in closing
     assert "cycles: together" in closing and "one after another" in closing
     assert ("sharing saved" in closing) != ("no time saved here" in closing)

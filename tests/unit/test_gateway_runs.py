@@ -60,7 +60,8 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 custom_loss_max_memory_bytes=1 << 24,
                 trainer_path="generic",
             )
-        ]
+        ],
+        engines=pb.EngineCapabilities(sampler_inputs=["image", "text"]),
     )
     assert api.get("/api/v1/get_server_capabilities").json() == {
         "supported_models": [
@@ -74,6 +75,7 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "custom_loss_max_flops_per_token": 1 << 16,
                 "custom_loss_max_memory_bytes": 1 << 24,
                 "trainer_path": "generic",
+                "sampler_inputs": ["image", "text"],
             }
         ]
     }

@@ -7,9 +7,9 @@ import json
 from datetime import UTC, date, datetime, timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
-from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Scheduler
+from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Reader, Scheduler
 from lockstep.gateway.errors import bad_request
 from lockstep.gateway.schema import accounting as wa
 from lockstep.gateway.translate.common import utc
@@ -20,6 +20,9 @@ router = APIRouter(prefix="/api/v1", tags=["accounting"])
 
 GB = 1e9
 MAX_USAGE_WINDOW = timedelta(days=14)  # the SDK's documented limit
+MAX_DAILY_DAYS = 90  # the usage counters' default retention (--audit-retention)
+# The counters of a bucket, as DayUsage names them (the UsageBucket fields).
+DAY_COUNTERS = tuple(f for f in wa.DayUsage.model_fields if f != "day")
 HOUR = timedelta(hours=1)
 # The SDK's event_type filter: "projects", "teams" and "organizations" are hosted-console
 # resources (nothing here records them, so they are always empty).
@@ -96,6 +99,53 @@ async def usage_events(
                 )
     sessions = {e.session_id: wa.BillingUsageSession() for e in data if e.session_id}
     return wa.BillingUsageResponse(data=data, sessions=sessions)
+
+
+@router.get("/usage/daily")
+async def daily_usage(
+    request: Request,
+    scope: Reader,
+    stub: Scheduler,
+    days: Annotated[int, Query(ge=1, le=MAX_DAILY_DAYS)] = 7,
+) -> wa.DailyUsageResponse:
+    """Usage per key by UTC day over the last `days` days (today included), with each key's
+    checkpoint storage: the caller's own, or every key's for an admin key asking with
+    `access_scope=accessible` (what `lockstep admin usage` sums, by day)."""
+    today = datetime.now(UTC).date()
+    first = today - timedelta(days=days - 1)
+    start = datetime.combine(first, datetime.min.time(), tzinfo=UTC)
+    reply = await stub.Usage(
+        pb.UsageRequest(
+            owner=scope.owner,
+            start=start.timestamp(),
+            end=(start + timedelta(days=days)).timestamp(),
+            all_owners=scope.all_owners,
+        ),
+        timeout=CALL_TIMEOUT_S,
+    )
+    window = [first + timedelta(days=i) for i in range(days)]
+    per_key: dict[str, dict[date, wa.DayUsage]] = {scope.owner: {}}
+    for b in reply.buckets:
+        owner = b.owner or scope.owner
+        day = utc(b.start).date()
+        usage = per_key.setdefault(owner, {}).setdefault(day, wa.DayUsage(day=day))
+        for name in DAY_COUNTERS:
+            setattr(usage, name, getattr(usage, name) + getattr(b, name))
+    keyring = request.app.state.keyring
+    names = keyring.names() if keyring is not None else {}
+    keys = []
+    for owner in sorted(per_key, key=lambda o: (o != scope.owner, names.get(o, ""), o)):
+        storage = await stub.StorageUsage(pb.OwnerRef(owner=owner), timeout=CALL_TIMEOUT_S)
+        keys.append(
+            wa.KeyUsage(
+                owner=owner,
+                name=names.get(owner),
+                checkpoint_count=storage.checkpoint_count,
+                storage_bytes=storage.size_bytes,
+                days=[per_key[owner].get(d, wa.DayUsage(day=d)) for d in window],
+            )
+        )
+    return wa.DailyUsageResponse(keys=keys)
 
 
 @router.get("/audit")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from lockstep.gateway.deps import (
     CALL_TIMEOUT_S,
@@ -13,7 +14,9 @@ from lockstep.gateway.deps import (
     Limit,
     Offset,
     Owner,
+    Reader,
     Scheduler,
+    Scope,
     Settings,
 )
 from lockstep.gateway.errors import ApiError, bad_request
@@ -40,27 +43,60 @@ async def get_server_capabilities(owner: Owner, stub: Scheduler) -> rs.ServerCap
 
 @router.get("/training_runs")
 async def list_training_runs(
-    owner: Owner, stub: Scheduler, limit: Limit = 20, offset: Offset = 0
+    scope: Reader, stub: Scheduler, limit: Limit = 20, offset: Offset = 0
 ) -> rs.TrainingRunsResponse:
-    # access_scope=accessible and project_id are accepted and ignored: a caller sees its own runs.
+    # project_id is accepted and ignored; access_scope=accessible reads every key's runs for an
+    # admin key (deps.read_scope), a key's own for any other.
     reply = await stub.ListTrainingRuns(
-        pb.ListRequest(owner=owner, limit=limit, offset=offset), timeout=CALL_TIMEOUT_S
+        pb.ListRequest(owner=scope.owner, limit=limit, offset=offset, all_owners=scope.all_owners),
+        timeout=CALL_TIMEOUT_S,
     )
     return tr.training_run_list(reply, offset, limit)
 
 
+def _run_ref(scope: Scope, run_id: str) -> pb.RunRef:
+    run_id = check_id("training_run_id", run_id)
+    return pb.RunRef(owner=scope.owner, run_id=run_id, all_owners=scope.all_owners)
+
+
 @router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, owner: Owner, stub: Scheduler) -> rs.TrainingRun:
-    ref = pb.RunRef(owner=owner, run_id=check_id("training_run_id", run_id))
-    return tr.training_run(await stub.GetTrainingRun(ref, timeout=CALL_TIMEOUT_S))
+async def get_training_run(run_id: str, scope: Reader, stub: Scheduler) -> rs.TrainingRun:
+    return tr.training_run(
+        await stub.GetTrainingRun(_run_ref(scope, run_id), timeout=CALL_TIMEOUT_S)
+    )
+
+
+@router.get("/training_runs/{run_id}/history")
+async def get_run_history(
+    run_id: str,
+    scope: Reader,
+    stub: Scheduler,
+    points: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+) -> rs.RunHistoryResponse:
+    """The run's metrics per optimizer step, as the scheduler committed them; with `points`,
+    at most that many, each the mean of consecutive steps (its `steps` says how many)."""
+    request = pb.RunHistoryRequest(run=_run_ref(scope, run_id), most_points=points)
+    reply = await stub.GetRunHistory(request, timeout=CALL_TIMEOUT_S)
+    return tr.run_history(run_id, reply)
+
+
+@router.get("/training_runs/{run_id}/futures")
+async def list_run_futures(run_id: str, scope: Reader, stub: Scheduler) -> rs.RunFuturesResponse:
+    """The run's training requests still queued (their futures in flight)."""
+    reply = await stub.ListRunFutures(_run_ref(scope, run_id), timeout=CALL_TIMEOUT_S)
+    return tr.run_futures(run_id, reply)
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_run_checkpoints(
-    run_id: str, owner: Owner, stub: Scheduler, limit: Limit = 10_000, offset: Offset = 0
+    run_id: str, scope: Reader, stub: Scheduler, limit: Limit = 10_000, offset: Offset = 0
 ) -> rs.CheckpointsListResponse:
     request = pb.ListCheckpointsRequest(
-        owner=owner, run_id=check_id("training_run_id", run_id), limit=limit, offset=offset
+        owner=scope.owner,
+        run_id=check_id("training_run_id", run_id),
+        limit=limit,
+        offset=offset,
+        all_owners=scope.all_owners,
     )
     reply = await stub.ListCheckpoints(request, timeout=CALL_TIMEOUT_S)
     return tr.checkpoint_list(reply, offset, limit)

@@ -3,7 +3,7 @@ billing usage, checkpoint storage, session search, copy_weights)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -126,3 +126,29 @@ class SessionSearchResponse(SchemaModel):
 
 class CopyWeightsResponse(SchemaModel):
     tinker_path: str
+
+
+class DayUsage(SchemaModel):
+    """One key's counters over one UTC day (the hourly buckets `lockstep admin usage` sums)."""
+
+    day: date
+    tokens_trained: int = 0
+    tokens_prefill: int = 0
+    tokens_sampled: int = 0
+    steps: int = 0
+    samples: int = 0
+    cycle_seconds: float = 0.0
+    checkpoints: int = 0
+    custom_losses: int = 0
+
+
+class KeyUsage(SchemaModel):
+    owner: str  # sha256 of the key, 16 hex digits (lockstep.keyring.owner_of)
+    name: str | None = None  # the keys file's name for it
+    checkpoint_count: int
+    storage_bytes: int
+    days: list[DayUsage]  # every day of the window, oldest first
+
+
+class DailyUsageResponse(SchemaModel):
+    keys: list[KeyUsage]

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from lockstep.vocab import RunStatus
+
 
 class SchemaModel(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
@@ -232,6 +234,7 @@ class SupportedModel(SchemaModel):
     custom_loss_max_flops_per_token: int | None = None
     custom_loss_max_memory_bytes: int | None = None
     trainer_path: str | None = None  # "packed", or "generic" (each row alone: slower)
+    sampler_inputs: list[str] | None = None  # "text", "image": what a prompt may hold
 
 
 class ServerCapabilitiesResponse(SchemaModel):
@@ -272,6 +275,43 @@ class TrainingRun(SchemaModel):
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
     user_metadata: dict[str, str] | None = None
+    # Lockstep's own (the SDK ignores them): progress as committed, and what it is doing.
+    steps: int | None = None
+    tokens_trained: int | None = None
+    status: RunStatus | None = None
+    queued: int | None = None
+
+
+class StepMetrics(SchemaModel):
+    """One optimizer step's metrics: its passes' joined (`:sum` added, `:mean` weighted by
+    datums), forward-only passes' under `forward/`, the step's own under `optim_step/`."""
+
+    step: int
+    time: datetime
+    metrics: dict[str, float]
+    datums: int
+    tokens: int
+    complete: bool  # False: the newest passes, whose optim_step has not run yet
+    steps: int = 1  # steps this point is the mean of (the route's `points`)
+
+
+class RunHistoryResponse(SchemaModel):
+    training_run_id: str
+    steps: list[StepMetrics]
+    first_step: int  # steps before it were trimmed from the history
+
+
+class QueuedFuture(SchemaModel):
+    request_id: str
+    kind: str
+    seq_id: int
+    status: str
+
+
+class RunFuturesResponse(SchemaModel):
+    training_run_id: str
+    futures: list[QueuedFuture]  # the first ones, in seq_id order
+    total_count: int
 
 
 class TrainingRunsResponse(SchemaModel):

@@ -7,6 +7,7 @@ from typing import Literal
 from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate.common import utc
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import RunStatus
 
 CheckpointType = Literal["training", "sampler", "external"]
 _TYPES: tuple[CheckpointType, ...] = ("training", "sampler", "external")
@@ -48,6 +49,40 @@ def training_run(r: pb.TrainingRun) -> rs.TrainingRun:
             checkpoint(r.last_sampler_checkpoint) if r.HasField("last_sampler_checkpoint") else None
         ),
         user_metadata=dict(r.user_metadata) or None,
+        steps=r.steps,
+        tokens_trained=r.tokens_trained,
+        status=RunStatus(r.status) if r.status else None,
+        queued=r.queued,
+    )
+
+
+def run_history(run_id: str, h: pb.RunHistory) -> rs.RunHistoryResponse:
+    return rs.RunHistoryResponse(
+        training_run_id=run_id,
+        steps=[
+            rs.StepMetrics(
+                step=s.step,
+                time=utc(s.time),
+                metrics=dict(s.metrics),
+                datums=s.datums,
+                tokens=s.tokens,
+                complete=s.complete,
+                steps=s.steps or 1,
+            )
+            for s in h.steps
+        ],
+        first_step=h.first_step,
+    )
+
+
+def run_futures(run_id: str, f: pb.RunFutures) -> rs.RunFuturesResponse:
+    return rs.RunFuturesResponse(
+        training_run_id=run_id,
+        futures=[
+            rs.QueuedFuture(request_id=q.request_id, kind=q.kind, seq_id=q.seq_id, status=q.status)
+            for q in f.futures
+        ],
+        total_count=f.total_count,
     )
 
 
@@ -85,6 +120,7 @@ def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
                 custom_loss_max_flops_per_token=m.custom_loss_max_flops_per_token or None,
                 custom_loss_max_memory_bytes=m.custom_loss_max_memory_bytes or None,
                 trainer_path=m.trainer_path or None,
+                sampler_inputs=list(caps.engines.sampler_inputs) or None,
             )
             for m in caps.models
         ]

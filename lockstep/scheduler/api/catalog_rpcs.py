@@ -9,13 +9,19 @@ from collections.abc import Awaitable, Callable, Mapping
 from lockstep.engine.capabilities import Engines
 from lockstep.paths import TinkerPath
 from lockstep.scheduler.admission.submissions import Submissions
+from lockstep.scheduler.api import run_history
 from lockstep.scheduler.api.servicer import Handler
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.state import sample_futures
 from lockstep.scheduler.state.catalog import Catalog, NotFound
 from lockstep.scheduler.state.records import CheckpointRecord, ModelRecord, SamplerRecord
+from lockstep.scheduler.state.runs import RunStats
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import RunStatus
+
+# A run's queued training requests listed by ListRunFutures (the rest are counted).
+FUTURES_LISTED = 50
 
 
 def checkpoint_pb(rec: CheckpointRecord) -> pb.Checkpoint:
@@ -78,6 +84,8 @@ class CatalogRpcs:
             "ListTrainingRuns": self.list_training_runs,
             "GetTrainingRun": self.get_training_run,
             "ListCheckpoints": self.list_checkpoints,
+            "GetRunHistory": self.get_run_history,
+            "ListRunFutures": self.list_run_futures,
             "GetWeightsInfo": self.get_weights_info,
             "Health": self.get_health,
         }
@@ -164,15 +172,19 @@ class CatalogRpcs:
 
     # ---------------------------------------------------------------- runs and checkpoints
     async def _run(self, model: ModelRecord) -> pb.TrainingRun:
-        last = await self.store.runs.last_request_time(model.model_id) or model.last_request_time
+        stats = await self.store.runs.stats(model.model_id, model.session_id)
         run = pb.TrainingRun(
             training_run_id=model.model_id,
             base_model=model.base_model,
             model_owner=model.owner,
             is_lora=True,
-            last_request_time=last,
+            last_request_time=stats.last_request_time or model.last_request_time,
             lora_rank=model.lora.rank,
             user_metadata=model.user_metadata,
+            steps=stats.steps,
+            tokens_trained=stats.tokens_trained,
+            status=run_status(stats),
+            queued=stats.queued,
         )
         for cid, slot in (
             (model.last_checkpoint, run.last_checkpoint),
@@ -184,17 +196,42 @@ class CatalogRpcs:
         return run
 
     async def list_training_runs(self, request: pb.ListRequest) -> pb.TrainingRunList:
-        of_owner = self.store.runs.of_owner
-        ids, total = await of_owner(request.owner, request.offset, request.limit or 20)
+        limit = request.limit or 20
+        if request.all_owners:
+            models, total = await self.store.runs.every(request.offset, limit)
+            return pb.TrainingRunList(runs=[await self._run(m) for m in models], total_count=total)
+        ids, total = await self.store.runs.of_owner(request.owner, request.offset, limit)
         runs = [await self._run(await self.catalog.owned_model(request.owner, i)) for i in ids]
         return pb.TrainingRunList(runs=runs, total_count=total)
 
+    async def _model(self, ref: pb.RunRef) -> ModelRecord:
+        return await self.catalog.owned_model(ref.owner, ref.run_id, ref.all_owners)
+
     async def get_training_run(self, request: pb.RunRef) -> pb.TrainingRun:
-        return await self._run(await self.catalog.owned_model(request.owner, request.run_id))
+        return await self._run(await self._model(request))
+
+    async def get_run_history(self, request: pb.RunHistoryRequest) -> pb.RunHistory:
+        model = await self._model(request.run)
+        entries, steps = await self.store.runs.history(model.model_id)
+        return run_history.steps_of(entries, steps, request.most_points)
+
+    async def list_run_futures(self, request: pb.RunRef) -> pb.RunFutures:
+        model = await self._model(request)
+        queued, total = await self.store.runs.queued(model.model_id, FUTURES_LISTED)
+        futures = [
+            pb.QueuedFuture(
+                request_id=rid,
+                seq_id=seq,
+                kind=(kind or b"").decode(),
+                status=(status or b"").decode(),
+            )
+            for rid, seq, (kind, status) in queued
+        ]
+        return pb.RunFutures(futures=futures, total_count=total)
 
     async def list_checkpoints(self, request: pb.ListCheckpointsRequest) -> pb.CheckpointList:
         run_id = request.run_id if request.HasField("run_id") else None
-        recs = await self.catalog.list_checkpoints(request.owner, run_id)
+        recs = await self.catalog.list_checkpoints(request.owner, run_id, request.all_owners)
         limit = request.limit or len(recs)
         page = recs[request.offset : request.offset + limit]
         return pb.CheckpointList(
@@ -212,6 +249,12 @@ class CatalogRpcs:
     async def get_health(self, request: pb.Empty) -> pb.HealthReply:
         parts = await self.health()
         return pb.HealthReply(ready=all(v == "ready" for v in parts.values()), parts=parts)
+
+
+def run_status(stats: RunStats) -> RunStatus:
+    if stats.session_ended:
+        return RunStatus.ENDED
+    return RunStatus.TRAINING if stats.queued else RunStatus.IDLE
 
 
 def engine_capabilities(engines: Engines) -> pb.EngineCapabilities:

@@ -66,9 +66,13 @@ class TenancyRpcs:
     # ---------------------------------------------------------------- accounting
     async def usage(self, request: pb.UsageRequest) -> pb.UsageReply:
         accounting = self.tenancy.accounting
-        return pb.UsageReply(
-            buckets=await accounting.usage(request.owner, request.start, request.end)
-        )
+        owners = [request.owner]
+        if request.all_owners:  # an admin key: every owner's
+            owners = await self.tenancy.store.sessions.owners()
+        buckets = []
+        for owner in owners:
+            buckets += await accounting.usage(owner, request.start, request.end)
+        return pb.UsageReply(buckets=buckets)
 
     async def audit_log(self, request: pb.AuditLogRequest) -> pb.AuditLogReply:
         accounting = self.tenancy.accounting

@@ -166,12 +166,15 @@ class Accounting:
 
     async def usage(self, owner: str, start: float, end: float) -> list[pb.UsageBucket]:
         buckets: dict[tuple[int, str, str], pb.UsageBucket] = {}
-        for hour in range(int(start // HOUR_S), int((end - 1e-9) // HOUR_S) + 1):
-            for field, amount in (await self.ledger.usage(owner, hour)).items():
+        hours = range(int(start // HOUR_S), int((end - 1e-9) // HOUR_S) + 1)
+        for hour, counters in zip(hours, await self.ledger.usage(owner, hours), strict=True):
+            for field, amount in counters.items():
                 session, base, counter = field.rsplit("|", 2)
                 b = buckets.setdefault(
                     (hour, session, base),
-                    pb.UsageBucket(start=hour * HOUR_S, session_id=session, base_model=base),
+                    pb.UsageBucket(
+                        start=hour * HOUR_S, session_id=session, base_model=base, owner=owner
+                    ),
                 )
                 if counter == Counter.CYCLE_SECONDS:
                     b.cycle_seconds += amount

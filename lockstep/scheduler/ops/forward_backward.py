@@ -70,7 +70,12 @@ class ForwardBackward(PassOp):
 
     def outcome(self, op: QueuedOp, result: PassResult, cycle: int) -> Outcome:
         output = translate.pass_output(result, cycle)
-        return Outcome(pb.JobResult(forward_backward=output), replayed=self.backward(op.kind))
+        return Outcome(
+            pb.JobResult(forward_backward=output),
+            replayed=self.backward(op.kind),
+            metrics=dict(result.metrics),
+            datums=len(result.outputs),
+        )
 
 
 def check_datums(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:

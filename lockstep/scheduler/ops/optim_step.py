@@ -49,4 +49,9 @@ class OptimStep(StepOp):
 
     def outcome(self, metrics: dict[str, float], snapshot_seq: int | None) -> Outcome:
         result = pb.OptimStepResult(metrics=metrics)
-        return Outcome(pb.JobResult(optim_step=result), snapshot_seq=snapshot_seq, replayed=True)
+        return Outcome(
+            pb.JobResult(optim_step=result),
+            snapshot_seq=snapshot_seq,
+            replayed=True,
+            metrics=dict(metrics),
+        )

@@ -162,9 +162,10 @@ class Catalog:
         return rec.finished
 
     # ------------------------------------------------------------------ models and samplers
-    async def owned_model(self, owner: str, model_id: str) -> ModelRecord:
+    async def owned_model(self, owner: str, model_id: str, all_owners: bool = False) -> ModelRecord:
+        """A model of `owner`; with `all_owners` (an admin key's read) of any owner."""
         rec = await self.store.runs.get(model_id)
-        if rec is None or rec.owner != owner:
+        if rec is None or (rec.owner != owner and not all_owners):
             raise NotFound(f"model {model_id} does not exist")
         return rec
 
@@ -242,11 +243,13 @@ class Catalog:
     def _expired(rec: CheckpointRecord) -> bool:
         return rec.expires_at is not None and rec.expires_at <= time.time()
 
-    async def list_checkpoints(self, owner: str, run_id: str | None) -> list[CheckpointRecord]:
+    async def list_checkpoints(
+        self, owner: str, run_id: str | None, all_owners: bool = False
+    ) -> list[CheckpointRecord]:
         run_ids = [run_id] if run_id else await self.store.runs.all_of_owner(owner)
         out: list[CheckpointRecord] = []
         for rid in run_ids:
-            await self.owned_model(owner, rid)
+            await self.owned_model(owner, rid, all_owners and run_id is not None)
             for rec in await self.store.checkpoints.of_run(rid):
                 if self._expired(rec):
                     await self._remove(rid, rec)

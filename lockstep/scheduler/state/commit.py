@@ -17,7 +17,13 @@ from typing import Any
 
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.outcome import Outcome
-from lockstep.scheduler.state.records import ModelRecord, QueuedOp, decode, encoder
+from lockstep.scheduler.state.records import (
+    HistoryEntry,
+    ModelRecord,
+    QueuedOp,
+    decode,
+    encoder,
+)
 from lockstep.vocab import CheckpointType, JobStatus, OpKind
 
 # The one trim rule: replay-log entries a snapshot covers leave the log and their job keeps its
@@ -44,19 +50,24 @@ end
 """
 ADVANCE_INFLIGHT = _ADVANCE + "return advance(KEYS[1], ARGV[1], ARGV[2])"
 
+# The ops a run's metrics history keeps (`keys.history`): the newest 100,000 forward,
+# forward_backward and optim_step results (a few MB; 10,000 steps of two ops each fit 5 times).
+HISTORY_KEPT = 100_000
 # KEYS: 1 progress, 2 pending, 3 job, 4 replay, 5 model, 6 checkpoints, 7 inflight target,
-#       8 sampler, 9 session's samplers.
+#       8 sampler, 9 session's samplers, 10 history.
 # ARGV: 1 request id, 2 seq_id, 3 the outcome's snapshot_seq ('' none), 4 now, 5 result TTL,
 #       6 job key prefix, 7 replayed ('1': keep the payload in the replay log),
 #       8 model record expected ('' no change), 9 model record after,
 #       10 checkpoint id ('' none), 11 checkpoint record, 12 inflight version ('' none),
 #       13 inflight record, 14 sampler id ('' none), 15 sampler record,
-#       16.. the job's outcome fields as name, value pairs (none: a rejected op's error was
+#       16 history entry ('' none), 17 steps it adds, 18 trained tokens it adds,
+#       19.. the job's outcome fields as name, value pairs (none: a rejected op's error was
 #       written at submission).
 # Returns 1 committed, 0 committed already (no longer pending), -1 the model record changed
 # since it was read (read it again and retry).
 COMMIT_OP = (
-    _TRIM
+    f"local HISTORY_KEPT = {HISTORY_KEPT}\n"
+    + _TRIM
     + _ADVANCE
     + """
 if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
@@ -78,7 +89,13 @@ if ARGV[14] ~= '' then
   redis.call('SET', KEYS[8], ARGV[15])
   redis.call('SADD', KEYS[9], ARGV[14])
 end
-if #ARGV > 15 then redis.call('HSET', KEYS[3], unpack(ARGV, 16)) end
+if ARGV[16] ~= '' then
+  redis.call('RPUSH', KEYS[10], ARGV[16])
+  redis.call('LTRIM', KEYS[10], -HISTORY_KEPT, -1)
+end
+if ARGV[17] ~= '0' then redis.call('HINCRBY', KEYS[1], 'steps', ARGV[17]) end
+if ARGV[18] ~= '0' then redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[18]) end
+if #ARGV > 18 then redis.call('HSET', KEYS[3], unpack(ARGV, 19)) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 if ARGV[7] == '1' and not (own and seq <= own) then
   redis.call('ZADD', KEYS[4], seq, ARGV[1])
@@ -137,7 +154,7 @@ async def commit_ops(
             for i in todo:
                 op, outcome = pairs[i]
                 args = _args(op, outcome, models.get(i, (b"", b"")), result_ttl_s)
-                pipe.eval(COMMIT_OP, 9, *_keys(op, outcome), *args)
+                pipe.eval(COMMIT_OP, 10, *_keys(op, outcome), *args)
             replies = await pipe.execute()
         if clock is not None:
             replies, clock = replies[1:], None
@@ -162,6 +179,7 @@ def _keys(op: QueuedOp, outcome: Outcome) -> list[str]:
         keys.inflight_target(op.model_id),
         keys.sampler(sampler.sampler_id if sampler else ""),
         keys.session_samplers(sampler.session_id if sampler else ""),
+        keys.history(op.model_id),
     ]
 
 
@@ -186,6 +204,7 @@ def _args(
         encoder.encode(target) if target else b"",
         sampler.sampler_id if sampler else "",
         encoder.encode(sampler) if sampler else b"",
+        *_history(op, outcome),
     ]
     if op.kind != OpKind.REJECTED:  # a rejected op's error was written at submission
         args += ["status", JobStatus.DONE if outcome.error is None else JobStatus.FAILED]
@@ -194,6 +213,19 @@ def _args(
         if outcome.error is not None:
             args += ["error", outcome.error, "category", outcome.category]
     return args
+
+
+def _history(op: QueuedOp, outcome: Outcome) -> tuple[bytes, int, int]:
+    """What a successful op adds to its run's history and counters: its metrics entry, the
+    step an optim_step completes, a forward_backward's trained tokens."""
+    if outcome.error is not None or outcome.metrics is None:
+        return b"", 0, 0
+    entry = HistoryEntry(
+        op.seq_id, op.kind, time.time(), outcome.datums, op.tokens, outcome.metrics
+    )
+    step = 1 if op.kind == OpKind.OPTIM_STEP else 0
+    trained = op.tokens if op.kind == OpKind.FORWARD_BACKWARD else 0
+    return encoder.encode(entry), step, trained
 
 
 async def _models_before(

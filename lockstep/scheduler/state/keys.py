@@ -14,6 +14,8 @@ ACTIVE_MODELS = PREFIX + "active_models"
 ALL_MODELS = PREFIX + "all_models"
 # Sample jobs waiting for the sampling lane (a list of request ids, FIFO).
 SAMPLE_QUEUE = PREFIX + "sample_queue"
+# Every owner (API key) that has created a session (a set; read by admin keys' usage).
+OWNERS = PREFIX + "owners"
 
 
 def job(request_id: str) -> str:
@@ -54,9 +56,17 @@ def pending(model_id: str) -> str:
 
 def progress(model_id: str) -> str:
     """Hash: next_seq (the seq_id the clock runs next), snapshot_seq (the seq_id whose state
-    is the model's durable snapshot), last_request_time. Written with the job outcomes, in the
-    same transaction, so a crash never leaves a finished request without its model advancing."""
+    is the model's durable snapshot), last_request_time, steps (optim_steps committed) and
+    tokens (forward_backward tokens committed). Written with the job outcomes, in the same
+    transaction, so a crash never leaves a finished request without its model advancing."""
     return f"{PREFIX}progress:{model_id}"
+
+
+def history(model_id: str) -> str:
+    """List of the model's committed forward, forward_backward and optim_step results' metrics
+    (`records.HistoryEntry`, oldest first), appended by the commit script with the op's result
+    and trimmed to the newest `commit.HISTORY_KEPT`; the run's metrics per step are read here."""
+    return f"{PREFIX}history:{model_id}"
 
 
 def replay(model_id: str) -> str:

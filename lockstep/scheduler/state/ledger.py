@@ -14,9 +14,13 @@ class Ledger:
     def __init__(self, redis: Any) -> None:
         self.redis = redis
 
-    async def usage(self, owner: str, hour: int) -> dict[str, float]:
-        raw = await self.redis.hgetall(keys.usage(owner, hour))
-        return {k.decode(): float(v) for k, v in raw.items()}
+    async def usage(self, owner: str, hours: range) -> list[dict[str, float]]:
+        """The owner's counters of each hour (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for hour in hours:
+                pipe.hgetall(keys.usage(owner, hour))
+            raw = await pipe.execute()
+        return [{k.decode(): float(v) for k, v in h.items()} for h in raw]
 
     async def audit_entries(
         self, owner: str, low_ms: int, high_ms: int

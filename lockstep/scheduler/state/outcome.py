@@ -30,6 +30,10 @@ class Outcome:
     # Its payload joins the model's replay log if it succeeded: a restore re-runs it until a
     # snapshot covers it (its op says so: scheduler/ops/).
     replayed: bool = False
+    # What the run's metrics history records of it (`keys.history`; forward, forward_backward
+    # and optim_step say so in their op), with the datums its metrics reduce over.
+    metrics: dict[str, float] | None = None
+    datums: int = 0
 
     @cached_property
     def result_bytes(self) -> bytes | None:

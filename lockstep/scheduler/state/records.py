@@ -113,6 +113,18 @@ class QueuedOp(msgspec.Struct, frozen=True):
     tokens: int = 0  # tokens in the request (for the cycle's token budget)
 
 
+class HistoryEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One committed forward, forward_backward or optim_step's metrics (`keys.history`):
+    an array, as it is stored once per op for the run's whole life."""
+
+    seq_id: int
+    kind: OpKind
+    time: float
+    datums: int
+    tokens: int
+    metrics: dict[str, float]
+
+
 encoder = msgspec.json.Encoder()
 
 

@@ -3,10 +3,14 @@ trip), each owner's index of runs, and the owners the clock's per-key quota read
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import msgspec
 
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.records import (
+    HistoryEntry,
     ModelRecord,
     SamplerRecord,
     SessionRecord,
@@ -15,6 +19,16 @@ from lockstep.scheduler.state.records import (
 )
 
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class RunStats:
+    last_request_time: float | None
+    steps: int  # optim_steps committed
+    tokens_trained: int  # forward_backward tokens committed
+    queued: int  # training requests queued
+    session_ended: bool
+
 
 # A model's or sampler's record and its session's (the session id is in the record).
 _WITH_SESSION = """
@@ -73,6 +87,58 @@ class Runs:
     async def last_request_time(self, model_id: str) -> float | None:
         raw = await self.redis.hget(keys.progress(model_id), "last_request_time")
         return None if raw is None else float(raw)
+
+    async def every(self, offset: int, limit: int) -> tuple[list[ModelRecord], int]:
+        """A page of every owner's runs, newest first, and how many there are (admin keys)."""
+        ids = sorted(m.decode() for m in await self.redis.smembers(keys.ALL_MODELS))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model_id in ids:
+                pipe.get(keys.model(model_id))
+            raw = await pipe.execute()
+        recs = [decode(r, ModelRecord) for r in raw if r is not None]
+        recs.sort(key=lambda r: (r.created, r.model_id), reverse=True)
+        return recs[offset : offset + max(limit, 1)], len(recs)
+
+    async def stats(self, model_id: str, session_id: str) -> RunStats:
+        """What a run's listing shows beside its record, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.progress(model_id), "last_request_time", "steps", "tokens")
+            pipe.zcard(keys.pending(model_id))
+            pipe.get(keys.session(session_id))
+            (last, steps, tokens), queued, session = await pipe.execute()
+        return RunStats(
+            last_request_time=None if last is None else float(last),
+            steps=int(steps or 0),
+            tokens_trained=int(tokens or 0),
+            queued=int(queued),
+            session_ended=session is None or decode(session, SessionRecord).finished,
+        )
+
+    async def history(self, model_id: str) -> tuple[list[HistoryEntry], int]:
+        """The run's metrics history (oldest first) and the optim_steps committed, read together."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.lrange(keys.history(model_id), 0, -1)
+            pipe.hget(keys.progress(model_id), "steps")
+            raw, steps = await pipe.execute()
+        entries = msgspec.json.decode(b"[" + b",".join(raw) + b"]", type=list[HistoryEntry])
+        return entries, int(steps or 0)
+
+    async def queued(
+        self, model_id: str, limit: int
+    ) -> tuple[list[tuple[str, int, list[Any]]], int]:
+        """The run's first `limit` queued training requests (request id, seq_id, the job's kind
+        and status) in seq_id order, and how many are queued."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrange(keys.pending(model_id), 0, limit - 1, withscores=True)
+            pipe.zcard(keys.pending(model_id))
+            page, total = await pipe.execute()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid, _ in page:
+                pipe.hmget(keys.job(rid.decode()), "kind", "status")
+            jobs = await pipe.execute()
+        return [
+            (rid.decode(), int(seq), fields) for (rid, seq), fields in zip(page, jobs, strict=True)
+        ], int(total)
 
 
 class Samplers:

@@ -22,6 +22,7 @@ class Sessions:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.session(rec.session_id), encoder.encode(rec))
             pipe.zadd(keys.owner_sessions(rec.owner), {rec.session_id: rec.created})
+            pipe.sadd(keys.OWNERS, rec.owner)
             await pipe.execute()
 
     async def get(self, session_id: str) -> SessionRecord | None:
@@ -35,11 +36,18 @@ class Sessions:
         return [i.decode() for i in ids], int(await self.redis.zcard(key))
 
     async def owners(self) -> list[str]:
-        """Every owner that has created a session (a scan: for the admin command, not a request)."""
+        """Every owner that has created a session (`keys.OWNERS`)."""
+        return sorted(o.decode() for o in await self.redis.smembers(keys.OWNERS))
+
+    async def index_owners(self) -> None:
+        """Fill `keys.OWNERS` from the owners' session indexes (a scan, once at start-up and by
+        `lockstep admin`): a Redis written before the set existed has the indexes only."""
         pattern = keys.owner_sessions("*")
         prefix, suffix = pattern.split("*")
         found = [k.decode() async for k in self.redis.scan_iter(match=pattern)]
-        return sorted(k.removeprefix(prefix).removesuffix(suffix) for k in found)
+        owners = [k.removeprefix(prefix).removesuffix(suffix) for k in found]
+        if owners:
+            await self.redis.sadd(keys.OWNERS, *owners)
 
     async def members(self, session_id: str) -> tuple[list[str], list[str]]:
         """The training runs and the sampling sessions created in the session."""
