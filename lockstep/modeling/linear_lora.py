@@ -230,7 +230,8 @@ def _assemble_run(
 GROUPED_DEVICES = frozenset({"cuda"})
 
 # Run the grouped LoRA GEMMs in the base weights' dtype (bf16 on CUDA) instead of the adapters'
-# fp32, as the experts do; off until benchmarks/gpu_suite.py shows what it buys on a GPU.
+# fp32, as the experts do. Off: it fails its numerics gate (benchmarks/numerics_gate.py: its
+# logprob error against fp32 exceeds the bf16 base path's own in every family tried).
 GROUPED_IN_BASE_DTYPE = False
 
 
