@@ -41,6 +41,9 @@ from lockstep.modeling import packing
 ROW_ATTENTION = "lockstep_rows"
 # One varlen flash-attention call per packed sequence where it applies (module docstring).
 VARLEN = False
+# Devices whose varlen kernel runs (torch's flash kernel: CUDA). The op census adds the CPU with
+# a stand-in kernel, to count what a GPU cycle launches (`modeling.op_census`).
+VARLEN_DEVICES = frozenset({"cuda"})
 
 
 def _varlen_kernel() -> Callable[..., torch.Tensor] | None:
@@ -67,7 +70,7 @@ def varlen_takes(
     return (
         VARLEN
         and _VARLEN_KERNEL is not None
-        and query.is_cuda
+        and query.device.type in VARLEN_DEVICES
         and query.dtype in (torch.float16, torch.bfloat16)
         and sinks is None
         and query.shape[-1] == value.shape[-1]

@@ -160,31 +160,30 @@ class _Stack(torch.autograd.Function):
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         first = weights[0]
-        experts = first.numel() // (first.shape[-2] * first.shape[-1])
         tail = list(first.shape[-2:])
         tail[axis] = rank
         padded = any(r != rank for r in ranks)
         make = first.new_zeros if padded else first.new_empty
-        out = make(len(ranks), experts, *tail, dtype=dtype)
-        slots = _slots(out, ranks, axis)
-        torch._foreach_copy_(slots, [w.reshape(-1, *w.shape[-2:]) for w in weights])
-        ctx.ranks, ctx.axis = ranks, axis
-        ctx.shapes = [(w.shape, w.dtype) for w in weights]
+        out = make(len(ranks), *first.shape[:-2], *tail, dtype=dtype)
+        torch._foreach_copy_(_slots(out, ranks, axis), list(weights))
+        ctx.ranks, ctx.axis, ctx.dtype, ctx.lead = ranks, axis, first.dtype, first.shape[:-2]
         return out.view(-1, *tail)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Contiguous: each adapter's gradient then has its parameter's layout, which autograd
         # keeps as it is (a strided one it would copy, once per adapter).
-        whole = grad.to(ctx.shapes[0][1], memory_format=torch.contiguous_format)
-        whole = whole.view(len(ctx.ranks), -1, *grad.shape[1:])
-        grads = [
-            g.reshape(shape)
-            for g, (shape, _) in zip(_slots(whole, ctx.ranks, ctx.axis), ctx.shapes, strict=True)
-        ]
-        return (None, None, None, None, *grads)
+        whole = grad.to(ctx.dtype, memory_format=torch.contiguous_format)
+        whole = whole.view(len(ctx.ranks), *ctx.lead, *grad.shape[-2:])
+        return (None, None, None, None, *_slots(whole, ctx.ranks, ctx.axis))
 
 
 def _slots(stack: torch.Tensor, ranks: list[int | None], axis: int) -> list[torch.Tensor]:
-    """Each present adapter's slot [E, .., r_i, ..] of a stack [K, E, .., rank, ..]."""
-    return [stack[k].narrow(axis, 0, r) for k, r in enumerate(ranks) if r is not None]
+    """Each present adapter's slot [(E,) .., r_i, ..] of a stack [K, (E,) .., rank, ..]: one
+    view op where no slot is padded (torch's unbind), a narrowed view per padded slot."""
+    slots = stack.unbind(0)
+    return [
+        s if r == s.shape[axis] else s.narrow(axis, 0, r)
+        for s, r in zip(slots, ranks, strict=True)
+        if r is not None
+    ]
