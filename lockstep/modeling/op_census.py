@@ -243,11 +243,14 @@ class OpCensus(TorchDispatchMode):
                 layers[op.place.layer].add(op)
         n = max(1, len(layers))
         casts = Counter[str]()
+        in_layers = Counter[str]()
         pairs = Counter[str]()
         for op in self.ops:
             if op.cast_bytes:
                 casts[op.source] += op.cast_bytes
                 pairs[op.cast] += op.cast_bytes
+                if op.place.region is Region.LAYER:
+                    in_layers[op.source] += op.cast_bytes
         cast_bytes = sum(casts.values())
         grouped = [op.groups for op in self.ops if op.name == "_grouped_mm"]
         reads = Counter(
@@ -284,10 +287,8 @@ class OpCensus(TorchDispatchMode):
                 for kind, t in zip(self.layer_kinds, layers, strict=True)
             ],
             "cast_bytes_by_dtype": dict(pairs.most_common()),
-            "cast_top_sources": [
-                {"source": s, "bytes": b, "share": round(b / max(1, cast_bytes), 3)}
-                for s, b in casts.most_common(8)
-            ],
+            "cast_top_sources": _top(casts, cast_bytes),
+            "layer_cast_top_sources": _top(in_layers, cast_bytes),
             "layer_host_reads": dict(reads.most_common(6)),
             "micro_batches": self.forwards,
             "unattributed_backward_ops": self.unattributed,
@@ -337,6 +338,14 @@ class _Stamps(TorchFunctionMode):
         ):
             self._census.stamp(out, _caller())
         return out
+
+
+def _top(sources: Counter[str], total: int, n: int = 8) -> list[dict[str, Any]]:
+    """The `n` sources that cast the most bytes, with their share of all `total` bytes cast."""
+    return [
+        {"source": s, "bytes": b, "share": round(b / max(1, total), 3)}
+        for s, b in sources.most_common(n)
+    ]
 
 
 def _part(child: nn.Module) -> str | None:
