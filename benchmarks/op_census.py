@@ -110,6 +110,8 @@ def growth(per_k: dict[str, Any]) -> dict[str, Any]:
         "ops_per_layer_grows": hi["ops_per_layer"] > lo["ops_per_layer"],
         "compared": [int(ks[-2]), int(ks[-1])],
         "where": where,
+        # > 1: not a packed family (the generic path runs every row as its own forward)
+        "micro_batches": [per_k[k]["micro_batches"] for k in ks],
         "apart": by_design,  # per row / per tenant by design
     }
 
@@ -120,33 +122,65 @@ def figure(payload: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ops_ax, cast_ax) = plt.subplots(1, 2, figsize=(13, 5.2))
-    for i, (family, per_k) in enumerate(payload["families"].items()):
-        color = f"C{i % 10}"
+    families = payload["families"]
+    fig, (ops_ax, cast_ax) = plt.subplots(1, 2, figsize=(14, 5.6))
+    colors = plt.get_cmap("tab20").colors
+    for i, (family, per_k) in enumerate(families.items()):
+        color = colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
         ks = sorted(per_k, key=int)
         x = [int(k) for k in ks]
         ops_ax.plot(x, [per_k[k]["ops_per_layer"] for k in ks], "o-", color=color, label=family)
         ops_ax.plot(x, [per_k[k]["ops_per_layer_varlen_off"] for k in ks], ":", color=color)
-        cast_ax.plot(x, [per_k[k]["cast_bytes_per_token"] for k in ks], "o-", color=color)
     ops_ax.set(
         xscale="log",
         yscale="log",
         xlabel="tenants K (one 64-token datum each)",
-        ylabel="kernel ops per decoder layer (fwd + bwd)",
-        title="ops per layer; dotted: VARLEN off (attention per row)",
+        ylabel="kernel ops per decoder layer (forward + backward)",
+        title="ops per layer (dotted: VARLEN off, attention per row)",
     )
+    ops_ax.set_xticks([int(k) for k in payload["config"]["tenants"]])
+    lo, hi = ops_ax.get_ylim()
+    ops_ax.set_yticks([t for t in (100, 200, 300, 500, 1000, 2000, 5000, 10000) if lo <= t <= hi])
+    for axis in (ops_ax.xaxis, ops_ax.yaxis):
+        axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ops_ax.grid(alpha=0.3, which="both")
+    ops_ax.legend(fontsize=8, ncol=2)  # llama and qwen2 count alike: one line
+    # Casts per token at K = 8, by where they happen, and the total with bf16 LoRA GEMMs.
+    k = str(VARIANT_K)
+    names = list(families)
+    y = list(range(len(names)))
+    per_token = {
+        region: [
+            families[f][k]["regions"][region]["cast_bytes"] / families[f][k]["tokens"]
+            for f in names
+        ]
+        for region in ("layer", "head_loss")
+    }
+    totals = [families[f][k]["cast_bytes_per_token"] for f in names]
+    layer, head = per_token["layer"], per_token["head_loss"]
+    rest = [t - a - b for t, a, b in zip(totals, layer, head, strict=True)]
+    cast_ax.barh(y, per_token["layer"], color="C0", label="decoder layers")
+    cast_ax.barh(
+        y, per_token["head_loss"], left=per_token["layer"], color="C1", label="head + loss"
+    )
+    left = [a + b for a, b in zip(per_token["layer"], per_token["head_loss"], strict=True)]
+    cast_ax.barh(y, rest, left=left, color="C7", label="elsewhere")
+    variant = [
+        families[f][k]["variants"]["lora_gemms_in_base_dtype"]["cast_bytes"]
+        / families[f][k]["tokens"]
+        for f in names
+    ]
+    cast_ax.plot(variant, y, "k|", markersize=16, mew=2, label="total, LoRA GEMMs in bf16")
+    cast_ax.set_yticks(y, names)
+    cast_ax.invert_yaxis()
     cast_ax.set(
-        xscale="log",
-        xlabel="tenants K",
-        ylabel="bytes cast between dtypes per token",
-        title="dtype casts per token (whole cycle)",
+        xlabel=f"bytes cast between dtypes per token at K = {k} (the same at every K)",
+        title="dtype casts per token, by where they happen",
     )
-    for ax in (ops_ax, cast_ax):
-        ax.set_xticks([int(k) for k in payload["config"]["tenants"]])
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.grid(alpha=0.3)
-    ops_ax.legend(fontsize=8, ncol=2)
-    fig.suptitle("One packed cycle on CUDA's code paths (counted on a CPU)")
+    cast_ax.grid(alpha=0.3, axis="x")
+    cast_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
+    fig.suptitle("One packed cycle on CUDA's code paths, counted on a CPU (bf16 base weights)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
