@@ -19,9 +19,11 @@ Without a packing (a forward outside `packed_rows`), each batch row is one causa
 VARLEN (CUDA): every row of a packed sequence in ONE variable-length flash-attention call
 (`torch.nn.attention.varlen`), each row's block (its tokens, then its alignment padding) one
 sequence: causal, so a row's real tokens never see its padding, and with a window where the
-layer has one. It takes fp16 / bf16, one head dim for q, k and v, and no sinks; anything else,
-and every CPU, runs the per-row loop. Off until benchmarks/gpu_suite.py shows it equal (bf16
-tolerance) and faster on a GPU (`VARLEN`).
+layer has one. It takes fp16 / bf16 and no sinks; a value head narrower than the q/k head (MLA)
+is zero-padded to it for the call and the output cut back (exact: zero value columns add
+nothing to the real ones, and their gradient is dropped). Anything else, and every CPU, runs the
+per-row loop. Off until benchmarks/gpu_suite.py shows it equal (bf16 tolerance) and faster on a
+GPU (`VARLEN`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from lockstep.modeling import packing
 ROW_ATTENTION = "lockstep_rows"
 # One varlen flash-attention call per packed sequence where it applies (module docstring).
 VARLEN = False
+# Devices whose varlen kernel runs (torch's flash kernel: CUDA). The op census adds the CPU with
+# a stand-in kernel, to count what a GPU cycle launches (`modeling.op_census`).
+VARLEN_DEVICES = frozenset({"cuda"})
 
 
 def _varlen_kernel() -> Callable[..., torch.Tensor] | None:
@@ -67,10 +72,10 @@ def varlen_takes(
     return (
         VARLEN
         and _VARLEN_KERNEL is not None
-        and query.is_cuda
+        and query.device.type in VARLEN_DEVICES
         and query.dtype in (torch.float16, torch.bfloat16)
         and sinks is None
-        and query.shape[-1] == value.shape[-1]
+        and query.shape[-1] >= value.shape[-1]
         and (window is None or "window_size" in _VARLEN_PARAMS)
     )
 
@@ -166,12 +171,15 @@ def _varlen(
     scaling: float | None,
     window: int | None,
 ) -> torch.Tensor:
-    """Every row of the packed [1, H, S, D] sequence in one varlen call -> [1, S, H, D]. A row's
+    """Every row of the packed [1, H, S, D] sequence in one varlen call -> [1, S, H, Dv]. A row's
     sequence is its block (`layout.widths`): real tokens first, so causal attention keeps its
-    padding out of them; padding positions get values nothing real reads."""
+    padding out of them; padding positions get values nothing real reads. A narrower value
+    head (MLA) is zero-padded to the q/k head for the call (the kernel takes one head dim)."""
     assert _VARLEN_KERNEL is not None
-    heads = query.shape[1]
+    heads, dim_v = query.shape[1], value.shape[-1]
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [S, H, D]
+    if dim_v < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dim_v))
     if k.shape[1] != heads and "enable_gqa" not in _VARLEN_PARAMS:
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     cu = _cumulative(layout.widths, query.device)
@@ -184,7 +192,7 @@ def _varlen(
     if "enable_gqa" in _VARLEN_PARAMS:
         kwargs["enable_gqa"] = k.shape[1] != heads
     out = _VARLEN_KERNEL(q, k, v, cu, cu, longest, longest, **kwargs)
-    return out.unsqueeze(0)
+    return out[..., :dim_v].unsqueeze(0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,10 +12,10 @@ either case, so the cut changes no number. A caller that knows where its cuts fa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
 # Use torch's grouped GEMM kernel where it takes the operands (False: one matmul per group;
 # benchmarks/moe_gpu.py compares the two).
@@ -123,22 +123,67 @@ def lora_stack(
     adapter), in order. Ranks are zero-padded to the largest, rounded up to whole 16-byte rows
     (what the grouped kernel needs of every operand); exact: padded rank rows and columns add
     zeros. None: an adapter that does not train it, all zeros (its groups add exact zeros).
-    Autograd reaches each adapter's own tensors and nothing else."""
+    Autograd reaches each adapter's own tensors and nothing else.
+
+    The same number of kernels whatever the number of adapters (`_Stack`): one copy-and-cast
+    of every adapter into the stack, one cast of the stack's gradient back."""
     real = [w for w in adapters if w is not None]
     a0, b0 = real[0]
     align = 16 // dtype.itemsize
     rank = -(-max(a.shape[-2] for a, _ in real) // align) * align
-    groups = a0.numel() // (a0.shape[-2] * a0.shape[-1])
-    a_parts, b_parts = [], []
-    for w in adapters:
-        if w is None:
-            a_parts.append(a0.new_zeros(groups, rank, a0.shape[-1], dtype=dtype))
-            b_parts.append(b0.new_zeros(groups, b0.shape[-2], rank, dtype=dtype))
-            continue
-        a, b = (t.to(dtype).reshape(-1, *t.shape[-2:]) for t in w)
-        missing = rank - a.shape[-2]
-        a_parts.append(F.pad(a, (0, 0, 0, missing)) if missing else a)
-        b_parts.append(F.pad(b, (0, missing)) if missing else b)
-    if len(a_parts) == 1:
-        return a_parts[0], b_parts[0]
-    return torch.cat(a_parts), torch.cat(b_parts)
+    if len(adapters) == 1 and rank == a0.shape[-2]:  # one adapter, unpadded: its own tensors
+        return a0.to(dtype).reshape(-1, *a0.shape[-2:]), b0.to(dtype).reshape(-1, *b0.shape[-2:])
+    ranks = [None if w is None else w[0].shape[-2] for w in adapters]
+    stack = cast(Callable[..., torch.Tensor], _Stack.apply)  # torch leaves it untyped
+    a = stack(ranks, rank, -2, dtype, *(a for a, _ in real))
+    b = stack(ranks, rank, -1, dtype, *(b for _, b in real))
+    return a, b
+
+
+class _Stack(torch.autograd.Function):
+    """Adapters' tensors [(E,) ..] (rank along `axis`) stacked into [K * E, .., rank, ..] in
+    `dtype`: ONE `_foreach_copy_` writes (and casts) every adapter into its slot, where a
+    `torch.cat` of per-adapter casts and pads took a cast and a pad per adapter; its backward
+    is ONE cast of the stack's gradient, each adapter's gradient a view of its slot. Exact: the
+    same casts of the same values as the per-adapter path.
+
+    On CUDA the copy is one multi-tensor kernel when the slots match the adapters' strides
+    (every adapter at the stack's rank); padded slots take one copy per adapter."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        ranks: list[int | None],
+        rank: int,
+        axis: int,
+        dtype: torch.dtype,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        first = weights[0]
+        tail = list(first.shape[-2:])
+        tail[axis] = rank
+        padded = any(r != rank for r in ranks)
+        make = first.new_zeros if padded else first.new_empty
+        out = make(len(ranks), *first.shape[:-2], *tail, dtype=dtype)
+        torch._foreach_copy_(_slots(out, ranks, axis), list(weights))
+        ctx.ranks, ctx.axis, ctx.dtype, ctx.lead = ranks, axis, first.dtype, first.shape[:-2]
+        return out.view(-1, *tail)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Contiguous: each adapter's gradient then has its parameter's layout, which autograd
+        # keeps as it is (a strided one it would copy, once per adapter).
+        whole = grad.to(ctx.dtype, memory_format=torch.contiguous_format)
+        whole = whole.view(len(ctx.ranks), *ctx.lead, *grad.shape[-2:])
+        return (None, None, None, None, *_slots(whole, ctx.ranks, ctx.axis))
+
+
+def _slots(stack: torch.Tensor, ranks: list[int | None], axis: int) -> list[torch.Tensor]:
+    """Each present adapter's slot [(E,) .., r_i, ..] of a stack [K, (E,) .., rank, ..]: one
+    view op where no slot is padded (torch's unbind), a narrowed view per padded slot."""
+    slots = stack.unbind(0)
+    return [
+        s if r == s.shape[axis] else s.narrow(axis, 0, r)
+        for s, r in zip(slots, ranks, strict=True)
+        if r is not None
+    ]

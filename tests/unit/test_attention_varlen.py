@@ -23,10 +23,10 @@ def _layout() -> Packing:
     return Packing(tuple(starts), tuple(LENGTHS), tuple(widths))
 
 
-def _qkv(layout: Packing, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+def _qkv(layout: Packing, dtype: torch.dtype, device: str, dim_v: int = 32) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     total = sum(layout.widths)
-    shapes = [(1, 8, total, 32), (1, 2, total, 32), (1, 2, total, 32)]  # grouped K/V heads
+    shapes = [(1, 8, total, 32), (1, 2, total, 32), (1, 2, total, dim_v)]  # grouped K/V heads
     return [torch.randn(s, generator=gen).to(device, dtype).requires_grad_() for s in shapes]
 
 
@@ -61,9 +61,10 @@ def stand_in_varlen_attn(
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("dim_v", [32, 16], ids=["one-head-dim", "mla-value-head-16"])
 @pytest.mark.parametrize("window", [None, 16], ids=["causal", "window16"])
 def test_varlen_plumbing_equals_the_row_loop(
-    monkeypatch: pytest.MonkeyPatch, window: int | None
+    monkeypatch: pytest.MonkeyPatch, window: int | None, dim_v: int
 ) -> None:
     layout = _layout()
     monkeypatch.setattr(attention, "_VARLEN_KERNEL", stand_in_varlen_attn)
@@ -72,7 +73,7 @@ def test_varlen_plumbing_equals_the_row_loop(
     )
     outs, grads = [], []
     for varlen in (False, True):
-        q, k, v = _qkv(layout, torch.float32, "cpu")
+        q, k, v = _qkv(layout, torch.float32, "cpu", dim_v)
         if varlen:
             out = attention._varlen(q, k, v, layout, 0.2, window)
         else:
@@ -99,7 +100,8 @@ def test_varlen_refuses_what_it_cannot_compute(monkeypatch: pytest.MonkeyPatch) 
     half = q.to("cuda", torch.bfloat16)
     assert attention.varlen_takes(half, half, None, None)
     assert not attention.varlen_takes(half, half, None, torch.zeros(4, device="cuda"))  # sinks
-    assert not attention.varlen_takes(half, half[..., :8], None, None)  # MLA: Dv != Dqk
+    assert attention.varlen_takes(half, half[..., :8], None, None)  # MLA: V padded to Dqk
+    assert not attention.varlen_takes(half[..., :8], half, None, None)  # V wider than Q/K
     monkeypatch.setattr(attention, "VARLEN", False)
     assert not attention.varlen_takes(half, half, None, None)
 

@@ -140,3 +140,29 @@ def test_lora_stack_pads_ranks_with_zeros_and_keeps_gradients() -> None:
     (a.sum() + b.sum()).backward()
     for p in (a1, b1, a2, b2):
         assert p.grad is not None and torch.equal(p.grad, torch.ones_like(p))
+
+
+def test_lora_stack_casts_exactly_as_each_adapter_alone() -> None:
+    """The stack in bf16 (one copy-and-cast of every adapter) holds each adapter's own bf16
+    cast, padded with zeros, and gives each adapter the fp32 cast of its slot's gradient."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = [((3, 4, 16), (3, 24, 4)), ((3, 8, 16), (3, 24, 8)), ((3, 8, 16), (3, 24, 8))]
+    weights = [
+        (nn.Parameter(torch.randn(a, generator=gen)), nn.Parameter(torch.randn(b, generator=gen)))
+        for a, b in shapes
+    ]
+    a, b = lora_stack(weights, torch.bfloat16)
+    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == (9, 8, 16) and b.shape == (9, 24, 8)
+    for k, (wa, wb) in enumerate(weights):
+        r = wa.shape[1]
+        assert torch.equal(a[3 * k : 3 * k + 3, :r], wa.detach().bfloat16())
+        assert torch.equal(b[3 * k : 3 * k + 3, :, :r], wb.detach().bfloat16())
+    assert not a[:3, 4:].any() and not b[:3, :, 4:].any()
+    grad_a = torch.randn(a.shape, generator=gen).bfloat16().mT.contiguous().mT  # strided
+    grad_b = torch.randn(b.shape, generator=gen).bfloat16()
+    torch.autograd.backward([a, b], [grad_a, grad_b])
+    for k, (wa, wb) in enumerate(weights):
+        r = wa.shape[1]
+        assert wa.grad is not None and wb.grad is not None and wa.grad.is_contiguous()
+        assert torch.equal(wa.grad, grad_a[3 * k : 3 * k + 3, :r].float())
+        assert torch.equal(wb.grad, grad_b[3 * k : 3 * k + 3, :, :r].float())
