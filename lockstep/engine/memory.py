@@ -216,7 +216,7 @@ def _per_token(
 def _layer_bytes(hidden: int, layer: LayerShape, e: int) -> int:
     """What one layer keeps per token in a pass (see PassCost)."""
     values = hidden
-    narrow = 5 * hidden  # LoRA inputs cast to fp32 (where e < 4)
+    narrow = 2 * hidden  # LoRA inputs cast to fp32 (where e < 4): once per mixer and feed-forward
     if layer.attention is not None:
         a = layer.attention
         values += 3 * (a.heads + a.kv_heads) * (a.head_dim + a.value_head_dim)

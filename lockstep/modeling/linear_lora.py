@@ -159,6 +159,9 @@ class MultiLoRALinear(nn.Module):
         segments = [s for s in routing.segments(x, self.in_features) if s.adapter_id in slot.lora_A]
         if not segments:
             return None
+        base_dtype = x.dtype
+        if not GROUPED_IN_BASE_DTYPE:  # the adapters' dtype, cast once for every reader of x
+            x = routing.cast(x, next(iter(slot.lora_A.values())).dtype)
         rows = len(routing.adapter_ids)  # batch rows, or blocks of one packed sequence
         x3 = x.reshape(rows, -1, self.in_features)
         per_row = x3.shape[1]
@@ -171,7 +174,7 @@ class MultiLoRALinear(nn.Module):
             deltas = [slot.pair(seg, xi, per_row) for seg, xi in zip(segments, xs, strict=True)]
             return _assemble(segments, deltas, rows, per_row, slot.out_features)
         covered = x3 if (run.start, run.stop) == (0, rows) else x3[run]
-        if len(segments) > 1 and x.device.type in GROUPED_DEVICES and slot.groupable(x.dtype):
+        if len(segments) > 1 and x.device.type in GROUPED_DEVICES and slot.groupable(base_dtype):
             delta = slot.grouped(covered, segments, per_row, routing)
         else:
             # One split of the run (its backward one concatenation, not a zero-filled gradient

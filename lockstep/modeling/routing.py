@@ -8,6 +8,7 @@ concatenates a micro-batch's rows, each padded to whole blocks, so every block h
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class Routing:
         # built by the first layer that needs one and shared by every later layer and the backward.
         self.constants: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._tokens: dict[tuple[int, torch.device], tuple[list[str], torch.Tensor]] = {}
+        self._cast: tuple[weakref.ref[torch.Tensor], int, torch.Tensor] | None = None
 
     def token_adapters(self, tokens: int, device: torch.device) -> tuple[list[str], torch.Tensor]:
         """For a flattened [rows * per_row] token axis: the adapters present, and each token's
@@ -62,6 +64,20 @@ class Routing:
                 per_row.repeat_interleave(tokens // rows).to(device),
             )
         return self._tokens[key]
+
+    def cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x in `dtype` for the LoRA layers that read it: cast once for the layers that read the
+        same tensor one after another (q, k and v read one normed input; gate and up another),
+        the last cast kept while x lives unchanged. Autograd sums the readers' gradients into
+        the one cast, so their backward casts it back once too."""
+        if x.dtype == dtype:
+            return x
+        last = self._cast
+        if last is not None and last[0]() is x and last[1] == x._version and last[2].dtype == dtype:
+            return last[2]
+        out = x.to(dtype)
+        self._cast = (weakref.ref(x), x._version, out)
+        return out
 
     def narrow(self, start: int, stop: int) -> Routing:
         """The routing of rows start..stop-1 alone (padding masks are not carried over)."""
