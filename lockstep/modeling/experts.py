@@ -14,12 +14,13 @@ computes the same function plus each tenant's LoRA on each expert's projections.
 
 Work is grouped, never gathered per token: the (token, expert) pairs of a call are sorted by
 expert, and each base projection is ONE grouped GEMM over every expert's run of pairs. For the
-LoRA, the pairs whose adapter trains the layer are regrouped once per call, adapter-major with
-expert order kept (group g*E + e: adapter g's pairs routed to expert e), gathered once per
-projection input (gate and up share it), and each projection's LoRA is ONE grouped GEMM pair over
-all K x E (adapter, expert) groups (`torch._grouped_mm`: no per-adapter or per-expert launches on
-CUDA; cut into runs under the backend's group limit, `grouped_gemm.py`), added back with one
-index_add. Routing stays dropless and every pair's result depends only
+LoRA, the pairs are regrouped once per call, adapter-major with expert order kept (group g*E + e:
+the g-th adapter's pairs routed to expert e; g = 0 the pairs without an adapter that trains the
+layer, against zero weights), gathered once per projection input (gate and up share it), and each
+projection's LoRA is ONE grouped GEMM pair over all (K + 1) x E groups (`torch._grouped_mm`:
+no per-adapter or per-expert launches on CUDA; cut into runs under the backend's group limit,
+`grouped_gemm.py`), added back with one index_add. Nothing is read back to the host, so a decode
+step can be captured as a CUDA graph. Routing stays dropless and every pair's result depends only
 on its token, so a tenant alone and packed get the same numbers (to float rounding). The router
 stays frozen (it is not an expert).
 """
@@ -235,11 +236,16 @@ class MultiLoRAExperts(nn.Module):
 
 
 class _AdapterGroups:
-    """The pairs of one call whose adapter trains any projection of the layer (`names`, in
-    routing order), regrouped adapter-major with expert order kept: group g*E + e holds adapter
-    g's pairs routed to expert e (`index`: their positions among the call's pairs, `ends`: the
-    K x E group ends). An adapter that does not train a projection gets zero weights there (its
-    groups add exact zeros); pairs without such an adapter are left alone.
+    """The pairs of one call regrouped adapter-major with expert order kept: group g*E + e holds
+    the pairs of the g-th adapter that trains any projection of the layer (`names`, in routing
+    order) routed to expert e; group g = 0 the pairs without one (zero weights: their deltas are
+    exact zeros). `index`: the pairs' positions in that order, `ends`: the (K + 1) x E group
+    ends. An adapter that does not train a projection gets zero weights there too.
+
+    Every shape is the call's, and nothing is read back to the host (the routing's constants are
+    on the device from the first layer on), so a decode step can be captured as a CUDA graph;
+    only a call with more groups than the backend takes at once reads its per-adapter counts to
+    place the cuts.
 
     With GROUPED_ADAPTERS off, the path this replaced: per adapter and projection, a gather of
     its pairs, a grouped GEMM pair over the experts, and a copy into a delta for every pair."""
@@ -265,29 +271,24 @@ class _AdapterGroups:
         self.names = [n for n, t in zip(present, trains, strict=True) if t]
         if not self.names or not self._pairs:
             return
+        self.active = True
         lut, table = _constants(routing, token.device, present, scales, trains)
-        adapter = lut.index_select(0, ordinal + 1).index_select(0, token)  # -1: no LoRA here
-        perm = torch.argsort(adapter, stable=True)
-        counts = torch.bincount(adapter + 1, minlength=len(self.names) + 1).tolist()
-        self.active = counts[0] < self._pairs
-        self.index = perm[counts[0] :]
+        group = lut.index_select(0, ordinal + 1).index_select(0, token)  # 0: no LoRA here
         experts = next(iter(slots.values())).experts
-        self._per_adapter: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         if not self.grouped:
-            at = counts[0]
-            for name, count in zip(self.names, counts[1:], strict=True):
-                if count:
-                    pairs = perm[at : at + count]
-                    ends = group_ends(expert.index_select(0, pairs), experts)
-                    self._per_adapter.append((name, pairs, ends))
-                at += count
+            self._per_adapter = _per_adapter_pairs(group, expert, self.names, experts)
             return
-        self.group = adapter.index_select(0, self.index)
-        key = self.group * experts + expert.index_select(0, self.index)
-        self.ends = group_ends(key, len(self.names) * experts)
-        # Where the K x E groups are cut under the backend's limit: at adapter boundaries, whose
-        # rows the host already counted (no device read).
-        self.cuts: Cuts | None = cuts_between(experts, counts[1:], group_limit(token.device))
+        key = group * experts + expert
+        self.index = torch.argsort(key, stable=True)
+        self.group = group.index_select(0, self.index)
+        parts = len(self.names) + 1
+        self.ends = group_ends(key.index_select(0, self.index), parts * experts)
+        # Past the backend's group limit: cut at adapter boundaries, their rows counted once.
+        limit = group_limit(token.device)
+        self.cuts: Cuts | None = None
+        if limit is not None and parts * experts > limit:
+            counts = torch.bincount(group, minlength=parts).tolist()
+            self.cuts = cuts_between(experts, counts, limit)
         self._scale = {w: (s, row) for (w, s), row in zip(scales.items(), table, strict=True)}
         self._row_scale: dict[tuple[float | None, ...], torch.Tensor] = {}
 
@@ -313,7 +314,7 @@ class _AdapterGroups:
         ]
         if all(w is None for w in weights):
             return None
-        a, b = lora_stack(weights, xs.dtype)  # [K*E, r, in], [K*E, out, r]
+        a, b = lora_stack([None, *weights], xs.dtype)  # [(K+1)*E, r, in], [(K+1)*E, out, r]
         h = grouped_mm(xs, a.mT, self.ends, self.cuts)
         h = h * self._scale_of(which, h.dtype)
         return grouped_mm(h, b.mT, self.ends, self.cuts)
@@ -343,6 +344,21 @@ class _AdapterGroups:
         return out.index_copy(0, torch.cat(where), torch.cat(parts))
 
 
+def _per_adapter_pairs(
+    group: torch.Tensor, expert: torch.Tensor, names: list[str], experts: int
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The replaced path's work list: each adapter's pairs and their expert group ends."""
+    perm = torch.argsort(group, stable=True)
+    counts = torch.bincount(group, minlength=len(names) + 1).tolist()
+    out, at = [], counts[0]
+    for name, count in zip(names, counts[1:], strict=True):
+        if count:
+            pairs = perm[at : at + count]
+            out.append((name, pairs, group_ends(expert.index_select(0, pairs), experts)))
+        at += count
+    return out
+
+
 def _constants(
     routing: Routing,
     device: torch.device,
@@ -352,18 +368,20 @@ def _constants(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lut, table) on `device`, built once per routing and kept in it (every expert layer of a
     forward and its backward shares them, so a layer call copies nothing from the host):
-    lut [K+1] int64 maps a token's adapter ordinal + 1 to its position among the adapters that
-    train the layer (`trains`; -1: none); table [projections, K'] fp32 their scales (0: not
-    trained)."""
+    lut [K+1] int64 maps a token's adapter ordinal + 1 to its group: 1 + its position among the
+    adapters that train the layer (`trains`), 0 for none; table [projections, 1 + K'] fp32 each
+    group's scale (0: group 0, or not trained)."""
     key = ("experts", device, tuple(present), *scales.items())
     cached = routing.constants.get(key)
     if cached is not None:
         return cached
-    position, lut = 0, [-1]
+    position, lut = 1, [0]
     for t in trains:
-        lut.append(position if t else -1)
+        lut.append(position if t else 0)
         position += t
-    table = [[v or 0.0 for v, t in zip(s, trains, strict=True) if t] for s in scales.values()]
+    table = [
+        [0.0, *(v or 0.0 for v, t in zip(s, trains, strict=True) if t)] for s in scales.values()
+    ]
     built = (
         torch.tensor(lut, dtype=torch.long).to(device),
         torch.tensor(table, dtype=torch.float32).to(device),

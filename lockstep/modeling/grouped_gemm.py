@@ -34,8 +34,11 @@ def group_limit(device: torch.device) -> int | None:
 
 
 def group_ends(sorted_groups: torch.Tensor, groups: int) -> torch.Tensor:
-    """int32 end offset of each group's run in a sorted group index (empty groups included)."""
-    return torch.bincount(sorted_groups, minlength=groups).cumsum(0).to(torch.int32)
+    """int32 end offset of each group's run in a sorted group index (empty groups included).
+    A search of the sorted index, not a count: its size is known without reading the index
+    (CUDA's bincount reads its maximum back), so it can run inside a captured CUDA graph."""
+    bounds = torch.arange(groups, device=sorted_groups.device, dtype=sorted_groups.dtype)
+    return torch.searchsorted(sorted_groups, bounds, right=True).to(torch.int32)
 
 
 def grouped_mm(

@@ -72,11 +72,14 @@ class Routing:
         the one cast, so their backward casts it back once too."""
         if x.dtype == dtype:
             return x
+        # Inference tensors keep no version counter (nothing in inference mode writes a layer's
+        # input in place between its readers).
+        version = -1 if x.is_inference() else x._version
         last = self._cast
-        if last is not None and last[0]() is x and last[1] == x._version and last[2].dtype == dtype:
+        if last is not None and last[0]() is x and last[1] == version and last[2].dtype == dtype:
             return last[2]
         out = x.to(dtype)
-        self._cast = (weakref.ref(x), x._version, out)
+        self._cast = (weakref.ref(x), version, out)
         return out
 
     def narrow(self, start: int, stop: int) -> Routing:

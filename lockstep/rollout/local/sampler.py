@@ -94,7 +94,7 @@ class LocalSamplingEngine(SamplingEngine):
                 log.info("sampler: %s decodes eagerly: %s", served_name, self._fallback)
         static = decode == "static" and self._fallback is None
         self._decode: SamplerDecode = "static" if static else "eager"
-        no_graphs = graph_refusal(dev, bool(self._lora.arch.experts)) if static else None
+        no_graphs = graph_refusal(dev) if static else None
         if static and no_graphs is not None and dev.type == "cuda":
             log.info("sampler: %s: static decode steps run eagerly: %s", served_name, no_graphs)
         self._graphs = static and no_graphs is None

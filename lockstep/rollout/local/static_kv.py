@@ -18,8 +18,11 @@ rows are then copied into a smaller batch, a new shape.
 On CUDA the step of each batch shape is captured as a CUDA graph after one eager step (which
 also fills the routing's device constants, so the capture copies nothing from the host) and
 replayed from then on; the graph keeps the routing and the adapter weights it read alive. A model
-whose step cannot be captured (`graph_refusal`: routed experts, whose token grouping has
-data-dependent shapes; or a capture that fails, logged once) runs the same static step eagerly.
+whose step cannot be captured (a capture that fails, logged once and said by the sampler's
+capabilities) runs the same static step eagerly. Routed experts are captured too: their
+(token, expert) grouping has the step's shapes and reads nothing back to the host
+(`modeling/experts.py`), unless one layer's (adapter, expert) groups exceed what the grouped
+GEMM takes in one call (then the capture fails on that read, and the steps run eagerly).
 On a CPU the step always runs eagerly (what CI compares with the eager path). A batch whose
 whole capacity would take over half the free GPU memory keeps the eager, growing cache.
 """
@@ -53,12 +56,10 @@ def static_refusal(padded: bool, vision: bool) -> str | None:
     return None
 
 
-def graph_refusal(device: torch.device, experts: bool) -> str | None:
+def graph_refusal(device: torch.device) -> str | None:
     """Why static steps run eagerly instead of as CUDA graphs (None: they are captured)."""
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if experts:
-        return "routed experts group tokens by expert with host-side counts (data-dependent shapes)"
     return None
 
 
