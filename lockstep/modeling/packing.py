@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,37 @@ class Packing:
     def blocks(self) -> list[tuple[int, int]]:
         """(start, width) of each row's positions, padding included; they tile the sequence."""
         return list(zip(self.starts, self.widths, strict=True))
+
+    # Device tensors derived from the layout, built once per micro-batch (every recurrent layer
+    # of the forward and its backward reads them), not once per layer call.
+    _tensors: dict[tuple[str, str], torch.Tensor] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """The blocks' bounds [rows + 1] (int64) on `device`: the varlen kernels' rows."""
+        key = ("cu_seqlens", str(device))
+        if key not in self._tensors:
+            self._tensors[key] = self.cu_seqlens_cpu().to(device)
+        return self._tensors[key]
+
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        """The blocks' bounds on the host (a kernel sizes its launch from them without a sync)."""
+        key = ("cu_seqlens", "cpu")
+        if key not in self._tensors:
+            bounds = [0, *(s + w for s, w in self.blocks())]
+            self._tensors[key] = torch.tensor(bounds, dtype=torch.int64)
+        return self._tensors[key]
+
+    def batch_index(self, device: torch.device) -> torch.Tensor:
+        """Each packed position's slot in a [rows, longest block] batch (row-major): what lays
+        the blocks out as a padded batch and back (`hybrid_reference.batched`)."""
+        key = ("batch_index", str(device))
+        if key not in self._tensors:
+            longest = max(self.widths)
+            slots = [i * longest + j for i, w in enumerate(self.widths) for j in range(w)]
+            self._tensors[key] = torch.tensor(slots, dtype=torch.int64).to(device)
+        return self._tensors[key]
 
 
 class _Current:
