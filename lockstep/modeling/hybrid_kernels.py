@@ -187,10 +187,8 @@ def self_check(
         fla = hybrid_field.load()
     except Exception as exc:  # not installed, no Triton, a Triton that does not fit the driver
         return False, f"fla does not import: {exc!r}"
-    gen = torch.Generator(device=device).manual_seed(0)
-    inputs, field, reference = _case(kernel, shapes, fla, _rows(SELF_CHECK_ROWS), gen, dtype)
     try:
-        errors = _compare(inputs, field, reference, gen)
+        errors = compare(kernel, shapes, fla, device, dtype, SELF_CHECK_ROWS)
     except Exception as exc:  # a kernel that fails to compile or launch here
         return False, f"fla {fla.version} failed its self-check on {device}: {exc!r}"
     what, worst = max(errors, key=lambda e: e[1])
@@ -206,7 +204,23 @@ def self_check(
     )
 
 
-def _rows(lengths: tuple[int, ...]) -> Packing:
+def compare(
+    kernel: HybridKernel,
+    shapes: Shapes,
+    field: hybrid_field.Fla,
+    device: torch.device,
+    dtype: torch.dtype,
+    lengths: tuple[int, ...],
+) -> list[tuple[str, float]]:
+    """(what, relative RMS error against the reference) of `field`'s `kernel` on random inputs
+    of `shapes` in rows of `lengths`: its output and each input's gradient."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs, ours, reference = _case(kernel, shapes, field, rows(lengths), gen, dtype)
+    return _compare(inputs, ours, reference, gen)
+
+
+def rows(lengths: tuple[int, ...]) -> Packing:
+    """The packing of rows of `lengths` back to back (no padding)."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     return Packing(tuple(starts), lengths, lengths)
 

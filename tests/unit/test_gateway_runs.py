@@ -59,6 +59,8 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 custom_loss_max_flops_per_token=1 << 16,
                 custom_loss_max_memory_bytes=1 << 24,
                 trainer_path="generic",
+                trainer_kernels={"gated_delta_rule": "fla", "short_convolution": "reference"},
+                sampler_kernels={"gated_delta_rule": "reference"},
             )
         ]
     )
@@ -74,6 +76,8 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "custom_loss_max_flops_per_token": 1 << 16,
                 "custom_loss_max_memory_bytes": 1 << 24,
                 "trainer_path": "generic",
+                "trainer_kernels": {"gated_delta_rule": "fla", "short_convolution": "reference"},
+                "sampler_kernels": {"gated_delta_rule": "reference"},
             }
         ]
     }
