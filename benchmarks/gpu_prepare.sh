@@ -9,6 +9,12 @@ mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl "msgspec==0.22.0" "cachetools==8.0.2"
+# The hybrid layers' field kernels (lockstep/modeling/hybrid_field.py): fla-core's Triton kernels
+# (pure Python; the image's Triton compiles them) and einops, which fla-core imports. Not the
+# flash-linear-attention wheel: its fla.layers / fla.models (which `import fla` loads when
+# present) are not used, and causal-conv1d / mamba-ssm ship as source only (they need nvcc).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation py --abi none --platform any -d .whl "fla-core==0.6.0" "einops==0.8.2"
 rev=$(git rev-parse --short HEAD)
 echo "carry: .whl ($(du -sh .whl | cut -f1))"
 echo "run there, from the tree's root (quick: add --quick; a first check: --smoke):"

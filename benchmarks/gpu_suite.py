@@ -21,8 +21,9 @@ after every section):
                    tokens/s beside the trainer's, today's fp32 eager decode vs bf16 weights and
                    the static-KV decode (CUDA graphs where the family allows), and whether the
                    static decode samples what the eager one does (`gpu_sampler.py`)
-  head, attention, single kernels at production shape (`gpu_kernels.py`)
-  experts
+  head, attention, single kernels at production shape (`gpu_kernels.py`; the hybrid layers'
+  experts,         kernels, fla against the PyTorch reference: `gpu_hybrid.py`)
+  hybrid_kernels
 
 `--profile` writes the top kernels of one packed cycle per family (`gpu_suite_profile.txt`).
 Results: `gpu_suite.json` / `.png` under `--out` (default benchmarks/results); `--rev` names the
@@ -46,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 from common import RESULTS_DIR, environment, print_table
+from gpu_hybrid import hybrid_kernels_section
 from gpu_kernels import attention_section, experts_section, head, varlen_runs
 from gpu_models import (
     RANK,
@@ -427,6 +429,7 @@ SECTIONS: list[Section] = [
     ("head", lambda r: head(r.device, r.smoke, r.reps), 20),
     ("attention", lambda r: attention_section(r.device, r.smoke, r.reps), 20),
     ("experts", lambda r: experts_section(r.device, r.smoke, r.reps), 20),
+    ("hybrid_kernels", lambda r: hybrid_kernels_section(r.device, r.smoke, r.reps), 30),
     ("hybrid", lambda r: trainer_section(r, "hybrid"), 90),
     ("oom_retry", oom_retry_section, 40),
     ("hybrid_sampler", lambda r: sampler_section(r, "hybrid"), 50),

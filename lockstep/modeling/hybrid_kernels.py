@@ -215,7 +215,7 @@ def compare(
     """(what, relative RMS error against the reference) of `field`'s `kernel` on random inputs
     of `shapes` in rows of `lengths`: its output and each input's gradient."""
     gen = torch.Generator(device=device).manual_seed(0)
-    inputs, ours, reference = _case(kernel, shapes, field, rows(lengths), gen, dtype)
+    inputs, ours, reference = case(kernel, shapes, field, lengths, gen, dtype)
     return _compare(inputs, ours, reference, gen)
 
 
@@ -228,16 +228,18 @@ def rows(lengths: tuple[int, ...]) -> Packing:
 Fn = Callable[..., torch.Tensor]
 
 
-def _case(
+def case(
     kernel: HybridKernel,
     shapes: Shapes,
     fla: hybrid_field.Fla,
-    rows: Packing,
+    lengths: tuple[int, ...],
     gen: torch.Generator,
     dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor], Fn, Fn]:
-    """Random inputs of the model's shapes for `kernel`, and its field / reference calls."""
-    t, device = sum(rows.widths), gen.device
+    """Random `dtype` inputs of the model's shapes for `kernel` in rows of `lengths` (drawn from
+    `gen`, on its device), and the field's and the reference's call on them."""
+    packed = rows(lengths)
+    t, device = sum(lengths), gen.device
 
     def rand(*shape: int, scale: float = 1.0, kind: torch.dtype = dtype) -> torch.Tensor:
         x = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * scale
@@ -251,7 +253,7 @@ def _case(
             inputs["bias"] = rand(channels, scale=0.1)
 
         def conv(impl: Fn) -> Fn:
-            return lambda x, weight, bias=None: impl(x, weight, bias, act, rows)
+            return lambda x, weight, bias=None: impl(x, weight, bias, act, packed)
 
         return inputs, conv(fla.short_convolution), conv(hybrid_reference.short_convolution)
     if kernel is HybridKernel.GATED_DELTA_RULE:
@@ -266,7 +268,7 @@ def _case(
         }
 
         def delta(impl: Fn) -> Fn:
-            return lambda q, k, v, g, beta: impl(q, k, v, g, beta, rows)
+            return lambda q, k, v, g, beta: impl(q, k, v, g, beta, packed)
 
         return inputs, delta(fla.gated_delta_rule), delta(hybrid_reference.gated_delta_rule)
     assert shapes.mamba is not None
@@ -281,7 +283,7 @@ def _case(
     }
 
     def scan(impl: Fn) -> Fn:
-        return lambda x, dt, b, c: impl(x, dt, a, b, c, d, dt_bias, (0.0, float("inf")), 64, rows)
+        return lambda x, dt, b, c: impl(x, dt, a, b, c, d, dt_bias, (0.0, float("inf")), 64, packed)
 
     return inputs, scan(fla.mamba2_scan), scan(hybrid_reference.mamba2_scan)
 

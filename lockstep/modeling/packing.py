@@ -4,9 +4,10 @@ The trainer concatenates a micro-batch's rows into ONE sequence ([1, T]): row i 
 `starts[i]`, holds `lengths[i]` real tokens and takes `widths[i]` positions (its length padded to
 whole blocks), rows back to back, positions restarting at 0 for each row. Every layer that mixes
 tokens must keep rows apart: attention runs per row span (`attention.py`), stateful sequence
-mixers such as Gated DeltaNet run once per row block (`mixers.py`), and everything else is per
-token. The layout is published for the duration of a forward (and its backward: activation
-checkpointing recomputes layers there) with `packed_rows(...)`.
+mixers (Gated DeltaNet, Mamba-2) restart their state at every row block (`mixers.py`: all rows in
+one varlen call per kernel), and everything else is per token. The layout is published for the
+duration of a forward (and its backward: activation checkpointing recomputes layers there) with
+`packed_rows(...)`.
 
 A plain slot, not a ContextVar: CUDA autograd runs backward on its own thread.
 """
