@@ -308,9 +308,9 @@ def _compare(
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.float()
+    want = want.detach().float()
     scale = want.pow(2).mean().sqrt().clamp_min(1e-12)
-    return float((got.float() - want).pow(2).mean().sqrt() / scale)
+    return float((got.detach().float() - want).pow(2).mean().sqrt() / scale)
 
 
 # -- the sampler: transformers' own layers -------------------------------------------------

@@ -2,16 +2,23 @@
 runs where no field kernel does (a CPU, float32 weights, a kernel that is missing or failed its
 self-check: `hybrid_kernels`).
 
-Each is transformers' own algorithm (`modeling_qwen3_5.torch_chunk_gated_delta_rule`,
-`causal_conv1d_fn`, `modeling_nemotron_h.mamba2_chunk_scan`, as of 5.24) vectorised over the rows
-of a packed micro-batch: the row blocks are laid out as one zero-padded batch [rows, longest
-block] (`batched`), computed at once, and put back (`unbatched`). Padding only ever follows a
-row's positions, and every kernel is causal, so a row's numbers are those of the row alone.
+Each is transformers' own algorithm (`modeling_qwen3_5.causal_conv1d_fn` and
+`torch_chunk_gated_delta_rule`, `modeling_nemotron_h.mamba2_chunk_scan`, as of 5.24) run on every
+row of a packed micro-batch at once, laid out so that it holds no more than transformers' run on
+each row alone (which pads every row to whole chunks itself):
+- the convolution: each row after width - 1 zeros, one convolution over the whole sequence;
+- the chunked scans: each row from a chunk boundary, padded to whole chunks, the chunks of all
+  rows in one sequence; chunk-local work is shared, and the state carried from chunk to chunk
+  starts again from zero at each row's first chunk.
+Padding only ever follows a row's positions, and every kernel is causal, so a row's numbers are
+those of the row alone.
 
 Inputs and outputs are packed and token-major, [1, T, ...], as the layers hold them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +29,36 @@ from lockstep.modeling.packing import Packing
 DELTA_RULE_CHUNK = 64  # transformers' chunk length for the gated delta rule
 
 
-def batched(x: torch.Tensor, rows: Packing) -> torch.Tensor:
-    """[1, T, ...] packed -> [rows, longest block, ...], each row's block zero-padded."""
-    index = rows.batch_index(x.device)
-    slots = len(rows.widths) * max(rows.widths)
-    out = x.new_zeros((slots, *x.shape[2:])).index_copy(0, index, x[0])
-    return out.view(len(rows.widths), max(rows.widths), *x.shape[2:])
+def _spread(x: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, T, ...] -> [1, length, ...]: position t at index[t], zeros elsewhere."""
+    out = x.new_zeros((length, *x.shape[2:])).index_copy(0, index, x[0])
+    return out.unsqueeze(0)
 
 
-def unbatched(y: torch.Tensor, rows: Packing) -> torch.Tensor:
-    """The inverse of `batched`: [rows, longest block, ...] -> [1, T, ...]."""
-    flat = y.reshape(y.shape[0] * y.shape[1], *y.shape[2:])
-    return flat.index_select(0, rows.batch_index(y.device)).unsqueeze(0)
+def _gather(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_spread`: [1, length, ...] -> [1, T, ...]."""
+    return y[0].index_select(0, index).unsqueeze(0)
+
+
+def _row_offsets(rows: Packing, size: int) -> list[int]:
+    """Where each row starts when every row takes whole `size`-position units."""
+    units = [-(-w // size) * size for w in rows.widths]
+    return [sum(units[:i]) for i in range(len(units) + 1)]
+
+
+def _chunk_index(rows: Packing, chunk: int, device: torch.device) -> torch.Tensor:
+    """Each packed position's slot when every row starts a chunk (the chunk-aligned layout)."""
+
+    def build(rows: Packing) -> Sequence[int]:
+        offsets = _row_offsets(rows, chunk)
+        return [offsets[i] + j for i, w in enumerate(rows.widths) for j in range(w)]
+
+    return rows.index(f"chunks-{chunk}", device, build)
+
+
+def _last_chunks(rows: Packing, chunk: int) -> list[int]:
+    """The index of each row's last chunk in the chunk-aligned layout."""
+    return [o // chunk - 1 for o in _row_offsets(rows, chunk)[1:]]
 
 
 def short_convolution(
@@ -45,14 +70,22 @@ def short_convolution(
 ) -> torch.Tensor:
     """Causal depthwise convolution of each row ([1, T, D], weight [D, W]), state zero at every
     row's start, then the activation: `causal_conv1d_fn`."""
-    xb = batched(x, rows).transpose(1, 2)  # [N, D, L]
-    width = weight.shape[-1]
-    out = F.conv1d(
-        xb.to(weight.dtype), weight.unsqueeze(1), bias, padding=width - 1, groups=xb.shape[1]
-    )[:, :, : xb.shape[-1]]
+    pad = weight.shape[-1] - 1
+
+    def slots(after: int) -> Callable[[Packing], Sequence[int]]:  # row i after (i + after) pads
+        return lambda rows: [
+            s + j + (i + after) * pad for i, (s, w) in enumerate(rows.blocks()) for j in range(w)
+        ]
+
+    index = rows.index(f"conv-in-{pad}", x.device, slots(1))
+    spread = _spread(x, index, x.shape[1] + len(rows.widths) * pad).transpose(1, 2)
+    out = F.conv1d(spread.to(weight.dtype), weight.unsqueeze(1), bias, groups=spread.shape[1])
     if activation is not None:
         out = ACT2FN[activation](out)
-    return unbatched(out.to(x.dtype).transpose(1, 2), rows)
+    # Output i is the window ending at input i + pad.
+    return _gather(
+        out.to(x.dtype).transpose(1, 2), rows.index(f"conv-out-{pad}", x.device, slots(0))
+    )
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -70,8 +103,12 @@ def gated_delta_rule(
     """Gated DeltaNet's recurrence per row, q/k L2-normalised, q scaled by 1/sqrt(d_k):
     q, k [1, T, Hk, dk]; v [1, T, Hv, dv] (value head h reads key head h // (Hv / Hk));
     g (log decay, <= 0) and beta [1, T, Hv]. Returns [1, T, Hv, dv] in q's dtype."""
-    out = _chunk_gated_delta_rule(*(batched(t, rows) for t in (q, k, v, g, beta)))
-    return unbatched(out, rows)
+    chunk = DELTA_RULE_CHUNK
+    index = _chunk_index(rows, chunk, q.device)
+    length = _row_offsets(rows, chunk)[-1]
+    qs, ks, vs, gs, betas = (_spread(t, index, length) for t in (q, k, v, g, beta))
+    firsts = {i + 1 for i in _last_chunks(rows, chunk)}
+    return _gather(_chunk_gated_delta_rule(qs, ks, vs, gs, betas, firsts), index)
 
 
 def _chunk_gated_delta_rule(
@@ -80,8 +117,10 @@ def _chunk_gated_delta_rule(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    firsts: set[int],
 ) -> torch.Tensor:
-    """transformers' `torch_chunk_gated_delta_rule` (no initial or final state) on a batch."""
+    """transformers' `torch_chunk_gated_delta_rule` (no initial or final state), the state
+    starting from zero again at each chunk in `firsts`; the length is whole chunks."""
     chunk = DELTA_RULE_CHUNK
     dtype = query.dtype
     batch, length, k_heads, _ = key.shape
@@ -95,10 +134,6 @@ def _chunk_gated_delta_rule(
     )
     query, key = _l2norm(query), _l2norm(key)
     query = query * query.shape[-1] ** -0.5
-    pad = (chunk - length % chunk) % chunk
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    chunks = (length + pad) // chunk
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
     query, key, k_beta, v_beta = (
@@ -116,16 +151,19 @@ def _chunk_gated_delta_rule(
     k_cumdecay = torch.linalg.solve_triangular(
         system, decayed_k_beta, upper=False, unitriangular=True
     )
-    state = new_values.new_zeros(batch, v_heads, key.shape[-1], v_dim)
+    zero = new_values.new_zeros(batch, v_heads, key.shape[-1], v_dim)
+    state = zero
     out = torch.zeros_like(new_values)
     query = query * cum.exp().unsqueeze(-1)
     key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
-    for i in range(chunks):
+    for i in range(length // chunk):
+        if i in firsts:
+            state = zero
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
         out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
         state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(batch, v_heads, -1, v_dim)[:, :, :length]
+    out = out.reshape(batch, v_heads, -1, v_dim)
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
 
 
@@ -147,9 +185,15 @@ def mamba2_scan(
     Returns [1, T, H, P] in float32 (transformers' scan output dtype)."""
     dt = dt + dt_bias.to(dt.dtype)
     dt = F.softplus(dt).clamp(min=dt_limit[0], max=dt_limit[1])
-    xb, dtb, bb, cb = (batched(t, rows) for t in (x, dt, b, c))
-    out = _chunk_scan(xb, dtb, bb, cb, a, d, chunk)
-    return unbatched(out, rows)
+    index = _chunk_index(rows, chunk, x.device)
+    length = _row_offsets(rows, chunk)[-1]
+    xs, dts, bs, cs = (_spread(t, index, length) for t in (x, dt, b, c))
+    ends = rows.index(f"last-chunks-{chunk}", x.device, lambda r: _last_chunks(r, chunk))
+    lasts = torch.zeros(length // chunk, dtype=torch.bool, device=x.device).index_fill(
+        0, ends, True
+    )
+    out = _chunk_scan(xs, dts, bs, cs, a, d, chunk, lasts)
+    return _gather(out, index)
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -162,12 +206,6 @@ def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~keep, -torch.inf)
 
 
-def _chunks(x: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:
-    """[N, L, ...] -> [N, chunks, chunk, ...], zero-padded to whole chunks."""
-    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-    return x.reshape(x.shape[0], -1, chunk, *x.shape[2:])
-
-
 def _chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -176,19 +214,19 @@ def _chunk_scan(
     a: torch.Tensor,
     d: torch.Tensor,
     chunk: int,
+    lasts: torch.Tensor,
 ) -> torch.Tensor:
-    """transformers' `mamba2_chunk_scan` (no initial or final state) on a batch; dt already
-    discretised."""
+    """transformers' `mamba2_chunk_scan` (no initial or final state; dt already discretised;
+    the length whole chunks), no state carried out of a chunk in `lasts` (a row's last)."""
     batch, length, heads, head_dim = x.shape
     groups = b.shape[2]
     x = x.float()
     b = b.float().repeat_interleave(heads // groups, dim=2, output_size=heads)
     c = c.float().repeat_interleave(heads // groups, dim=2, output_size=heads)
-    pad = (chunk - length % chunk) % chunk
-    residual = d[..., None] * F.pad(x, (0, 0, 0, 0, 0, pad))
+    residual = d[..., None] * x
     x = x * dt[..., None].float()
     a_dt = a.to(x.dtype) * dt.float()
-    x, a_dt, b, c = (_chunks(t, pad, chunk) for t in (x, a_dt, b, c))
+    x, a_dt, b, c = (t.reshape(batch, -1, chunk, *t.shape[2:]) for t in (x, a_dt, b, c))
     a_dt = a_dt.permute(0, 3, 1, 2)
     a_cum = torch.cumsum(a_dt, dim=-1)
     decay = torch.exp(_segment_sum(a_dt))
@@ -196,10 +234,13 @@ def _chunk_scan(
     y_diag = torch.einsum("bclsh,bcshp->bclhp", scores, x)
     b_decay = b * torch.exp(a_cum[:, :, :, -1:] - a_cum).permute(0, -2, -1, 1)[..., None]
     states = torch.einsum("bclhn,bclhp->bchpn", b_decay, x)
+    # A row's last chunk hands no state on, and no decay passes it: rows stay apart.
+    states = states.masked_fill(lasts[None, :, None, None, None], 0.0)
+    ends = a_cum[:, :, :, -1].masked_fill(lasts, -torch.inf)
     states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
-    chunk_decay = torch.exp(_segment_sum(F.pad(a_cum[:, :, :, -1], (1, 0)))).transpose(1, 3)
+    chunk_decay = torch.exp(_segment_sum(F.pad(ends, (1, 0)))).transpose(1, 3)
     states = torch.einsum("bzch,bzhpn->bchpn", chunk_decay, states)[:, :-1]
     c_states = torch.einsum("bclhn,bchpn->bclhp", c, states)
     y_off = c_states * torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]
     out = (y_diag + y_off).contiguous().reshape(batch, -1, heads, head_dim) + residual
-    return out[:, :length]
+    return out

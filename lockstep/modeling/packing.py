@@ -14,7 +14,7 @@ A plain slot, not a ContextVar: CUDA autograd runs backward on its own thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -56,14 +56,14 @@ class Packing:
             self._tensors[key] = torch.tensor(bounds, dtype=torch.int64)
         return self._tensors[key]
 
-    def batch_index(self, device: torch.device) -> torch.Tensor:
-        """Each packed position's slot in a [rows, longest block] batch (row-major): what lays
-        the blocks out as a padded batch and back (`hybrid_reference.batched`)."""
-        key = ("batch_index", str(device))
+    def index(
+        self, name: str, device: torch.device, build: Callable[[Packing], Sequence[int]]
+    ) -> torch.Tensor:
+        """An int64 index tensor derived from the layout by `build` (a kernel's own layout of
+        the rows), built once per micro-batch, name and device."""
+        key = (name, str(device))
         if key not in self._tensors:
-            longest = max(self.widths)
-            slots = [i * longest + j for i, w in enumerate(self.widths) for j in range(w)]
-            self._tensors[key] = torch.tensor(slots, dtype=torch.int64).to(device)
+            self._tensors[key] = torch.tensor(build(self), dtype=torch.int64).to(device)
         return self._tensors[key]
 
 

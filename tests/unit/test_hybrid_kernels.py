@@ -10,14 +10,22 @@ On every machine:
 - the choice: a CPU, float32 weights, a switch or a missing package run the reference and say
   why (a warning on CUDA); the self-check passes a correct kernel and refuses one that lets
   rows leak into each other.
+fla's kernels themselves, on a CPU: in Triton's interpreter (float32; Triton and fla installed
+once into a cached directory beside the suite, tests/fla_interpreter/), each equals the reference,
+output and every input gradient, rows of unequal lengths in one varlen call.
 On a CUDA device with fla installed (else skipped, saying what is not tested): each of fla's
-kernels equals the reference at production shapes, and every hybrid family trains with them.
+kernels equals the reference at production shapes in bf16 and fp16, and every hybrid family
+trains with them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +42,14 @@ from lockstep.modeling import hybrid_field, hybrid_kernels, hybrid_reference, mi
 from lockstep.modeling.hybrid_kernels import Shapes
 from lockstep.modeling.packing import Packing
 from lockstep.workers.local.trainer import LocalTrainingEngine
+from tests.overlays import overlay
 
 HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h")
 # Rows longer than one 64-token delta-rule chunk and than several 16-token Mamba chunks.
 LENGTHS = (100, 37, 5, 64)
 CUDA = torch.cuda.is_available()
 FLA = importlib.util.find_spec("fla") is not None
+INTERPRETER = Path(__file__).resolve().parents[1] / "fla_interpreter"
 
 
 def _rows(lengths: tuple[int, ...]) -> Packing:
@@ -276,7 +286,33 @@ def test_the_self_check_passes_a_right_kernel_and_refuses_a_leaky_one(
         assert ("self-check passed" if passed else "failed its self-check") in why
 
 
-# -- CUDA: fla's kernels against the reference ---------------------------------------------
+# -- fla's kernels against the reference ---------------------------------------------------
+
+
+@pytest.mark.skipif(
+    os.environ.get("LOCKSTEP_SKIP_FLA_INTERPRETER") == "1",
+    reason="LOCKSTEP_SKIP_FLA_INTERPRETER=1: fla's kernels are NOT checked on this CPU",
+)
+def test_fla_equals_the_reference_in_tritons_interpreter() -> None:
+    """fla's three kernels (the releases the GPU runs) in Triton's interpreter, fp32: output and
+    every input gradient within 1e-5 relative RMS of the reference (measured: ~1e-7)."""
+    packages = overlay(INTERPRETER / "requirements.txt", "fla-interpreter")
+    root = INTERPRETER.parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{packages}{os.pathsep}{root}", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(INTERPRETER / "check.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["fla"] == "0.6.0"
+    for kernel in HybridKernel:
+        for layout, errors in result[kernel.value].items():
+            assert len(errors) >= 4 and max(errors.values()) <= 1e-5, (kernel, layout, errors)
+
 
 UNTESTED = (
     "fla's kernels (gated delta rule, short convolution, simple GLA as Mamba-2's scan) are NOT "
