@@ -51,7 +51,7 @@ class Fla:
         if activation not in ACTIVATIONS:
             raise ValueError(f"fla's short convolution does not compute {activation!r}")
         y, _ = self._conv(
-            x,
+            x.contiguous(),  # Mamba-2's x | B | C is a slice of its projection: the layout checked
             weight,
             bias,
             activation=activation,

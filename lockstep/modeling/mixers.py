@@ -66,6 +66,9 @@ def install(module: nn.Module, kernels: Kernels, narrow: Narrow) -> None:
             mask = kwargs.get("attention_mask")
             if mask is not None and not bool(mask.all()):
                 raise ValueError("a packed micro-batch has no padding mask")
+            cached = [kwargs.get("cache"), kwargs.get("cache_params"), *rest]
+            if any(c is not None for c in cached):
+                raise ValueError("a packed micro-batch runs without a cache")
             return packed(module, hidden, layout, kernels)
         return _per_row(inner, hidden, rest, kwargs, layout, narrow)
 
