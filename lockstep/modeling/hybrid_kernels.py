@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from lockstep.engine.capabilities import HybridKernel, KernelChoice, KernelImpl
+from lockstep.engine.interface import is_device_error
 from lockstep.errors import UnsupportedModel
 from lockstep.modeling import hybrid_field, hybrid_reference
 from lockstep.modeling.packing import Packing
@@ -190,14 +191,18 @@ def self_check(
     try:
         errors = compare(kernel, shapes, fla, device, dtype, SELF_CHECK_ROWS)
     except Exception as exc:  # a kernel that fails to compile or launch here
+        if is_device_error(exc):  # the device is unusable now: the engine cannot start
+            raise
         return False, f"fla {fla.version} failed its self-check on {device}: {exc!r}"
-    what, worst = max(errors, key=lambda e: e[1])
     tolerance = TOLERANCE[dtype]
-    if not worst <= tolerance:  # NaN fails too
+    failing = [(what, error) for what, error in errors if not error <= tolerance]  # NaN too
+    if failing:
+        what, error = failing[0]
         return False, (
             f"fla {fla.version} failed its self-check on {device} ({dtype}): {what} is "
-            f"{worst:.2e} off the reference (relative RMS), over {tolerance}"
+            f"{error:.2e} off the reference (relative RMS), over {tolerance}"
         )
+    worst = max(error for _, error in errors)
     return True, (
         f"fla {fla.version}: self-check passed on {device} ({dtype}): output and gradients "
         f"within {worst:.1e} of the reference (relative RMS; tolerance {tolerance})"
