@@ -19,6 +19,11 @@ fetch -d .whl "msgspec==0.22.0" "cachetools==8.0.2"
 highest=$(sed -n 's/^transformers==//p' constraints.txt)
 hub=$(sed -n "s/^huggingface-hub==//p" tests/transformers_floor/requirements.txt)
 fetch -d .whl/transformers "transformers==${highest}" "huggingface-hub==${hub}"
+# The hybrid layers' field kernels (lockstep/modeling/hybrid_field.py): fla-core's Triton kernels
+# (pure Python; the image's Triton compiles them) and einops, which fla-core imports. Not the
+# flash-linear-attention wheel: its fla.layers / fla.models (which `import fla` loads when
+# present) are not used, and causal-conv1d / mamba-ssm ship as source only (they need nvcc).
+fetch -d .whl "fla-core==0.6.0" "einops==0.8.2"
 rev=$(git rev-parse --short HEAD)
 echo "carry: .whl ($(du -sh .whl | cut -f1))"
 echo "run there, from the tree's root (quick: add --quick; a first check: --smoke):"

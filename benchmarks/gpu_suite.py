@@ -22,8 +22,9 @@ after every section; a failed section makes the suite exit 1):
                    tokens/s, today's fp32 eager decode vs bf16 weights and the static-KV decode
                    (CUDA graphs where the family allows), the share of the HBM roofline at 32
                    sequences (`gpu_sampler.py`)
-  head, attention, single kernels at production shape (`gpu_kernels.py`)
-  experts
+  head, attention, single kernels at production shape (`gpu_kernels.py`; the hybrid layers'
+  experts,         kernels, fla against the PyTorch reference: `gpu_hybrid.py`)
+  hybrid_kernels
 
 The targets (`TARGETS`) are checked in the summary: each MFU target also as tokens/s (the rate
 it implies on this GPU), so a target is met on the measured rate and in tokens/s. The JSON names
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 from common import RESULTS_DIR, environment, print_table
+from gpu_hybrid import hybrid_kernels_section
 from gpu_kernels import attention_section, experts_section, head
 from gpu_models import RANK, copy_bandwidth, data, matmul_rate, peak_gb, reset_peak
 from gpu_run import Run, console, guarded, release
@@ -180,6 +182,7 @@ SECTIONS: list[Section] = [
     ("head", lambda r: head(r.device, r.smoke, r.reps), 20),
     ("attention", lambda r: attention_section(r.device, r.smoke, r.reps), 20),
     ("experts", lambda r: experts_section(r.device, r.smoke, r.reps), 20),
+    ("hybrid_kernels", lambda r: hybrid_kernels_section(r.device, r.smoke, r.reps), 30),
     ("hybrid", lambda r: trainer_section(r, "hybrid"), 90),
     ("oom_retry", oom_retry_section, 40),
     ("hybrid_sampler", lambda r: sampler_section(r, "hybrid"), 50),

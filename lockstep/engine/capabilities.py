@@ -9,6 +9,10 @@ refuses anything else with a 400 that names the engine, before the request is qu
 client config tells the SDK only what the configured engines run (`custom_loss_server_side`:
 the SDK then runs custom losses itself). So an engine never meets a request it cannot run, and
 no engine re-checks what admission already judged.
+
+An engine also says which implementation runs each hybrid kernel of the loaded model (the
+recurrent layers of Gated DeltaNet and Mamba-2 hybrids: `KernelChoice`), so a fallback to slow
+PyTorch shows in `get_info`, the server's capabilities and a metric, never only in a log.
 """
 
 from __future__ import annotations
@@ -32,6 +36,39 @@ TEXT_INPUTS = frozenset({InputKind.TEXT})
 TEXT_AND_IMAGES = frozenset({InputKind.TEXT, InputKind.IMAGE})
 
 
+class HybridKernel(StrEnum):
+    """The sequence kernels of hybrid (linear-attention / state-space) layers."""
+
+    GATED_DELTA_RULE = "gated_delta_rule"  # Gated DeltaNet's chunked recurrence
+    SHORT_CONVOLUTION = "short_convolution"  # the causal depthwise conv before either recurrence
+    MAMBA2_SCAN = "mamba2_scan"  # Mamba-2's chunked state-space scan (SSD)
+
+
+class KernelImpl(StrEnum):
+    """Who computes a hybrid kernel: a package of the field's (Triton / CUDA kernels) or the
+    PyTorch reference (transformers' algorithm; exact, much slower on a GPU)."""
+
+    FLA = "fla"  # flash-linear-attention (fla-core)
+    CAUSAL_CONV1D = "causal-conv1d"
+    MAMBA_SSM = "mamba-ssm"
+    REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The implementation that runs `kernel` for the loaded model, and why (a field kernel's
+    self-check result, or the reason the reference runs)."""
+
+    kernel: HybridKernel
+    implementation: KernelImpl
+    reason: str
+
+
+def kernel_map(choices: tuple[KernelChoice, ...]) -> dict[str, str]:
+    """kernel -> implementation: what `get_info` and the server's capabilities report."""
+    return {c.kernel.value: c.implementation.value for c in choices}
+
+
 @dataclass(frozen=True)
 class TrainerCapabilities:
     """What a training engine runs."""
@@ -41,6 +78,7 @@ class TrainerCapabilities:
     custom_loss: bool = False  # server-side custom losses (create_custom_loss, loss_fn "custom")
     inputs: frozenset[InputKind] = TEXT_INPUTS
     optimizers: frozenset[Optimizer] = field(default_factory=lambda: frozenset(Optimizer))
+    kernels: tuple[KernelChoice, ...] = ()  # each hybrid kernel the model uses (none: no hybrid)
 
     def check_loss(self, loss_fn: str, field: str = "loss_fn") -> None:
         """Raises UserInputError naming `field` and the engine if it does not compute the loss
@@ -83,6 +121,7 @@ class SamplerCapabilities:
     decode: str | None = None
     decode_fallback: str | None = None
     cuda_graphs: bool = False
+    kernels: tuple[KernelChoice, ...] = ()  # as the trainer's (an external server's: unknown)
 
     def check_input(self, kind: InputKind, field: str) -> None:
         check_input(self.inputs, kind, field, f"the {self.engine} sampler")

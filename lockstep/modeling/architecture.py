@@ -15,7 +15,8 @@ shared experts).
 
 Trainer paths (`lockstep.engine.shape.TrainerPath`):
 - PACKED: a micro-batch's rows concatenated into one sequence, attention per row span
-  (`attention.py`), recurrent mixers per row block (`mixers.py`). Used for the families listed
+  (`attention.py`), recurrent mixers with their state restarting at every row block, all rows
+  in one call per kernel (`mixers.py`, `hybrid_kernels.py`). Used for the families listed
   in PACKED_FAMILIES, whose attention variants the row attention implements and whose equality
   with the model's own forward the test suite checks.
 - GENERIC: any other causal LM transformers loads: every row runs through the model's own forward
@@ -91,7 +92,7 @@ class Architecture:
     shape: ModelShape
     padded_sampling: bool
     targets: tuple[Target, ...]
-    row_mixers: tuple[str, ...]  # module paths run per packed row
+    row_mixers: tuple[str, ...]  # recurrent mixers' paths (`mixers.install` keeps rows apart)
     experts: tuple[str, ...]  # fused experts module paths
     # A vision-language model's image processing (None: text only, images refused by name).
     vision: VisionSpec | None = None

@@ -25,8 +25,8 @@ from lockstep.errors import UnsupportedModel
 from lockstep.modeling import transformers_range
 from lockstep.modeling.experts import experts_layout, unreadable_flags
 
-# Recurrent mixers the per-row wrapper runs exactly (their forward takes the hidden states first
-# and keeps no state between calls without a cache).
+# Recurrent mixers the packed path runs exactly (`mixers.py`: a forward of its own from their
+# parameters; their own forward takes the hidden states first and keeps no state without a cache).
 ROW_MIXERS = {
     "Qwen3_5GatedDeltaNet": Mixer.LINEAR,
     "Qwen3_5MoeGatedDeltaNet": Mixer.LINEAR,

@@ -187,6 +187,14 @@ TRAINER_PATH = Gauge(
     ["path"],
     registry=SCHEDULER,
 )
+HYBRID_KERNEL = Gauge(
+    "lockstep_hybrid_kernel",
+    "1 on the implementation each hybrid kernel of the base model (gated_delta_rule, "
+    "short_convolution, mamba2_scan) runs in each engine: a field kernel (fla, causal-conv1d, "
+    "mamba-ssm) or reference (PyTorch: exact, much slower on a GPU; the load log says why).",
+    ["engine", "kernel", "implementation"],
+    registry=SCHEDULER,
+)
 RESIDENT_MODELS = Gauge(
     "lockstep_resident_models",
     "Training runs whose adapter and Adam state the training engine holds right now.",

@@ -212,6 +212,12 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
         memory.describe(trainer.memory_budget()),
     )
     metrics.TRAINER_PATH.labels(path=card.trainer_path.value).set(1)
+    for engine, kernels in (
+        ("trainer", trainer.capabilities().kernels),
+        ("sampler", sampler.capabilities().kernels),
+    ):
+        for k in kernels:
+            metrics.HYBRID_KERNEL.labels(engine, k.kernel.value, k.implementation.value).set(1)
     parts = assemble(cfg, store, trainer, sampler)
     clock, lane = parts.clock, parts.lane
 

@@ -521,7 +521,14 @@ class ModelRef(_message.Message):
     def __init__(self, owner: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "base_model", "arch", "tokenizer_id", "lora_rank", "lora_config", "max_tokens_per_datum", "custom_loss_max_flops_per_token", "custom_loss_max_memory_bytes", "trainer_path")
+    __slots__ = ("model_id", "base_model", "arch", "tokenizer_id", "lora_rank", "lora_config", "max_tokens_per_datum", "custom_loss_max_flops_per_token", "custom_loss_max_memory_bytes", "trainer_path", "trainer_kernels")
+    class TrainerKernelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
@@ -532,6 +539,7 @@ class ModelInfo(_message.Message):
     CUSTOM_LOSS_MAX_FLOPS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_LOSS_MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAINER_PATH_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_KERNELS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     base_model: str
     arch: str
@@ -542,7 +550,8 @@ class ModelInfo(_message.Message):
     custom_loss_max_flops_per_token: int
     custom_loss_max_memory_bytes: int
     trainer_path: str
-    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., arch: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., max_tokens_per_datum: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
+    trainer_kernels: _containers.ScalarMap[str, str]
+    def __init__(self, model_id: _Optional[str] = ..., base_model: _Optional[str] = ..., arch: _Optional[str] = ..., tokenizer_id: _Optional[str] = ..., lora_rank: _Optional[int] = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ..., max_tokens_per_datum: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ..., trainer_kernels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CreateSamplingSessionRequest(_message.Message):
     __slots__ = ("owner", "session_id", "sampling_session_seq_id", "model_path", "base_model")
@@ -587,7 +596,21 @@ class CapabilitiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SupportedModel(_message.Message):
-    __slots__ = ("model_name", "max_context_length", "max_tokens_per_datum", "trainer_memory_budget_bytes", "custom_loss_max_flops_per_token", "custom_loss_max_memory_bytes", "trainer_path")
+    __slots__ = ("model_name", "max_context_length", "max_tokens_per_datum", "trainer_memory_budget_bytes", "custom_loss_max_flops_per_token", "custom_loss_max_memory_bytes", "trainer_path", "trainer_kernels", "sampler_kernels")
+    class TrainerKernelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SamplerKernelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_DATUM_FIELD_NUMBER: _ClassVar[int]
@@ -595,6 +618,8 @@ class SupportedModel(_message.Message):
     CUSTOM_LOSS_MAX_FLOPS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CUSTOM_LOSS_MAX_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAINER_PATH_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_KERNELS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_KERNELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context_length: int
     max_tokens_per_datum: int
@@ -602,7 +627,9 @@ class SupportedModel(_message.Message):
     custom_loss_max_flops_per_token: int
     custom_loss_max_memory_bytes: int
     trainer_path: str
-    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ...) -> None: ...
+    trainer_kernels: _containers.ScalarMap[str, str]
+    sampler_kernels: _containers.ScalarMap[str, str]
+    def __init__(self, model_name: _Optional[str] = ..., max_context_length: _Optional[int] = ..., max_tokens_per_datum: _Optional[int] = ..., trainer_memory_budget_bytes: _Optional[int] = ..., custom_loss_max_flops_per_token: _Optional[int] = ..., custom_loss_max_memory_bytes: _Optional[int] = ..., trainer_path: _Optional[str] = ..., trainer_kernels: _Optional[_Mapping[str, str]] = ..., sampler_kernels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EngineCapabilities(_message.Message):
     __slots__ = ("trainer", "losses", "custom_loss", "trainer_inputs", "optimizers", "sampler", "sampler_inputs")

@@ -66,6 +66,7 @@ def test_variants_and_runtime_user() -> None:
     instructions = _instructions()
     assert ("ARG", "VARIANT=cpu") in instructions
     assert "cuda) index=" in text and "cpu)  index=" in text
+    assert 'extra="[cuda]"' in text  # the CUDA image carries the hybrid layers' field kernels
     users = [args for word, args in instructions if word == "USER"]
     assert users and not users[-1].startswith(("0", "root")), "the service runs as non-root"
     assert any(w == "HEALTHCHECK" and "/api/v1/healthz" in a for w, a in instructions)

@@ -150,7 +150,11 @@ def test_create_model_and_get_info(api: Any, sched: StandInScheduler) -> None:
     assert not op.lora_config.HasField("seed")
 
     sched.replies["GetModelInfo"] = pb.ModelInfo(
-        model_id=MODEL, base_model="Qwen/Qwen3-0.6B", arch="qwen3", lora_rank=8
+        model_id=MODEL,
+        base_model="Qwen/Qwen3-0.6B",
+        arch="qwen3",
+        lora_rank=8,
+        trainer_kernels={"mamba2_scan": "fla"},
     )
     info = api.post("/api/v1/get_info", json={"model_id": MODEL, "type": "get_info"}).json()
     assert info["model_data"] == {
@@ -160,6 +164,7 @@ def test_create_model_and_get_info(api: Any, sched: StandInScheduler) -> None:
     }
     assert (info["type"], info["is_lora"], info["lora_rank"]) == ("get_info", True, 8)
     assert info["optimizer_config"] == {"type": "adamw"}
+    assert info["trainer_kernels"] == {"mamba2_scan": "fla"}
 
 
 # The gateway checks the address; what the request carries is the scheduler's to judge

@@ -59,6 +59,8 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 custom_loss_max_flops_per_token=1 << 16,
                 custom_loss_max_memory_bytes=1 << 24,
                 trainer_path="generic",
+                trainer_kernels={"gated_delta_rule": "fla", "short_convolution": "reference"},
+                sampler_kernels={"gated_delta_rule": "reference"},
             )
         ],
         engines=pb.EngineCapabilities(sampler_inputs=["image", "text"]),
@@ -76,6 +78,8 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "custom_loss_max_memory_bytes": 1 << 24,
                 "trainer_path": "generic",
                 "sampler_inputs": ["image", "text"],
+                "trainer_kernels": {"gated_delta_rule": "fla", "short_convolution": "reference"},
+                "sampler_kernels": {"gated_delta_rule": "reference"},
             }
         ]
     }

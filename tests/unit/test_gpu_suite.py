@@ -21,6 +21,7 @@ SECTIONS = [
     "head",
     "attention",
     "experts",
+    "hybrid_kernels",
 ]
 
 
@@ -89,5 +90,9 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path: Path) -> None:
         assert experts["max_abs_diff_out"] <= 1e-6 * experts["max_abs_out"], experts
         assert experts["max_abs_diff_adapter_grad"] < 1e-6, experts
     assert "varlen" in sections["attention"]["uniform_16x512_window0"]  # not on a CPU: said so
+    hybrid = sections["hybrid_kernels"]  # no fla on a CPU: the reference timed, and why
+    for model, kernels in (("qwen3_6", "gated_delta_rule"), ("nemotron3", "mamba2_scan")):
+        assert hybrid[model][kernels]["reference_s"], hybrid
+        assert hybrid[model]["choice"][kernels][0] == "reference", hybrid
     assert results["summary"] and "top" not in results  # the headline table was built
     assert (tmp_path / "gpu_suite_profile.txt").read_text().count("== ") == 2  # dense, moe

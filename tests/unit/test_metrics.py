@@ -397,9 +397,12 @@ def test_labels_stay_bounded() -> None:
         "encoding",
         "form",
         "caller",
+        "kernel",
+        "implementation",
     }  # action: release | resume (sampler memory); direction: in | out | freed (model paging);
     # encoding: zstd | gzip | x-gzip | deflate (request bodies); form: wire | plain;
-    # caller: rpc:<gRPC method> | RedisCaller (Redis round trips)
+    # caller: rpc:<gRPC method> | RedisCaller (Redis round trips); kernel, implementation:
+    # HybridKernel, KernelImpl (hybrid kernels)
     for registry in (metrics.SCHEDULER, metrics.GATEWAY):
         for family in registry.collect():
             if not family.name.startswith("lockstep_"):

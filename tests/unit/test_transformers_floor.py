@@ -11,10 +11,7 @@ checked there too. Set LOCKSTEP_SKIP_TRANSFORMERS_FLOOR=1 to skip (e.g. with no 
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from lockstep.modeling import transformers_range
+from tests.overlays import overlay
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = ROOT / "tests" / "transformers_floor" / "requirements.txt"
@@ -33,8 +31,8 @@ MODEL_TESTS = (
     "tests/unit/test_vision_models.py",
     "tests/unit/test_training_kernels.py",
     "tests/unit/test_local_sampler.py",
+    "tests/unit/test_hybrid_kernels.py",
 )
-PIP_TIMEOUT_S = 900
 
 
 def _pins() -> dict[str, str]:
@@ -44,28 +42,7 @@ def _pins() -> dict[str, str]:
 
 def _overlay() -> Path:
     """The directory holding the floor's packages, built once (under a file lock) if missing."""
-    key = hashlib.sha256(REQUIREMENTS.read_bytes())
-    key.update(f"{sys.version_info.major}.{sys.version_info.minor}".encode())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = cache / f"lockstep-transformers-floor-{key.hexdigest()[:16]}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f"{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        marker = target / ".lockstep-ready"
-        if marker.is_file():
-            return target
-        shutil.rmtree(target, ignore_errors=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            + ["--no-deps", "--target", str(target), "-r", str(REQUIREMENTS)],
-            capture_output=True,
-            text=True,
-            timeout=PIP_TIMEOUT_S,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"installing the floor failed:\n{proc.stderr[-3000:]}")
-        marker.write_text(REQUIREMENTS.read_text())
-        return target
+    return overlay(REQUIREMENTS, "transformers-floor")
 
 
 def test_the_floor_is_the_ranges_lowest_release() -> None:
@@ -77,7 +54,9 @@ def test_the_floor_is_the_ranges_lowest_release() -> None:
     reason="LOCKSTEP_SKIP_TRANSFORMERS_FLOOR=1: the lowest transformers release is NOT tested",
 )
 def test_the_model_tests_pass_on_the_lowest_release() -> None:
-    env = {**os.environ, "PYTHONPATH": str(_overlay())}
+    # fla's kernels in Triton's interpreter do not depend on transformers: checked once, in the
+    # suite's own environment.
+    env = {**os.environ, "PYTHONPATH": str(_overlay()), "LOCKSTEP_SKIP_FLA_INTERPRETER": "1"}
     seen = subprocess.run(
         [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
         capture_output=True,

@@ -204,6 +204,9 @@ class GetInfoResponse(SchemaModel):
     # Lockstep's own: "packed", or "generic" (a family outside the packed list: each row runs
     # alone through the model's own forward, exact but slower).
     trainer_path: str | None = None
+    # Lockstep's own, hybrid models only: who computes each hybrid kernel in the trainer, e.g.
+    # {"gated_delta_rule": "fla", "short_convolution": "fla"}; "reference" is PyTorch (slower).
+    trainer_kernels: dict[str, str] | None = None
 
 
 class CreateSamplingSessionResponse(SchemaModel):
@@ -235,6 +238,8 @@ class SupportedModel(SchemaModel):
     custom_loss_max_memory_bytes: int | None = None
     trainer_path: str | None = None  # "packed", or "generic" (each row alone: slower)
     sampler_inputs: list[str] | None = None  # "text", "image": what a prompt may hold
+    trainer_kernels: dict[str, str] | None = None  # as GetInfoResponse's (hybrid models only)
+    sampler_kernels: dict[str, str] | None = None  # the local sampler's (transformers' choice)
 
 
 class ServerCapabilitiesResponse(SchemaModel):

@@ -121,6 +121,8 @@ def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
                 custom_loss_max_memory_bytes=m.custom_loss_max_memory_bytes or None,
                 trainer_path=m.trainer_path or None,
                 sampler_inputs=list(caps.engines.sampler_inputs) or None,
+                trainer_kernels=dict(m.trainer_kernels) or None,
+                sampler_kernels=dict(m.sampler_kernels) or None,
             )
             for m in caps.models
         ]

@@ -92,4 +92,5 @@ def model_info(info: pb.ModelInfo) -> rs.GetInfoResponse:
         custom_loss_max_flops_per_token=info.custom_loss_max_flops_per_token or None,
         custom_loss_max_memory_bytes=info.custom_loss_max_memory_bytes or None,
         trainer_path=optional_str(info.trainer_path),
+        trainer_kernels=dict(info.trainer_kernels) or None,
     )

@@ -34,6 +34,7 @@ from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, SamplerCa
 from lockstep.engine.interface import SamplingEngine
 from lockstep.engine.types import LoraSpec, ModelCard, SampleRequest, SampleResult
 from lockstep.errors import UserInputError
+from lockstep.modeling import hybrid_kernels, mixers
 from lockstep.modeling.architecture import describe
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
@@ -86,6 +87,13 @@ class LocalSamplingEngine(SamplingEngine):
         self._dtype = str(weights).removeprefix("torch.")
         # Describes the model; refuses what it cannot compute.
         self._lora = LoraModel(base, describe(base, self._card.vision))
+        # transformers' own layers pick their hybrid kernels: reported, a failing one refused.
+        recurrent = [base.get_submodule(m) for m in self._lora.arch.row_mixers]
+        self._kernels = (
+            hybrid_kernels.in_transformers(mixers.shapes(recurrent), dev, weights)
+            if recurrent
+            else ()
+        )
         vision = self._lora.arch.vision  # a vision-language model: prefill with image embeddings
         self._fallback = None
         if decode == "static":
@@ -138,6 +146,7 @@ class LocalSamplingEngine(SamplingEngine):
             decode=self._decode,
             decode_fallback=self._fallback,
             cuda_graphs=self._graphs,
+            kernels=self._kernels,
         )
 
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Mapping
 
-from lockstep.engine.capabilities import Engines
+from lockstep.engine.capabilities import Engines, kernel_map
 from lockstep.paths import TinkerPath
 from lockstep.scheduler.admission.submissions import Submissions
 from lockstep.scheduler.api import run_history
@@ -127,6 +127,7 @@ class CatalogRpcs:
             custom_loss_max_flops_per_token=self.submissions.custom_losses.bound.flops_per_token,
             custom_loss_max_memory_bytes=self.submissions.custom_losses.bound.memory_bytes,
             trainer_path=card.trainer_path.value,
+            trainer_kernels=kernel_map(self.submissions.engines.trainer.kernels),
         )
 
     async def create_sampling_session(
@@ -154,6 +155,7 @@ class CatalogRpcs:
         per_datum = self.submissions.max_tokens_per_datum()
         budget = self.submissions.memory.budget_bytes
         loss = self.submissions.custom_losses.bound
+        engines = self.submissions.engines
         return pb.ServerCapabilities(
             models=[
                 pb.SupportedModel(
@@ -164,10 +166,12 @@ class CatalogRpcs:
                     custom_loss_max_flops_per_token=loss.flops_per_token,
                     custom_loss_max_memory_bytes=loss.memory_bytes,
                     trainer_path=self.catalog.card.trainer_path.value,
+                    trainer_kernels=kernel_map(engines.trainer.kernels),
+                    sampler_kernels=kernel_map(engines.sampler.kernels),
                 )
                 for n in self.catalog.served_names
             ],
-            engines=engine_capabilities(self.submissions.engines),
+            engines=engine_capabilities(engines),
         )
 
     # ---------------------------------------------------------------- runs and checkpoints

@@ -38,7 +38,12 @@ import torch
 
 from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
 from lockstep.engine import memory
-from lockstep.engine.capabilities import TEXT_AND_IMAGES, TEXT_INPUTS, TrainerCapabilities
+from lockstep.engine.capabilities import (
+    TEXT_AND_IMAGES,
+    TEXT_INPUTS,
+    KernelChoice,
+    TrainerCapabilities,
+)
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.pass_checks import check_passes, require_model
 from lockstep.engine.types import (
@@ -52,6 +57,7 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UnsupportedModel, UserInputError
+from lockstep.modeling import hybrid_kernels, mixers
 from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath, check_head, describe
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.checkpointing import LayerCheckpoints
@@ -59,7 +65,6 @@ from lockstep.modeling.decoder_layers import decoder_layers
 from lockstep.modeling.linear_lora import MultiLoRALinear
 from lockstep.modeling.loader import default_device, load_base_model, resolve_dtype
 from lockstep.modeling.lora import LoraModel
-from lockstep.modeling.mixers import run_per_row
 from lockstep.modeling.vision.tower import VisionModel, decoder_inputs
 from lockstep.training.logprobs import CHUNK_LOGIT_ELEMENTS, Head, LinearHead, chunk_tokens
 from lockstep.training.optim import AdamGroup, AdamState, batched_adamw_step
@@ -114,8 +119,13 @@ class LocalTrainingEngine(TrainingEngine):
         self._checkpoints = LayerCheckpoints(decoder_layers(model))
         self._model = model
         self._lora = LoraModel(model, arch)
-        for mixer in arch.row_mixers if self._packed else ():
-            run_per_row(model.get_submodule(mixer), self._lora.narrowed)
+        self._kernels: tuple[KernelChoice, ...] = ()
+        recurrent = [model.get_submodule(m) for m in arch.row_mixers] if self._packed else []
+        if recurrent:  # each row's state apart, every row in one call per kernel
+            kernels = hybrid_kernels.choose(mixers.shapes(recurrent), dev, model.dtype)
+            for module in recurrent:
+                mixers.install(module, kernels, self._lora.narrowed)
+            self._kernels = kernels.choices
         log.info("trainer: %s; runs the %s path", arch.summary(), path.value)
         self._decoder = model.get_decoder()
         head = model.get_output_embeddings()
@@ -173,7 +183,7 @@ class LocalTrainingEngine(TrainingEngine):
     def capabilities(self) -> TrainerCapabilities:
         # Every built-in and custom loss; images when the model has a vision tower it runs.
         inputs = TEXT_AND_IMAGES if self._card.vision is not None else TEXT_INPUTS
-        return TrainerCapabilities("local", custom_loss=True, inputs=inputs)
+        return TrainerCapabilities("local", custom_loss=True, inputs=inputs, kernels=self._kernels)
 
     def memory_budget(self) -> MemoryBudget:
         return self._memory
