@@ -7,6 +7,7 @@ append-only file last. A child that dies unexpectedly is restarted (a few times,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -23,6 +24,15 @@ from lockstep import config
 from lockstep.config import LockstepConfig
 from lockstep.config.flags import replace_paths
 from lockstep.ports import free_port
+from lockstep.scheduler.state import redis_conn
+from lockstep.scheduler.state.format import (
+    STATE_REFUSED_EXIT,
+    Action,
+    StateRefused,
+    Verdict,
+    inspect_state,
+    redis_label,
+)
 
 log = logging.getLogger("lockstep.serve")
 
@@ -190,9 +200,28 @@ class Supervisor:
     def start(self) -> None:
         self.build()
         for child in self.children:
+            if child.name == "scheduler":
+                self._check_state()
             child.start()
             if child.name == "redis":
                 self._wait_accepting(child, self.redis_url)
+
+    def _check_state(self) -> None:
+        """Refuse (StateRefused) before the scheduler and its engines start when this Lockstep
+        will not serve the state it finds; reads only. The scheduler itself stamps or migrates
+        what it serves (scheduler/state/format.py)."""
+
+        async def check() -> Verdict:
+            client = redis_conn.connect(self.redis_url)
+            try:
+                label = redis_label(self.redis_url)
+                return await inspect_state(client, self.cfg.data_dir, label)
+            finally:
+                await client.aclose()
+
+        verdict = asyncio.run(check())
+        if verdict.action != Action.SERVE:
+            log.info("state: %s", verdict.describe())
 
     @staticmethod
     def _wait_accepting(child: Child, url: str, timeout: float = 10) -> None:
@@ -255,6 +284,9 @@ def run(cfg: LockstepConfig) -> int:
         sup.start()
         sup.wait_ready()
         code = sup.watch()
+    except StateRefused as exc:
+        log.error("refusing to start: %s", exc)
+        code = STATE_REFUSED_EXIT
     except Exception as exc:
         log.error("%s", exc)
         code = 1

@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
-from importlib import metadata
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -41,6 +40,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from lockstep.observability.tracking import OwnerCache, TenantLabels
+from lockstep.version import STATE_FORMAT, VERSION
 
 if TYPE_CHECKING:
     from lockstep.engine.types import SampleResult
@@ -56,14 +56,12 @@ for _registry in (SCHEDULER, GATEWAY):
     PlatformCollector(registry=_registry)
     GCCollector(registry=_registry)
 
-try:
-    VERSION = metadata.version("lockstep")
-except metadata.PackageNotFoundError:  # a source checkout that was never installed
-    VERSION = "unknown"
 for _registry in (SCHEDULER, GATEWAY):
-    Info("lockstep_build", "The running Lockstep version.", registry=_registry).info(
-        {"version": VERSION}
-    )
+    Info(
+        "lockstep_build",
+        "The running Lockstep version and the state format it writes.",
+        registry=_registry,
+    ).info({"version": VERSION, "state_format": str(STATE_FORMAT)})
 
 # Buckets. Cycles run from milliseconds (tiny model, CPU) to minutes (big packed batches).
 CYCLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -45,6 +45,7 @@ from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
 from lockstep.scheduler.observers.observers import AccountingObserver
 from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.format import STATE_REFUSED_EXIT, StateRefused, redis_label
 from lockstep.scheduler.state.futures import FutureBoard
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
@@ -199,6 +200,12 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
+    try:  # before anything reads the state: serve it, migrate it, or refuse it untouched
+        await store.prepare_state(cfg.data_dir, redis_label(cfg.redis_url))
+    except StateRefused as exc:
+        log.error("refusing to start: %s", exc)
+        await store.close()
+        raise SystemExit(STATE_REFUSED_EXIT) from exc
     tracing.configure(store.traces, cfg.trace_retention_s)
     trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()

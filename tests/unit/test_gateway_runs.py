@@ -60,7 +60,9 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 custom_loss_max_memory_bytes=1 << 24,
                 trainer_path="generic",
             )
-        ]
+        ],
+        version="0.9.1",
+        state_format=7,
     )
     assert api.get("/api/v1/get_server_capabilities").json() == {
         "supported_models": [
@@ -75,7 +77,9 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "custom_loss_max_memory_bytes": 1 << 24,
                 "trainer_path": "generic",
             }
-        ]
+        ],
+        "lockstep_version": "0.9.1",
+        "state_format": 7,
     }
 
 

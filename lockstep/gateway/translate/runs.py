@@ -87,5 +87,7 @@ def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
                 trainer_path=m.trainer_path or None,
             )
             for m in caps.models
-        ]
+        ],
+        lockstep_version=caps.version or None,
+        state_format=caps.state_format or None,
     )

@@ -16,6 +16,7 @@ from lockstep.scheduler.state.catalog import Catalog, NotFound
 from lockstep.scheduler.state.records import CheckpointRecord, ModelRecord, SamplerRecord
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.version import STATE_FORMAT, VERSION
 
 
 def checkpoint_pb(rec: CheckpointRecord) -> pb.Checkpoint:
@@ -160,6 +161,8 @@ class CatalogRpcs:
                 for n in self.catalog.served_names
             ],
             engines=engine_capabilities(self.submissions.engines),
+            version=VERSION,
+            state_format=STATE_FORMAT,
         )
 
     # ---------------------------------------------------------------- runs and checkpoints
@@ -211,7 +214,12 @@ class CatalogRpcs:
 
     async def get_health(self, request: pb.Empty) -> pb.HealthReply:
         parts = await self.health()
-        return pb.HealthReply(ready=all(v == "ready" for v in parts.values()), parts=parts)
+        return pb.HealthReply(
+            ready=all(v == "ready" for v in parts.values()),
+            parts=parts,
+            version=VERSION,
+            state_format=STATE_FORMAT,
+        )
 
 
 def engine_capabilities(engines: Engines) -> pb.EngineCapabilities:

@@ -6,6 +6,9 @@ Lockstep state can be listed with `SCAN MATCH ls:*`.
 
 PREFIX = "ls:"
 
+# String (JSON): the state's format stamp, {"format": N, "written_by": version} (format.py).
+FORMAT = PREFIX + "format"
+
 # Pool-wide clock counter: INCR once per cycle that ran work. Only ever increases.
 CLOCK = PREFIX + "clock"
 # Models that have queued training work (the clock scans only these).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -29,6 +30,7 @@ from lockstep.scheduler.state import redis_conn
 from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.checkpoints import Checkpoints
 from lockstep.scheduler.state.cycles import Cycles
+from lockstep.scheduler.state.format import Verdict, prepare_state
 from lockstep.scheduler.state.jobs import Jobs
 from lockstep.scheduler.state.ledger import Ledger
 from lockstep.scheduler.state.runs import Runs, Samplers
@@ -65,6 +67,11 @@ class Store:
             batch = WriteBatch(pipe)
             yield batch
             await batch.send()
+
+    async def prepare_state(self, data_dir: Path, redis_name: str) -> Verdict:
+        """Serve, stamp or migrate the state before anything reads it; StateRefused, having
+        written nothing, for state this release does not serve (format.py)."""
+        return await prepare_state(self.redis, data_dir, redis_name)
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
