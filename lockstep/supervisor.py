@@ -38,6 +38,7 @@ log = logging.getLogger("lockstep.serve")
 
 MAX_RESTARTS = 5
 MAX_UNIX_SOCKET_PATH = 107  # sockaddr_un's sun_path holds 108 bytes with the final NUL
+MIB = 1 << 20
 
 
 def redis_binary() -> str:
@@ -93,6 +94,7 @@ class Supervisor:
         redis_dir = self.cfg.data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
+        limit = self.cfg.scheduler.redis_max_memory
         argv = [
             redis_binary(),
             "--bind",
@@ -111,6 +113,16 @@ class Supervisor:
             "yes",
             "--loglevel",
             "warning",
+            # At the limit a write is refused, never a key evicted (docs/operations.md, "Redis
+            # memory"); the scheduler refuses new work before that.
+            "--maxmemory",
+            str(limit),
+            "--maxmemory-policy",
+            "noeviction",
+            # The append-only file is compacted once it passes this and has doubled since the
+            # last rewrite: its disk use follows the dataset, within the memory limit's scale.
+            "--auto-aof-rewrite-min-size",
+            str(min(64 * MIB, max(MIB, limit // 8)) if limit else 64 * MIB),
         ]
         return Child("redis", argv), f"redis://127.0.0.1:{port}/0"
 

@@ -16,4 +16,4 @@ except metadata.PackageNotFoundError:  # a source checkout that was never instal
 # data directory's layout. Stamped beside the state and checked at every start
 # (`scheduler/state/format.py`); a release that changes either moves it and adds a migration
 # from the previous format (`scheduler/state/migrations.py`).
-STATE_FORMAT = 1
+STATE_FORMAT = 2

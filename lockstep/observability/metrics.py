@@ -224,6 +224,23 @@ REDIS_RTT_SECONDS = Histogram(
     buckets=REDIS_BUCKETS,
     registry=SCHEDULER,
 )
+REDIS_USED_MEMORY = Gauge(
+    "lockstep_redis_used_memory_bytes",
+    "Memory Redis uses (its INFO used_memory), read every second by the scheduler.",
+    registry=SCHEDULER,
+)
+REDIS_MAX_MEMORY = Gauge(
+    "lockstep_redis_max_memory_bytes",
+    "Redis's memory limit (maxmemory; 0: none). Past 90 % of it the scheduler refuses new work "
+    "(HTTP 429, retried by the SDK) until results expire or the limit is raised.",
+    registry=SCHEDULER,
+)
+ADMISSION_PAUSED = Gauge(
+    "lockstep_admission_paused",
+    "1 while the scheduler refuses new work for lack of room (reason: redis_memory).",
+    ["reason"],
+    registry=SCHEDULER,
+)
 REDIS_ROUND_TRIPS = Counter(
     "lockstep_redis_round_trips_total",
     "Exchanges with Redis (one command, or one pipeline or transaction sent at once) by what "

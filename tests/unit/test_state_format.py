@@ -138,3 +138,56 @@ def test_a_foreign_stamp_is_refused(clean_redis: str, r: redis.Redis, tmp_path: 
 def test_redis_is_named_without_its_password() -> None:
     label = redis_label("redis://user:s3cret@redis.example:6380/2")
     assert label == "Redis at redis://redis.example:6380/2" and "s3cret" not in label
+
+
+# ---------------------------------------------------------------- migrations
+def _format_1(r: redis.Redis, data_dir: Path) -> None:
+    """State as Lockstep 0.2.0 (format 1) leaves it: seq_id claims never expire."""
+    r.set(keys.FORMAT, Stamp(1, "0.2.0").encode())
+    (data_dir / STAMP_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (data_dir / STAMP_FILE).write_bytes(Stamp(1, "0.2.0").encode())
+    r.set(keys.seq_claim("m", 1), b"req-done")
+    r.hset(keys.job("req-done"), "status", "done")
+    r.expire(keys.job("req-done"), 500)
+    r.set(keys.seq_claim("m", 2), b"req-gone")  # its result expired
+    r.set(keys.seq_claim("m", 3), b"req-queued")
+    r.hset(keys.job("req-queued"), "status", "pending")
+    r.set(keys.sampler("sess:sample:0"), b"{}")
+
+
+@pytest.mark.skipif(STATE_FORMAT != 2, reason="the 1 -> 2 migration's own checks")
+def test_format_1_is_migrated_once(clean_redis: str, r: redis.Redis, tmp_path: Path) -> None:
+    _format_1(r, tmp_path)
+    assert prepare(clean_redis, tmp_path).action == Action.MIGRATE
+    assert 0 < r.ttl(keys.seq_claim("m", 1)) <= 500  # expires with its result
+    assert not r.exists(keys.seq_claim("m", 2))  # its result is gone: a retry is refused
+    assert r.ttl(keys.seq_claim("m", 3)) == -1  # expires once its request finishes
+    assert r.zscore(keys.SAMPLER_USES, "sess:sample:0") is not None
+    stamp = Stamp(2, VERSION)
+    assert r.get(keys.FORMAT) == stamp.encode() and read_directory(tmp_path)[0] == stamp
+    assert prepare(clean_redis, tmp_path).action == Action.SERVE
+
+
+@pytest.mark.skipif(STATE_FORMAT != 2, reason="the 1 -> 2 migration's own checks")
+def test_a_migration_stopped_between_its_halves_resumes(
+    clean_redis: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Redis migrated and stamped, the data directory not yet (a crash in between): the next
+    start finishes the directory's half and does not run Redis's again."""
+    _format_1(r, tmp_path)
+    r.set(keys.FORMAT, Stamp(2, VERSION).encode())
+    assert prepare(clean_redis, tmp_path).action == Action.MIGRATE
+    assert read_directory(tmp_path)[0] == Stamp(2, VERSION)
+    assert r.ttl(keys.seq_claim("m", 1)) == -1  # Redis's half did not run a second time
+
+
+def test_a_format_older_than_the_migrations_is_refused(
+    clean_redis: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    _state(r, tmp_path)
+    for where in (lambda s: r.set(keys.FORMAT, s), (tmp_path / STAMP_FILE).write_bytes):
+        where(Stamp(0, "0.0.9").encode())
+    before = snapshot(r, tmp_path)
+    with pytest.raises(StateRefused, match="state format 0, written by Lockstep 0.0.9.*from"):
+        prepare(clean_redis, tmp_path)
+    assert snapshot(r, tmp_path) == before

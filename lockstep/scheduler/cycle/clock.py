@@ -112,7 +112,8 @@ class Clock:
             except Exception:  # a broken cycle must not stop the clock
                 log.exception("clock cycle failed")
                 await self.observers.failed(CycleFailure.CYCLE)
-                await asyncio.sleep(0.5)
+                await self._pause(0.5)
+                self.wake.set()  # what it left queued runs again
         log.info("clock stopped after %d cycles", self.cycles_run)
 
     async def cycle(self) -> CyclePlan:
@@ -142,7 +143,14 @@ class Clock:
         # Publish first: the sampler loads new adapters while commit answers the futures and
         # the client asks for its sampling session, instead of after (a task; never blocks).
         self.publish(outcomes)
-        self.notify(await self.commit(plan, outcomes))
+        try:
+            committed = await self.commit(plan, outcomes)
+        except Exception:
+            # Redis refused it (full, or away past the retries): what was not recorded runs
+            # again, on each model restored from its recorded state (the engine is ahead).
+            self.dispatcher.forget(plan)
+            raise
+        self.notify(committed)
         self.partners.after(plan, time.monotonic() - started)
         self.cycles_run += 1
         async with self.store.batch() as batch:  # traces and usage: one round trip

@@ -18,18 +18,21 @@ from typing import Any
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import ModelRecord, QueuedOp, decode, encoder
+from lockstep.scheduler.state.scripts import WRITES
 from lockstep.vocab import CheckpointType, JobStatus, OpKind
 
 # The one trim rule: replay-log entries a snapshot covers leave the log and their job keeps its
-# outcome only (the payload goes; it expires with the other results).
+# outcome only (the payload goes; it expires with the other results, and so does the claim of
+# its seq_id: a retry within the retention still finds its first request).
 _TRIM = """
-local function trim(replay, upto, job_prefix, ttl)
-  local stale = redis.call('ZRANGEBYSCORE', replay, '-inf', upto)
-  if #stale == 0 then return end
-  redis.call('ZREM', replay, unpack(stale))
-  for _, rid in ipairs(stale) do
+local function trim(replay, upto, job_prefix, ttl, claim_prefix)
+  local stale = redis.call('ZRANGEBYSCORE', replay, '-inf', upto, 'WITHSCORES')
+  for i = 1, #stale, 2 do
+    local rid, seq = stale[i], stale[i + 1]
+    redis.call('ZREM', replay, rid)
     redis.call('HDEL', job_prefix .. rid, 'payload')
     redis.call('EXPIRE', job_prefix .. rid, ttl)
+    redis.call('EXPIRE', claim_prefix .. seq, ttl)
   end
 end
 """
@@ -42,21 +45,22 @@ local function advance(key, version, record)
   return 1
 end
 """
-ADVANCE_INFLIGHT = _ADVANCE + "return advance(KEYS[1], ARGV[1], ARGV[2])"
+ADVANCE_INFLIGHT = WRITES + _ADVANCE + "return advance(KEYS[1], ARGV[1], ARGV[2])"
 
 # KEYS: 1 progress, 2 pending, 3 job, 4 replay, 5 model, 6 checkpoints, 7 inflight target,
-#       8 sampler, 9 session's samplers.
+#       8 sampler, 9 session's samplers, 10 the op's seq_id claim, 11 samplers by last use.
 # ARGV: 1 request id, 2 seq_id, 3 the outcome's snapshot_seq ('' none), 4 now, 5 result TTL,
 #       6 job key prefix, 7 replayed ('1': keep the payload in the replay log),
 #       8 model record expected ('' no change), 9 model record after,
 #       10 checkpoint id ('' none), 11 checkpoint record, 12 inflight version ('' none),
-#       13 inflight record, 14 sampler id ('' none), 15 sampler record,
-#       16.. the job's outcome fields as name, value pairs (none: a rejected op's error was
-#       written at submission).
+#       13 inflight record, 14 sampler id ('' none), 15 sampler record, 16 the model's claim
+#       key prefix, 17.. the job's outcome fields as name, value pairs (none: a rejected op's
+#       error was written at submission).
 # Returns 1 committed, 0 committed already (no longer pending), -1 the model record changed
 # since it was read (read it again and retry).
 COMMIT_OP = (
-    _TRIM
+    WRITES
+    + _TRIM
     + _ADVANCE
     + """
 if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
@@ -69,7 +73,7 @@ local own = tonumber(ARGV[3])
 if own then
   local snapshot = math.max(own, tonumber(recorded[2]) or own)
   progress[5], progress[6] = 'snapshot_seq', snapshot
-  trim(KEYS[4], snapshot, ARGV[6], ARGV[5])
+  trim(KEYS[4], snapshot, ARGV[6], ARGV[5], ARGV[16])
 end
 if ARGV[10] ~= '' then redis.call('HSET', KEYS[6], ARGV[10], ARGV[11]) end
 if ARGV[8] ~= '' then redis.call('SET', KEYS[5], ARGV[9]) end
@@ -77,28 +81,35 @@ if ARGV[12] ~= '' then advance(KEYS[7], ARGV[12], ARGV[13]) end
 if ARGV[14] ~= '' then
   redis.call('SET', KEYS[8], ARGV[15])
   redis.call('SADD', KEYS[9], ARGV[14])
+  redis.call('ZADD', KEYS[11], ARGV[4], ARGV[14])
 end
-if #ARGV > 15 then redis.call('HSET', KEYS[3], unpack(ARGV, 16)) end
+if #ARGV > 16 then redis.call('HSET', KEYS[3], unpack(ARGV, 17)) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 if ARGV[7] == '1' and not (own and seq <= own) then
   redis.call('ZADD', KEYS[4], seq, ARGV[1])
 else
   redis.call('HDEL', KEYS[3], 'payload')
   redis.call('EXPIRE', KEYS[3], ARGV[5])
+  redis.call('EXPIRE', KEYS[10], ARGV[5])
 end
 redis.call('HSET', KEYS[1], unpack(progress))
 return 1
 """
 )
 
-# KEYS: 1 progress, 2 replay. ARGV: 1 seq, 2 job key prefix, 3 result TTL. Returns the mark.
+# KEYS: 1 progress, 2 replay. ARGV: 1 seq, 2 job key prefix, 3 result TTL, 4 claim key prefix.
+# Returns the mark (-1: none). Only a state the recorded progress has reached is marked: a
+# snapshot of a step whose commit failed (Redis refused it) is not, and the step runs again.
 MARK_SNAPSHOT = (
-    _TRIM
+    WRITES
+    + _TRIM
     + """
-local mark = math.max(tonumber(ARGV[1]), tonumber(redis.call('HGET', KEYS[1], 'snapshot_seq'))
-                      or tonumber(ARGV[1]))
+local recorded = redis.call('HMGET', KEYS[1], 'snapshot_seq', 'next_seq')
+local seq, current = tonumber(ARGV[1]), tonumber(recorded[1])
+if seq >= (tonumber(recorded[2]) or 0) then return current or -1 end
+local mark = math.max(seq, current or seq)
 redis.call('HSET', KEYS[1], 'snapshot_seq', mark)
-trim(KEYS[2], mark, ARGV[2], ARGV[3])
+trim(KEYS[2], mark, ARGV[2], ARGV[3], ARGV[4])
 return mark
 """
 )
@@ -110,12 +121,15 @@ def progress_of(raw: list[bytes | None]) -> tuple[int, int | None]:
 
 
 # The cycle number reached: stored unless a larger one is (KEYS[1] the clock, ARGV[1] it).
-_ADVANCE_CLOCK = """
+_ADVANCE_CLOCK = (
+    WRITES
+    + """
 if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[1])
 end
 return 0
 """
+)
 
 
 async def commit_ops(
@@ -137,7 +151,7 @@ async def commit_ops(
             for i in todo:
                 op, outcome = pairs[i]
                 args = _args(op, outcome, models.get(i, (b"", b"")), result_ttl_s)
-                pipe.eval(COMMIT_OP, 9, *_keys(op, outcome), *args)
+                pipe.eval(COMMIT_OP, 11, *_keys(op, outcome), *args)
             replies = await pipe.execute()
         if clock is not None:
             replies, clock = replies[1:], None
@@ -162,6 +176,8 @@ def _keys(op: QueuedOp, outcome: Outcome) -> list[str]:
         keys.inflight_target(op.model_id),
         keys.sampler(sampler.sampler_id if sampler else ""),
         keys.session_samplers(sampler.session_id if sampler else ""),
+        keys.seq_claim(op.model_id, op.seq_id),
+        keys.SAMPLER_USES,
     ]
 
 
@@ -186,6 +202,7 @@ def _args(
         encoder.encode(target) if target else b"",
         sampler.sampler_id if sampler else "",
         encoder.encode(sampler) if sampler else b"",
+        keys.seq_claim_prefix(op.model_id),
     ]
     if op.kind != OpKind.REJECTED:  # a rejected op's error was written at submission
         args += ["status", JobStatus.DONE if outcome.error is None else JobStatus.FAILED]
@@ -227,7 +244,8 @@ async def _models_before(
 
 async def mark_snapshot(redis: Any, result_ttl_s: int, model_id: str, seq: int) -> int:
     """Record a snapshot finished in the background: `snapshot_seq` = max(recorded, seq)
-    and the replay log trimmed up to it, in one script. Returns the recorded mark."""
+    and the replay log trimmed up to it, in one script, unless the recorded progress has not
+    reached `seq` (its step's commit failed). Returns the recorded mark (-1: none)."""
     mark = await redis.eval(
         MARK_SNAPSHOT,
         2,
@@ -236,5 +254,6 @@ async def mark_snapshot(redis: Any, result_ttl_s: int, model_id: str, seq: int) 
         seq,
         keys.job(""),
         result_ttl_s,
+        keys.seq_claim_prefix(model_id),
     )
     return int(mark)

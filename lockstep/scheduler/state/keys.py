@@ -17,6 +17,9 @@ ACTIVE_MODELS = PREFIX + "active_models"
 ALL_MODELS = PREFIX + "all_models"
 # Sample jobs waiting for the sampling lane (a list of request ids, FIFO).
 SAMPLE_QUEUE = PREFIX + "sample_queue"
+# Sorted set: sampling session id -> when it was last used (created, a sample submitted, a
+# client joined). Sampling sessions unused for --sampler-expiry are removed (tenancy).
+SAMPLER_USES = PREFIX + "sampler_uses"
 
 
 def job(request_id: str) -> str:
@@ -25,8 +28,14 @@ def job(request_id: str) -> str:
 
 
 def seq_claim(model_id: str, seq_id: int) -> str:
-    """String: request id that owns (model, seq_id). Makes a retried request exactly-once."""
-    return f"{PREFIX}seq:{model_id}:{seq_id}"
+    """String: request id that owns (model, seq_id). Makes a retried request exactly-once. It
+    expires with its request's result (--future-ttl after the request left the replay log); a
+    seq_id below the model's next_seq without a claim is refused as expired (claims.py)."""
+    return f"{seq_claim_prefix(model_id)}{seq_id}"
+
+
+def seq_claim_prefix(model_id: str) -> str:
+    return f"{PREFIX}seq:{model_id}:"
 
 
 def sample_claim(sampling_session_id: str, seq_id: int) -> str:

@@ -8,11 +8,13 @@ reads it moves `version.STATE_FORMAT` and appends its step here, and says so in 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lockstep.scheduler.state import keys
 from lockstep.version import STATE_FORMAT
 
 
@@ -24,6 +26,65 @@ class Migration:
     directory: Callable[[Path], None]
 
 
+SCAN_COUNT = 1000
+
+
+async def _scan(redis: Any, match: str) -> AsyncIterator[list[bytes]]:
+    cursor = 0
+    while True:
+        cursor, found = await redis.scan(cursor, match=match, count=SCAN_COUNT)
+        if found:
+            yield found
+        if cursor == 0:
+            return
+
+
+async def _bounded_retention(redis: Any, data_dir: Path) -> None:
+    """Format 2 bounds what grows per step. A seq_id claim expires with its request's result:
+    a claim without an expiry whose job has one gets the job's; one whose job is gone goes (a
+    retry of it is refused as expired, as format 2 does); one whose job keeps no expiry (still
+    queued, or in its model's replay log) gets it when the job does. Every sampling session is
+    given a last use (now), from which --sampler-expiry counts."""
+    del data_dir
+    async for claims in _scan(redis, keys.seq_claim_prefix("*") + "*"):
+        async with redis.pipeline(transaction=False) as pipe:
+            for claim in claims:
+                pipe.ttl(claim)
+                pipe.get(claim)
+            found = await pipe.execute()
+        bare = [
+            (claim, rid)
+            for claim, ttl, rid in zip(claims, found[::2], found[1::2], strict=True)
+            if ttl == -1 and rid is not None
+        ]
+        async with redis.pipeline(transaction=False) as pipe:
+            for _, rid in bare:
+                pipe.pttl(keys.job(rid.decode()))
+            job_ttls = await pipe.execute()
+        async with redis.pipeline(transaction=False) as pipe:
+            for (claim, _), job_ttl in zip(bare, job_ttls, strict=True):
+                if job_ttl == -2:
+                    pipe.delete(claim)
+                elif job_ttl > 0:
+                    pipe.pexpire(claim, job_ttl)
+            await pipe.execute()
+    now = time.time()
+    async for samplers in _scan(redis, keys.sampler("*")):
+        ids = [k.decode().removeprefix(keys.sampler("")) for k in samplers]
+        await redis.zadd(keys.SAMPLER_USES, dict.fromkeys(ids, now), nx=True)
+
+
+def _nothing(data_dir: Path) -> None:
+    """The data directory's layout did not change."""
+
+
 # Format 1 is the first stamped one (Lockstep 0.2.0): nothing before it is migrated.
-MIGRATIONS: tuple[Migration, ...] = ()
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        2,
+        "seq_id claims expire with their results; sampling sessions get a last use",
+        _bounded_retention,
+        _nothing,
+    ),
+)
 OLDEST_MIGRATED = STATE_FORMAT - len(MIGRATIONS)
