@@ -4,8 +4,9 @@ same Redis).
 
 - Past 90 % of the limit, new work is refused with a 429 that says why and when to come back;
   an SDK call meanwhile keeps retrying, and goes through once there is room.
-- At the limit itself Redis refuses every write: a cycle that ran while it filled up cannot
-  record its outcomes, and runs again once there is room, on its models' recorded state.
+- At the limit itself (the limit lowered under what Redis holds) Redis refuses every write: a
+  cycle that ran meanwhile cannot record its outcomes, and runs again once there is room, on
+  its models' recorded state.
 
 Nothing is lost and nothing is applied twice: every future completes, and the tenant's losses
 equal those of a tenant trained without any of it.
@@ -58,10 +59,11 @@ def _redis(server: Server) -> redis.Redis:
 
 
 def _fill(r: redis.Redis, to: float) -> None:
-    """Grow the filler until Redis uses `to` x its limit."""
-    info = r.info("memory")
-    need = int(to * int(info["maxmemory"])) - int(info["used_memory"])
-    r.append(FILLER, b"x" * max(need, 1))
+    """Grow the filler until Redis uses `to` x its limit (in small writes: a write's own
+    bytes count against the limit while Redis reads it)."""
+    limit = int(r.info("memory")["maxmemory"])
+    while int(r.info("memory")["used_memory"]) < to * limit:
+        r.append(FILLER, b"x" * (256 << 10))
 
 
 def _refused(http: httpx.Client) -> httpx.Response:
@@ -133,7 +135,8 @@ def test_a_full_redis_refuses_new_work_and_loses_nothing(limited: tuple[Server, 
         fb = trainer.forward_backward([data[4 % len(data)]], "cross_entropy")
         optim = trainer.optim_step(ADAM)
         _wait_for("the step never reached the engine", lambda: _training(metrics_port))
-        _fill(r, 1.02)
+        # Redis at its limit: it refuses every write from now on.
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) - (1 << 20))
     finally:
         os.kill(trainer_pid, signal.SIGCONT)
     _wait_for(
@@ -141,7 +144,7 @@ def test_a_full_redis_refuses_new_work_and_loses_nothing(limited: tuple[Server, 
         lambda: server.log().count("clock cycle failed") > failed_before,
     )
     assert not fb.future().done()
-    r.delete(FILLER)
+    r.config_set("maxmemory", LIMIT_MB << 20)
     losses.append(fb.result(timeout=WAIT_S).metrics["loss:sum"])
     optim.result(timeout=WAIT_S)
     losses += _losses(trainer, data, range(5, 7))
