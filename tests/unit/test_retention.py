@@ -174,3 +174,31 @@ def test_unused_sampling_sessions_expire_with_their_weights(
         assert await tenancy.expire_unused_samplers() == 0
 
     with_store(clean_redis, body)
+
+
+def test_a_live_sessions_trace_keeps_its_retention_only(
+    clean_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session that keeps writing never lets its trace expire: its old events go by age (and
+    past a count), so a long-lived tenant's trace stays bounded."""
+    from lockstep.scheduler.state import batch as batch_mod
+
+    r = redis.Redis.from_url(clean_redis)
+    key = keys.session_trace("sess-1")
+
+    async def write(n: int, keep: int = 10_000) -> None:
+        store = Store.from_url(clean_redis)
+        try:
+            async with store.batch() as batch:
+                batch.trace({"sess-1": [f'{{"n": {i}}}' for i in range(n)]}, keep, 60)
+        finally:
+            await store.close()
+
+    asyncio.run(write(500))
+    assert r.xlen(key) == 500
+    later = time.time() + 600  # ten retentions on
+    monkeypatch.setattr(batch_mod.time, "time", lambda: later)
+    asyncio.run(write(1))
+    assert r.xlen(key) < 150  # whole stream nodes go at once: at most one stays
+    asyncio.run(write(400, keep=200))
+    assert r.xlen(key) < 350

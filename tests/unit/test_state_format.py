@@ -191,3 +191,25 @@ def test_a_format_older_than_the_migrations_is_refused(
     with pytest.raises(StateRefused, match="state format 0, written by Lockstep 0.0.9.*from"):
         prepare(clean_redis, tmp_path)
     assert snapshot(r, tmp_path) == before
+
+
+@pytest.mark.skipif(STATE_FORMAT != 2, reason="the 1 -> 2 migration's own checks")
+def test_format_1_traces_become_streams(clean_redis: str, r: redis.Redis, tmp_path: Path) -> None:
+    from lockstep.scheduler.state.traces import TraceLog
+
+    _format_1(r, tmp_path)
+    events = [b'{"ph": "X", "n": 1}', b'{"ph": "X", "n": 2}']
+    r.rpush(keys.session_trace("sess"), *events)
+    r.expire(keys.session_trace("sess"), 900)
+    prepare(clean_redis, tmp_path)
+    assert r.type(keys.session_trace("sess")) == b"stream"
+    assert 0 < r.ttl(keys.session_trace("sess")) <= 900
+
+    async def read() -> list[bytes]:
+        client = aioredis.Redis.from_url(clean_redis)
+        try:
+            return await TraceLog(client).read("sess")
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(read()) == events

@@ -149,5 +149,6 @@ def audit(owner: str) -> str:
 
 
 def session_trace(session_id: str) -> str:
-    """List of the session's trace events (JSON), expiring after the trace retention."""
+    """Stream of the session's trace events (field `e`: JSON), trimmed to the trace retention
+    by age and to a most recent count; it expires the retention after its last event."""
     return f"{PREFIX}trace:{session_id}"

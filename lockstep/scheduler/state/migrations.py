@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.scheduler.state import keys
+from lockstep.scheduler.state.batch import TRACE_FIELD
 from lockstep.version import STATE_FORMAT
 
 
@@ -44,7 +45,8 @@ async def _bounded_retention(redis: Any, data_dir: Path) -> None:
     a claim without an expiry whose job has one gets the job's; one whose job is gone goes (a
     retry of it is refused as expired, as format 2 does); one whose job keeps no expiry (still
     queued, or in its model's replay log) gets it when the job does. Every sampling session is
-    given a last use (now), from which --sampler-expiry counts."""
+    given a last use (now), from which --sampler-expiry counts. Session traces become streams
+    (trimmed by age as well as by count)."""
     del data_dir
     async for claims in _scan(redis, keys.seq_claim_prefix("*") + "*"):
         async with redis.pipeline(transaction=False) as pipe:
@@ -72,6 +74,25 @@ async def _bounded_retention(redis: Any, data_dir: Path) -> None:
     async for samplers in _scan(redis, keys.sampler("*")):
         ids = [k.decode().removeprefix(keys.sampler("")) for k in samplers]
         await redis.zadd(keys.SAMPLER_USES, dict.fromkeys(ids, now), nx=True)
+    async for traces in _scan(redis, keys.session_trace("*")):
+        for key in traces:
+            await _trace_to_stream(redis, key)
+
+
+async def _trace_to_stream(redis: Any, key: bytes) -> None:
+    """A session trace list (format 1) as a stream (format 2: trimmed by age), in one
+    transaction; a stream already (a migration resumed) is left as it is."""
+    if await redis.type(key) != b"list":
+        return
+    events = await redis.lrange(key, 0, -1)
+    ttl = await redis.pttl(key)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(key)
+        for event in events:
+            pipe.xadd(key, {TRACE_FIELD: event})
+        if ttl > 0:
+            pipe.pexpire(key, ttl)
+        await pipe.execute()
 
 
 def _nothing(data_dir: Path) -> None:
@@ -82,7 +103,8 @@ def _nothing(data_dir: Path) -> None:
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         2,
-        "seq_id claims expire with their results; sampling sessions get a last use",
+        "seq_id claims expire with their results; sampling sessions get a last use; session "
+        "traces become streams",
         _bounded_retention,
         _nothing,
     ),
