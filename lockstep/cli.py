@@ -13,6 +13,7 @@ from lockstep import config
 from lockstep.config import LockstepConfig
 from lockstep.config.flags import replace_paths
 from lockstep.supervisor import run
+from lockstep.version import STATE_FORMAT, VERSION
 
 
 def resolve_models(
@@ -89,6 +90,11 @@ def build_parser(
     """The `lockstep` parser and its subcommands' parsers."""
     base = base or LockstepConfig()
     parser = argparse.ArgumentParser(prog="lockstep", description=__doc__)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"lockstep {VERSION} (state format {STATE_FORMAT})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the Tinker-compatible training service")
     add_serve_args(serve, base)

@@ -66,21 +66,32 @@ def _seed_default_model(data_dir: Path) -> None:
     os.rename(partial, target)  # atomic, as a build is: nothing or a complete directory
 
 
-def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
+def start_server(
+    data_dir: Path,
+    *extra: str,
+    timeout: float = 300,
+    python: Path | None = None,
+    port: int | None = None,
+) -> Server:
     """Start `lockstep serve --data-dir data_dir *extra` and wait until it is healthy.
 
-    Its output goes to `<data_dir>-serve.log` beside the data dir (`Server.log()`).
+    `python`: the interpreter of another Lockstep installation to run instead of this one (an
+    earlier release, for the upgrade test); it runs outside this checkout, so that is what it
+    imports. `port`: the API port (default: a free one). Its output goes to
+    `<data_dir>-serve.log` beside the data dir (`Server.log()`), appended to.
     """
-    port = free_port()
+    port = port or free_port()
     log_path = data_dir.parent / f"{data_dir.name}-serve.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     if not any(arg.split("=")[0] in ("--model", "--config") for arg in extra):
         _seed_default_model(data_dir)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log_path.open("wb") as log:
+    if python is not None:
+        env.pop("PYTHONPATH", None)
+    with log_path.open("ab") as log:
         proc = subprocess.Popen(
             [
-                sys.executable,
+                str(python or sys.executable),
                 "-m",
                 "lockstep.cli",
                 "serve",
@@ -93,6 +104,7 @@ def start_server(data_dir: Path, *extra: str, timeout: float = 300) -> Server:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=None if python is None else data_dir.parent,
         )
     server = Server(f"http://127.0.0.1:{port}", data_dir, proc, log_path)
     deadline = time.monotonic() + timeout

@@ -7,6 +7,7 @@ append-only file last. A child that dies unexpectedly is restarted (a few times,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -23,11 +24,21 @@ from lockstep import config
 from lockstep.config import LockstepConfig
 from lockstep.config.flags import replace_paths
 from lockstep.ports import free_port
+from lockstep.scheduler.state import redis_conn
+from lockstep.scheduler.state.format import (
+    STATE_REFUSED_EXIT,
+    Action,
+    StateRefused,
+    Verdict,
+    inspect_state,
+    redis_label,
+)
 
 log = logging.getLogger("lockstep.serve")
 
 MAX_RESTARTS = 5
 MAX_UNIX_SOCKET_PATH = 107  # sockaddr_un's sun_path holds 108 bytes with the final NUL
+MIB = 1 << 20
 
 
 def redis_binary() -> str:
@@ -83,6 +94,7 @@ class Supervisor:
         redis_dir = self.cfg.data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
+        limit = self.cfg.scheduler.redis_max_memory
         argv = [
             redis_binary(),
             "--bind",
@@ -101,6 +113,16 @@ class Supervisor:
             "yes",
             "--loglevel",
             "warning",
+            # At the limit a write is refused, never a key evicted (docs/operations.md, "Redis
+            # memory"); the scheduler refuses new work before that.
+            "--maxmemory",
+            str(limit),
+            "--maxmemory-policy",
+            "noeviction",
+            # The append-only file is compacted once it passes this and has doubled since the
+            # last rewrite: its disk use follows the dataset, within the memory limit's scale.
+            "--auto-aof-rewrite-min-size",
+            str(min(64 * MIB, max(MIB, limit // 8)) if limit else 64 * MIB),
         ]
         return Child("redis", argv), f"redis://127.0.0.1:{port}/0"
 
@@ -198,9 +220,28 @@ class Supervisor:
     def start(self) -> None:
         self.build()
         for child in self.children:
+            if child.name == "scheduler":
+                self._check_state()
             child.start()
             if child.name == "redis":
                 self._wait_accepting(child, self.redis_url)
+
+    def _check_state(self) -> None:
+        """Refuse (StateRefused) before the scheduler and its engines start when this Lockstep
+        will not serve the state it finds; reads only. The scheduler itself stamps or migrates
+        what it serves (scheduler/state/format.py)."""
+
+        async def check() -> Verdict:
+            client = redis_conn.connect(self.redis_url)
+            try:
+                label = redis_label(self.redis_url)
+                return await inspect_state(client, self.cfg.data_dir, label)
+            finally:
+                await client.aclose()
+
+        verdict = asyncio.run(check())
+        if verdict.action != Action.SERVE:
+            log.info("state: %s", verdict.describe())
 
     @staticmethod
     def _wait_accepting(child: Child, url: str, timeout: float = 10) -> None:
@@ -263,6 +304,9 @@ def run(cfg: LockstepConfig) -> int:
         sup.start()
         sup.wait_ready()
         code = sup.watch()
+    except StateRefused as exc:
+        log.error("refusing to start: %s", exc)
+        code = STATE_REFUSED_EXIT
     except Exception as exc:
         log.error("%s", exc)
         code = 1

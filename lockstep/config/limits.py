@@ -11,7 +11,10 @@ from dataclasses import dataclass, field, fields
 from lockstep.config.flags import EVERYWHERE, GATEWAY, SCHEDULER, SCHEDULER_ONLY, flag
 
 MIB = 1024 * 1024
-WEEK_S = 7 * 24 * 3600
+DAY_S = 24 * 3600
+# A finished request's result (and its seq_id claim) stays retrievable this long: what Redis
+# holds in steady state is about results per second x their size x this (docs/operations.md).
+DEFAULT_FUTURE_TTL_S = DAY_S
 _OPTIONAL = (
     "max_tokens_per_datum",
     "max_tenants",
@@ -80,10 +83,11 @@ class Limits:
         ),
     )
     future_ttl_s: int = field(
-        default=WEEK_S,
+        default=DEFAULT_FUTURE_TTL_S,
         metadata=flag(
             "--future-ttl",
-            help="seconds a finished request's result stays retrievable (default a week)",
+            help="seconds a finished request's result (and its seq_id, for an exactly-once "
+            "retry) stays retrievable (default a day)",
             on=SCHEDULER,
             metavar="SECONDS",
             deprecated=("--future-ttl-s",),

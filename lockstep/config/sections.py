@@ -27,6 +27,8 @@ SamplerKind = Literal["local", "vllm", "sglang"]
 SamplerDtype = Literal["auto", "float32", "bfloat16"]
 SamplerDecode = Literal["eager", "static"]
 TRACE_RETENTION_S = 7 * 24 * 3600
+MIB = 1024 * 1024
+GIB = 1024 * MIB
 LogLevel = Literal["debug", "info", "warning", "error"]
 # Whether the SDK zstd-compresses its fwd/bwd bodies; auto: unless the gateway binds loopback
 # (lockstep.gateway.settings.compress_fwdbwd decides).
@@ -435,6 +437,17 @@ class SchedulerProcessConfig:
             required=SCHEDULER_ONLY,
         ),
     )
+    redis_max_memory: int = field(
+        default=4 * GIB,
+        metadata=flag(
+            "--redis-maxmemory",
+            help="bytes the embedded Redis may hold (its maxmemory, with maxmemory-policy "
+            "noeviction: a full Redis refuses writes and never drops a future); past 90 % of "
+            "it new work gets a 429 (retried by the SDK) until results expire. 0: no limit",
+            on=SERVE,
+            scaled=(("--redis-maxmemory-mb", MIB, "the same limit in MiB"),),
+        ),
+    )
     transport: SchedulerTransport = field(
         default="unix",
         metadata=flag(
@@ -445,3 +458,7 @@ class SchedulerProcessConfig:
         ),
     )
     max_sample_batch: int = 64  # sample requests in one sampling engine batch
+
+    def __post_init__(self) -> None:
+        if self.redis_max_memory < 0:
+            raise ValueError(f"--redis-maxmemory must be >= 0, got {self.redis_max_memory}")

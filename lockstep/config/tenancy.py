@@ -1,4 +1,5 @@
-"""Tenancy settings: runs that come and go (paging, session expiry, audit retention)."""
+"""Tenancy settings: runs that come and go (paging, session and sampler expiry, audit
+retention)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ class TenancyConfig:
             on=SCHEDULER,
         ),
     )
+    sampler_expiry_s: float = field(
+        default=DAY_S,
+        metadata=flag(
+            "--sampler-expiry",
+            help="seconds a sampling session may go unused (no sample, no client joining) "
+            "before it is removed, with the sampler weights save_weights_and_get_sampling_client "
+            "wrote for it (0: never; a long-lived RL run makes one per step)",
+            on=SCHEDULER,
+        ),
+    )
     audit_retention_s: float = field(
         default=90 * DAY_S,
         metadata=flag(
@@ -43,3 +54,5 @@ class TenancyConfig:
     def __post_init__(self) -> None:
         if self.max_resident_models < 0:
             raise ValueError("--max-resident-models must be >= 0")
+        if self.sampler_expiry_s < 0:
+            raise ValueError("--sampler-expiry must be >= 0")

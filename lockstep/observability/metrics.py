@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
-from importlib import metadata
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -41,6 +40,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from lockstep.observability.tracking import OwnerCache, TenantLabels
+from lockstep.version import STATE_FORMAT, VERSION
 
 if TYPE_CHECKING:
     from lockstep.engine.types import SampleResult
@@ -56,14 +56,12 @@ for _registry in (SCHEDULER, GATEWAY):
     PlatformCollector(registry=_registry)
     GCCollector(registry=_registry)
 
-try:
-    VERSION = metadata.version("lockstep")
-except metadata.PackageNotFoundError:  # a source checkout that was never installed
-    VERSION = "unknown"
 for _registry in (SCHEDULER, GATEWAY):
-    Info("lockstep_build", "The running Lockstep version.", registry=_registry).info(
-        {"version": VERSION}
-    )
+    Info(
+        "lockstep_build",
+        "The running Lockstep version and the state format it writes.",
+        registry=_registry,
+    ).info({"version": VERSION, "state_format": str(STATE_FORMAT)})
 
 # Buckets. Cycles run from milliseconds (tiny model, CPU) to minutes (big packed batches).
 CYCLE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -232,6 +230,23 @@ REDIS_RTT_SECONDS = Histogram(
     "lockstep_redis_rtt_seconds",
     "Round-trip time of a Redis PING from the scheduler.",
     buckets=REDIS_BUCKETS,
+    registry=SCHEDULER,
+)
+REDIS_USED_MEMORY = Gauge(
+    "lockstep_redis_used_memory_bytes",
+    "Memory Redis uses (its INFO used_memory), read every second by the scheduler.",
+    registry=SCHEDULER,
+)
+REDIS_MAX_MEMORY = Gauge(
+    "lockstep_redis_max_memory_bytes",
+    "Redis's memory limit (maxmemory; 0: none). Past 90 % of it the scheduler refuses new work "
+    "(HTTP 429, retried by the SDK) until results expire or the limit is raised.",
+    registry=SCHEDULER,
+)
+ADMISSION_PAUSED = Gauge(
+    "lockstep_admission_paused",
+    "1 while the scheduler refuses new work for lack of room (reason: redis_memory).",
+    ["reason"],
     registry=SCHEDULER,
 )
 REDIS_ROUND_TRIPS = Counter(

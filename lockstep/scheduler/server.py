@@ -45,7 +45,9 @@ from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
 from lockstep.scheduler.observers.observers import AccountingObserver
 from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.format import STATE_REFUSED_EXIT, StateRefused, redis_label
 from lockstep.scheduler.state.futures import FutureBoard
+from lockstep.scheduler.state.memory import EvictingRedis
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -199,7 +201,14 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     ops = None if cfg.metrics_port is None else start_ops_server(cfg.metrics_host, cfg.metrics_port)
     store = Store.from_url(cfg.redis_url, result_ttl_s=cfg.limits.future_ttl_s)
     await store.ping()
-    await store.sessions.index_owners()  # owners of a Redis written before the index existed
+    try:  # before anything reads the state: serve it, migrate it, or refuse it untouched
+        await store.prepare_state(cfg.data_dir, redis_label(cfg.redis_url))
+        memory_now = await store.memory.check_policy(redis_label(cfg.redis_url))
+        log.info("redis memory: %s", memory_now.describe())
+    except (StateRefused, EvictingRedis) as exc:
+        log.error("refusing to start: %s", exc)
+        await store.close()
+        raise SystemExit(STATE_REFUSED_EXIT) from exc
     tracing.configure(store.traces, cfg.trace_retention_s)
     trainer, sampler = await asyncio.to_thread(start_engines)
     card = trainer.card()
@@ -250,6 +259,7 @@ async def serve(cfg: SchedulerConfig, start_engines: EngineFactory) -> None:
     scans = [
         asyncio.create_task(parts.tenancy.run_expiry()),
         asyncio.create_task(metrics.probe_redis(store.ping)),
+        asyncio.create_task(store.memory.run()),
     ]
     if ops is not None:
         ops.health = health

@@ -650,12 +650,16 @@ class EngineCapabilities(_message.Message):
     def __init__(self, trainer: _Optional[str] = ..., losses: _Optional[_Iterable[str]] = ..., custom_loss: bool = ..., trainer_inputs: _Optional[_Iterable[str]] = ..., optimizers: _Optional[_Iterable[str]] = ..., sampler: _Optional[str] = ..., sampler_inputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ServerCapabilities(_message.Message):
-    __slots__ = ("models", "engines")
+    __slots__ = ("models", "engines", "version", "state_format")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[SupportedModel]
     engines: EngineCapabilities
-    def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ..., engines: _Optional[_Union[EngineCapabilities, _Mapping]] = ...) -> None: ...
+    version: str
+    state_format: int
+    def __init__(self, models: _Optional[_Iterable[_Union[SupportedModel, _Mapping]]] = ..., engines: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., version: _Optional[str] = ..., state_format: _Optional[int] = ...) -> None: ...
 
 class RunRef(_message.Message):
     __slots__ = ("owner", "run_id", "all_owners")
@@ -867,7 +871,7 @@ class WeightsInfo(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., is_lora: bool = ..., lora_config: _Optional[_Union[LoraConfig, _Mapping]] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("ready", "parts")
+    __slots__ = ("ready", "parts", "version", "state_format")
     class PartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -877,9 +881,13 @@ class HealthReply(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     READY_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     parts: _containers.ScalarMap[str, str]
-    def __init__(self, ready: bool = ..., parts: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    version: str
+    state_format: int
+    def __init__(self, ready: bool = ..., parts: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., state_format: _Optional[int] = ...) -> None: ...
 
 class OwnerRef(_message.Message):
     __slots__ = ("owner",)

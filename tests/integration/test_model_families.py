@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from lockstep.devserver import Server, start_server, stop_server
 from lockstep.modeling import zoo
 from lockstep.ports import free_port
 
-from .test_session_trace import _download
+from .packing import assert_packed
 
 pytestmark = pytest.mark.e2e
 API_KEY = "tml-families-test"
@@ -56,32 +55,6 @@ def served(
     yield name, server, port
     code = stop_server(server)
     assert code == 0, f"lockstep serve did not stop cleanly ({code}):\n{server.log()[-5000:]}"
-
-
-def assert_packed(server: Server, service: Any, rounds: list[list[int]]) -> None:
-    """The two tenants' passes of each round ran in one cycle, unless the later one reached the
-    scheduler only after the earlier one's cycle had begun planning (a busy machine can spread
-    their submissions that far; the session trace says when each was queued and when each
-    cycle was planned). So this holds on any machine, and fails whenever the scheduler ran one
-    tenant's pass without the other's that was already waiting."""
-    import tinker
-
-    rest = tinker.RestClient(base_url=server.base_url, api_key=API_KEY)
-    trace = _download(rest.export_session_trace(service.holder.get_session_id()).result())
-    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    waits = {(e["pid"], e["tid"]): e["ts"] for e in events if e["name"] == "queue wait"}
-    passes = [e for e in events if e["name"] == "request forward_backward"]
-    planned = {e["args"]["cycle"]: e["args"]["planned_us"] for e in passes}
-    for cycles in rounds:
-        first, last = min(cycles), max(cycles)
-        if first == last:
-            continue
-        (late,) = [e for e in passes if e["args"]["cycle"] == last]
-        queued = waits.get((late["pid"], late["tid"]), late["ts"])
-        assert queued >= planned[first], (
-            f"the tenants' passes ran in cycles {cycles} though the second was queued before "
-            "the first cycle was planned"
-        )
 
 
 def test_family_trains_packed_and_samples_through_the_sdk(
@@ -125,7 +98,8 @@ def test_family_trains_packed_and_samples_through_the_sdk(
         tenants[0].forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     )
     np.testing.assert_allclose(sampled.astype(np.float64), trained, rtol=0, atol=1e-4)
-    assert_packed(server, service, rounds)  # the trace of the rounds' cycles is written by now
+    session = service.holder.get_session_id()
+    assert_packed(server.base_url, API_KEY, session, rounds)  # the rounds' traces are written
 
     if name.removeprefix("Lockstep/tiny-").replace("-", "_") in MOE:
         files = list((Path(server.data_dir) / "checkpoints").rglob("adapter_model.safetensors"))

@@ -91,13 +91,25 @@ def test_varlen_plumbing_equals_the_row_loop(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_varlen_refuses_what_it_cannot_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+CUDA_VARLEN = pytest.mark.skipif(
+    not torch.cuda.is_available() or attention._VARLEN_KERNEL is None,
+    reason="torch's varlen attention runs on CUDA only",
+)
+
+
+def test_varlen_leaves_cpu_and_fp32_to_the_row_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "VARLEN", True)
     q = torch.zeros(1, 4, 8, 16)
-    assert not attention.varlen_takes(q, q, None, None)  # CPU / fp32: the row loop
-    if not torch.cuda.is_available() or attention._VARLEN_KERNEL is None:
-        return
-    half = q.to("cuda", torch.bfloat16)
+    assert not attention.varlen_takes(q, q, None, None)  # CPU, fp32
+    half = q.bfloat16()
+    assert not attention.varlen_takes(half, half, None, None)  # CPU, even in bf16
+
+
+@CUDA_VARLEN
+def test_varlen_refuses_what_it_cannot_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "VARLEN", True)
+    half = torch.zeros(1, 4, 8, 16, device="cuda", dtype=torch.bfloat16)
+    assert not attention.varlen_takes(half.float(), half.float(), None, None)  # fp32
     assert attention.varlen_takes(half, half, None, None)
     assert not attention.varlen_takes(half, half, None, torch.zeros(4, device="cuda"))  # sinks
     assert attention.varlen_takes(half, half[..., :8], None, None)  # MLA: V padded to Dqk
@@ -106,10 +118,7 @@ def test_varlen_refuses_what_it_cannot_compute(monkeypatch: pytest.MonkeyPatch) 
     assert not attention.varlen_takes(half, half, None, None)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or attention._VARLEN_KERNEL is None,
-    reason="torch's varlen attention runs on CUDA only",
-)
+@CUDA_VARLEN
 @pytest.mark.parametrize("window", [None, 16], ids=["causal", "window16"])
 def test_varlen_kernel_equals_the_row_loop_on_cuda(
     monkeypatch: pytest.MonkeyPatch, window: int | None

@@ -16,6 +16,7 @@ import zstandard
 
 from lockstep.gateway.deps import owner_of
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.version import VERSION
 from lockstep.wire.v1 import tinker_pb2
 from tests.scheduler_standin import (
     TEST_API_KEY,
@@ -64,10 +65,19 @@ def test_client_config_and_friends(api: Any, sched: StandInScheduler) -> None:
 def test_healthz_follows_the_scheduler(api: Any, sched: StandInScheduler) -> None:
     ok = api.get("/healthz", headers={"X-API-Key": ""})
     assert (ok.status_code, ok.json()["status"]) == (200, "ok")
-    sched.replies["Health"] = pb.HealthReply(ready=False, parts={"engine": "loading weights"})
+    assert ok.json()["version"] == VERSION  # the gateway's own, whatever the scheduler runs
+    sched.replies["Health"] = pb.HealthReply(
+        ready=False, parts={"engine": "loading weights"}, version="0.9.1", state_format=7
+    )
     down = api.get("/api/v1/healthz")
     assert down.status_code == 503
-    assert down.json() == {"status": "unavailable", "parts": {"engine": "loading weights"}}
+    assert down.json() == {
+        "status": "unavailable",
+        "parts": {"engine": "loading weights"},
+        "version": VERSION,
+        "scheduler_version": "0.9.1",
+        "state_format": 7,
+    }
 
 
 def test_healthz_when_the_scheduler_is_unreachable() -> None:
@@ -75,6 +85,7 @@ def test_healthz_when_the_scheduler_is_unreachable() -> None:
         r = client.get("/healthz")
     assert r.status_code == 503
     assert r.json()["parts"]["scheduler"].startswith("unreachable (UNAVAILABLE)")
+    assert r.json()["version"] == VERSION
 
 
 # ---------------------------------------------------------------- sessions

@@ -64,6 +64,8 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
             )
         ],
         engines=pb.EngineCapabilities(sampler_inputs=["image", "text"]),
+        version="0.9.1",
+        state_format=7,
     )
     assert api.get("/api/v1/get_server_capabilities").json() == {
         "supported_models": [
@@ -81,7 +83,9 @@ def test_capabilities(api: Any, sched: StandInScheduler) -> None:
                 "trainer_kernels": {"gated_delta_rule": "fla", "short_convolution": "reference"},
                 "sampler_kernels": {"gated_delta_rule": "reference"},
             }
-        ]
+        ],
+        "lockstep_version": "0.9.1",
+        "state_format": 7,
     }
 
 

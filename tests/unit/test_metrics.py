@@ -391,6 +391,7 @@ def test_labels_stay_bounded() -> None:
         "status",
         "le",
         "version",
+        "state_format",
         "lockstep_engine_phase",
         "action",
         "direction",

@@ -77,3 +77,39 @@ def test_a_generation_in_slices_equals_one_call_and_short_ones_finish_first(
     for rid, result in alone.items():
         assert_same(done[rid], result)
     assert n + 1 >= LONG // 3  # the long one really ran in slices
+
+
+def _generated(engine: LocalSamplingEngine, request_id: str) -> int:
+    """Tokens the running generation of `request_id` made so far (its longest row)."""
+    for generation in engine._running:
+        for i, result in enumerate(generation.results):
+            if result.request_id == request_id:
+                return max(len(row.tokens) for row in generation.samples[i])
+    raise AssertionError(f"{request_id} is not running")
+
+
+def test_a_short_sample_decodes_ahead_of_a_long_generation(engine: LocalSamplingEngine) -> None:
+    """A 16-token sample beside a long generation takes its decode steps first, the long one a
+    step per call meanwhile: it is answered after about its own steps, not after as many of
+    the long one's; and both still equal their runs alone."""
+    steps, short_tokens = 8, 16  # the lane's --sample-slice-steps default
+    greedy = SampleParams(max_tokens=120, temperature=0.0, stop_at_eos=False)
+    long = SampleRequest("long", None, [5, 17, 42], 1, greedy)
+    params = SampleParams(max_tokens=short_tokens, temperature=0.8, seed=3, stop_at_eos=False)
+    short = SampleRequest("short", None, [7, 11, 13], 1, params)
+    (long_alone,) = engine.sample([long])
+    (short_alone,) = engine.sample([short])
+    assert engine.sample_slice([long], steps) == []
+    before = _generated(engine, "long")
+    calls, done = 0, None
+    while done is None:
+        calls += 1
+        answered = engine.sample_slice([short] if calls == 1 else [], steps)
+        done = next((r for r in answered if r.request_id == "short"), None)
+        assert calls <= short_tokens // steps + 1, "the short sample waited on the long one"
+    assert _generated(engine, "long") - before <= calls  # a step per call meanwhile
+    assert_same(done, short_alone)
+    rest: list[SampleResult] = []
+    while not rest:
+        rest = engine.sample_slice([], steps)
+    assert_same(rest[0], long_alone)

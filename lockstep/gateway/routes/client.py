@@ -11,6 +11,7 @@ from lockstep.gateway.errors import ApiError
 from lockstep.gateway.schema import responses as rs
 from lockstep.gateway.translate.futures import json_response
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.version import VERSION
 
 HEALTH_TIMEOUT_S = 3.0
 
@@ -76,8 +77,13 @@ async def healthz(stub: Scheduler) -> JSONResponse:
         reply = await stub.Health(pb.Empty(), timeout=HEALTH_TIMEOUT_S)
     except grpc.aio.AioRpcError as e:
         parts = {"scheduler": f"unreachable ({e.code().name}): {e.details()}"}
-        return json_response(rs.HealthResponse(status="unavailable", parts=parts), 503)
-    parts = dict(reply.parts)
-    if reply.ready:
-        return json_response(rs.HealthResponse(status="ok", parts=parts))
-    return json_response(rs.HealthResponse(status="unavailable", parts=parts), 503)
+        down = rs.HealthResponse(status="unavailable", parts=parts, version=VERSION)
+        return json_response(down, 503)
+    answer = rs.HealthResponse(
+        status="ok" if reply.ready else "unavailable",
+        parts=dict(reply.parts),
+        version=VERSION,
+        scheduler_version=reply.version or None,
+        state_format=reply.state_format or None,
+    )
+    return json_response(answer, 200 if reply.ready else 503)

@@ -42,6 +42,9 @@ class TelemetryResponse(SchemaModel):
 class HealthResponse(SchemaModel):
     status: Literal["ok", "unavailable"]
     parts: dict[str, str] = {}
+    version: str  # this gateway's Lockstep version
+    scheduler_version: str | None = None  # the scheduler's, when it answered
+    state_format: int | None = None  # the state format the scheduler writes
 
 
 class OrgDetails(SchemaModel):
@@ -244,6 +247,10 @@ class SupportedModel(SchemaModel):
 
 class ServerCapabilitiesResponse(SchemaModel):
     supported_models: list[SupportedModel]
+    # Lockstep's own (the SDK ignores fields it does not know): the scheduler's version and the
+    # state format it writes.
+    lockstep_version: str | None = None
+    state_format: int | None = None
 
 
 # ---------------------------------------------------------------- runs and checkpoints

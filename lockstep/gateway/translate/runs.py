@@ -125,5 +125,7 @@ def capabilities(caps: pb.ServerCapabilities) -> rs.ServerCapabilitiesResponse:
                 sampler_kernels=dict(m.sampler_kernels) or None,
             )
             for m in caps.models
-        ]
+        ],
+        lockstep_version=caps.version or None,
+        state_format=caps.state_format or None,
     )

@@ -63,6 +63,11 @@ class Generation:
     def finished(self) -> bool:
         return len(self.answered) == len(self.results)
 
+    def remaining(self) -> int:
+        """Decode steps it may still take: its longest unfinished row's budget left."""
+        left = [r.max_tokens - len(r.tokens) for live in self.lives for r in live.rows]
+        return max(left, default=0)
+
     def adapters(self) -> set[str]:
         """Adapters its unfinished rows decode with."""
         return {r.adapter_id for live in self.lives for r in live.rows if r.adapter_id}

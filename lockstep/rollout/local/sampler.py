@@ -6,9 +6,11 @@ directory, transparently, the next time a request uses it. A `sample` batch that
 distinct adapters than fit is served in several consecutive sub-batches.
 
 `sample_slice` runs generations a slice of decode steps at a time: each call starts the new
-requests (prefilled together, as one `Generation`) and moves every running generation on a step
-at a time, in turn, for at most `steps` steps, returning as soon as a request finishes (it is
-answered at once), so a long generation never holds a short one for its whole length. Each
+requests (prefilled together, as one `Generation`) and moves the running generations on for at
+most `steps` steps, returning as soon as a request finishes (it is answered at once), so a long
+generation never holds a short one for its whole length. Generations near their end (a short
+sample) take their steps first while longer ones take one step per call (`_decode_steps`);
+otherwise each takes a step in turn. Each
 generation decodes in its own batches, exactly as it would have to the end in one call. The
 adapters of running generations stay loaded until they finish (an unload waits for them).
 
@@ -47,6 +49,9 @@ from lockstep.rollout.local.static_kv import graph_refusal, static_refusal
 from lockstep.rollout.pager import AdapterPager
 
 log = logging.getLogger(__name__)
+# A generation this many slices from its end or nearer decodes ahead of longer ones
+# (`_decode_steps`).
+SHORT_SLICES = 2
 
 
 def _eos_ids(card: ModelCard, generation_eos: int | Iterable[int] | None) -> frozenset[int]:
@@ -228,11 +233,7 @@ class LocalSamplingEngine(SamplingEngine):
             try:
                 finished += self._start_waiting()
                 with torch.inference_mode():
-                    for _ in range(steps):  # a step of each in turn, until a request finishes
-                        for generation in self._running:
-                            finished += self._generator.advance(generation, 1)
-                        if finished:
-                            break
+                    finished += self._decode_steps(steps)
             except BaseException:  # the interface's promise: nothing half-run stays behind
                 self._running, self._waiting = [], []
                 raise
@@ -241,6 +242,27 @@ class LocalSamplingEngine(SamplingEngine):
                 self._lora.remove_adapter(adapter_id)
                 self._unload_later.discard(adapter_id)
             return finished
+
+    def _decode_steps(self, steps: int) -> list[SampleResult]:
+        """At most `steps` decode steps of the running generations, until a request finishes.
+        Generations that can finish within `SHORT_SLICES` slices go first, and the others take
+        one step each per call meanwhile: a short sample beside a long generation is answered
+        about a slice after it arrives instead of sharing every decode step with it, and the
+        long one still moves at every call. Otherwise a step of each in turn. Each generation
+        decodes in its own batches, so the order changes no number."""
+        short = [g for g in self._running if g.remaining() <= SHORT_SLICES * steps]
+        others = [g for g in self._running if g.remaining() > SHORT_SLICES * steps]
+        turns = short if short and others else self._running
+        finished: list[SampleResult] = []
+        for _ in range(steps):
+            for generation in turns:
+                finished += self._generator.advance(generation, 1)
+            if finished:
+                break
+        if turns is short:
+            for generation in others:
+                finished += self._generator.advance(generation, 1)
+        return finished
 
     def _start_waiting(self) -> list[SampleResult]:
         """Start the waiting requests whose adapters fit beside the running generations'."""

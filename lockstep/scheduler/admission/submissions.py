@@ -28,9 +28,11 @@ from lockstep.scheduler.state.claims import (
     ClaimConflict,
     NotLive,
     QueueFull,
+    SeqExpired,
     TenantLimitReached,
     TrainingClaim,
 )
+from lockstep.scheduler.state.memory import RedisFull
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind
@@ -109,6 +111,10 @@ class Submissions:
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
         try:
+            self.store.memory.admit()  # new work waits while Redis is near its memory limit
+        except RedisFull as exc:
+            raise OverCapacity(str(exc)) from exc
+        try:
             try:
                 admitted = await registry.arriving_as(req.WhichOneof("op")).admit(self.ctx, req)
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
@@ -125,6 +131,8 @@ class Submissions:
             rid = await self._training(req, payload, admitted)
         except TenantLimitReached as exc:
             raise self._tenant_error(exc) from exc
+        except SeqExpired as exc:
+            raise UserInputError("seq_id", str(exc)) from exc
         except ClaimConflict as exc:
             raise UserInputError(
                 "seq_id",
@@ -200,8 +208,8 @@ class Submissions:
                     rejection=reason,
                 )
             )
-        except ClaimConflict:
-            return  # the seq_id already belongs to another request
+        except (ClaimConflict, SeqExpired):
+            return  # the seq_id already belongs to another request, or expired with it
         self.on_training()
 
     async def _sample(

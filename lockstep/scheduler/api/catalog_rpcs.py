@@ -18,6 +18,7 @@ from lockstep.scheduler.state.records import CheckpointRecord, ModelRecord, Samp
 from lockstep.scheduler.state.runs import RunStats
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.version import STATE_FORMAT, VERSION
 from lockstep.vocab import RunStatus
 
 # A run's queued training requests listed by ListRunFutures (the rest are counted).
@@ -172,6 +173,8 @@ class CatalogRpcs:
                 for n in self.catalog.served_names
             ],
             engines=engine_capabilities(engines),
+            version=VERSION,
+            state_format=STATE_FORMAT,
         )
 
     # ---------------------------------------------------------------- runs and checkpoints
@@ -252,7 +255,12 @@ class CatalogRpcs:
 
     async def get_health(self, request: pb.Empty) -> pb.HealthReply:
         parts = await self.health()
-        return pb.HealthReply(ready=all(v == "ready" for v in parts.values()), parts=parts)
+        return pb.HealthReply(
+            ready=all(v == "ready" for v in parts.values()),
+            parts=parts,
+            version=VERSION,
+            state_format=STATE_FORMAT,
+        )
 
 
 def run_status(stats: RunStats) -> RunStatus:

@@ -118,7 +118,7 @@ class FutureRpcs:
         outcome = await sample_futures.cancel(self.store, job)
         if outcome == sample_futures.Outcome.CANCELLED:
             self.board.cancelled(job.request_id, sample_futures.job_topic(job))
-            log.info("sample %s cancelled by its client", job.request_id)
+            log.info("sample %s of %s cancelled by its client", job.request_id, job.model_id)
         return pb.CancelFutureReply(outcome=outcome.value)
 
 

@@ -57,6 +57,13 @@ def mapped(method: str, handler: Handler) -> GrpcHandler:
         except OverCapacity as exc:
             metrics.refused("RESOURCE_EXHAUSTED")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except redis_conn.OUT_OF_MEMORY as exc:  # a write Redis refused at its memory limit
+            log.warning("%s: redis is full: %s", method, exc)
+            metrics.refused("RESOURCE_EXHAUSTED")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the state store (Redis) is at its memory limit; retry later",
+            )
         except redis_conn.UNAVAILABLE_ERRORS as exc:  # still down after the client's retries
             log.warning("%s: redis unavailable: %s", method, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "state store unavailable, retry")

@@ -32,6 +32,8 @@ from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import AuditEvent, OpKind
 
 log = logging.getLogger(__name__)
+# Sampling sessions one expiry scan removes at most (the next scan takes the rest).
+SAMPLER_SWEEP = 1000
 
 
 class Tenancy:
@@ -109,14 +111,58 @@ class Tenancy:
             await self.end_session(rec, AuditEvent.SESSION_EXPIRED)
         return len(silent)
 
+    async def expire_unused_samplers(self) -> int:
+        """Remove every sampling session unused for `sampler_expiry_s`: its Redis keys, its
+        adapter in the sampler, and the sampler weights written for it alone (an ephemeral
+        save's directory; a checkpoint's stays with the checkpoint). A model's current inflight
+        target stays while it is the target (newer clients of the model sample it)."""
+        if not self.config.sampler_expiry_s:
+            return 0
+        cutoff = time.time() - self.config.sampler_expiry_s
+        removed, adapters = 0, []
+        for sampler_id in await self.store.samplers.unused_since(cutoff, SAMPLER_SWEEP):
+            rec = await self.store.samplers.get(sampler_id)
+            if rec is not None and rec.inflight_model is not None:
+                target = await self.store.checkpoints.inflight(rec.inflight_model)
+                if target is not None and target.adapter_dir == rec.adapter_dir:
+                    continue
+            await self.store.samplers.remove(sampler_id, rec.session_id if rec else None)
+            removed += 1
+            if rec is None:
+                continue
+            if rec.adapter_id is not None:
+                adapters.append(rec.adapter_id)
+            directory = Path(rec.adapter_dir) if rec.adapter_dir else None
+            if directory is not None and self._ephemeral(directory):
+                await asyncio.to_thread(shutil.rmtree, directory, True)
+        if adapters:
+            await self.unload_adapters(adapters)
+        if removed:
+            log.info(
+                "removed %d sampling sessions unused for %.0f s",
+                removed,
+                self.config.sampler_expiry_s,
+            )
+        return removed
+
+    def _ephemeral(self, directory: Path) -> bool:
+        """Sampler weights written for one sampling session (paths.ephemeral_dir)."""
+        root = self.catalog.data_dir / "checkpoints"
+        return directory.parent.name == "ephemeral" and root in directory.parents
+
     async def run_expiry(self) -> None:
-        period = max(min(self.config.session_expiry_s / 4, 30.0), 0.2)
-        while self.config.session_expiry_s:
+        """The expiry scans, while either is on: silent sessions, unused sampling sessions."""
+        spans = [s for s in (self.config.session_expiry_s, self.config.sampler_expiry_s) if s]
+        if not spans:
+            return
+        period = max(min(min(spans) / 4, 30.0), 0.2)
+        while True:
             await asyncio.sleep(period)
-            try:
-                await self.expire_silent()
-            except Exception:  # a Redis hiccup must not stop the expiry loop
-                log.exception("session expiry scan failed")
+            for scan in (self.expire_silent, self.expire_unused_samplers):
+                try:
+                    await scan()
+                except Exception:  # a Redis hiccup must not stop the expiry loop
+                    log.exception("%s failed", scan.__name__)
 
     # ---------------------------------------------------------------- accounting
     async def storage_usage(self, owner: str) -> pb.StorageUsageReply:

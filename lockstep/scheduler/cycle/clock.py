@@ -75,6 +75,7 @@ class Clock:
         # Models that shared the last cycle: a cycle waits a little for one not queued yet.
         self.partners = Partners()
         self._stopping = False
+        self._stopped = asyncio.Event()
         self._backlog = False  # passes had to wait for room: the next cycle starts at once
 
     def queue_state(self, model_id: str) -> tuple[QueueState, str]:
@@ -89,7 +90,16 @@ class Clock:
 
     def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self.wake.set()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or less if the clock is stopped meanwhile (a long --clock-gather
+        or --clock-period never holds up a shutdown; the work waiting stays queued)."""
+        try:
+            await asyncio.wait_for(self._stopped.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
 
     async def run(self) -> None:
         log.info("clock started (%s)", self.config)
@@ -102,7 +112,8 @@ class Clock:
             except Exception:  # a broken cycle must not stop the clock
                 log.exception("clock cycle failed")
                 await self.observers.failed(CycleFailure.CYCLE)
-                await asyncio.sleep(0.5)
+                await self._pause(0.5)
+                self.wake.set()  # what it left queued runs again
         log.info("clock stopped after %d cycles", self.cycles_run)
 
     async def cycle(self) -> CyclePlan:
@@ -132,7 +143,14 @@ class Clock:
         # Publish first: the sampler loads new adapters while commit answers the futures and
         # the client asks for its sampling session, instead of after (a task; never blocks).
         self.publish(outcomes)
-        self.notify(await self.commit(plan, outcomes))
+        try:
+            committed = await self.commit(plan, outcomes)
+        except Exception:
+            # Redis refused it (full, or away past the retries): what was not recorded runs
+            # again, on each model restored from its recorded state (the engine is ahead).
+            self.dispatcher.forget(plan)
+            raise
+        self.notify(committed)
         self.partners.after(plan, time.monotonic() - started)
         self.cycles_run += 1
         async with self.store.batch() as batch:  # traces and usage: one round trip
@@ -216,7 +234,7 @@ class Clock:
     async def _tick(self) -> None:
         if ClockPolicy(self.config.policy) == ClockPolicy.PERIODIC:
             now = time.monotonic()
-            await asyncio.sleep(self.config.period_s - now % self.config.period_s)
+            await self._pause(self.config.period_s - now % self.config.period_s)
             return
         while not self.wake.is_set():
             try:
@@ -225,7 +243,7 @@ class Clock:
                 await self._record_durable()
         self.wake.clear()
         if not self._backlog:  # work already waiting needs no gathering
-            await asyncio.sleep(self.config.gather_s)  # let requests sent together land together
+            await self._pause(self.config.gather_s)  # requests sent together land together
 
     async def _record_durable(self) -> None:
         try:

@@ -166,6 +166,13 @@ class Dispatcher:
             await asyncio.to_thread(self.engine.restart)
             raise CycleAborted(str(exc)) from exc
 
+    def forget(self, plan: CyclePlan) -> None:
+        """The plan ran but its outcomes were not recorded: the engine is ahead of the recorded
+        state for its models. Each is restored from that state before its next op (and its
+        requests in parts start again: `parts.keep_only`), so its work runs once more, once."""
+        for work in plan.models:
+            self.resident.discard(work.model_id)
+
     async def _request(self, op: QueuedOp) -> pb.SubmitRequest:
         payload = self._payloads.pop(op.request_id, None)
         if payload is None:  # not read with its cycle (a re-run after an abort)

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from cachetools import LRUCache
+
 from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.state.batch import WriteBatch
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from lockstep.scheduler.state.outcome import Outcome
 
 HOUR_S = 3600
+OWNERS_KEPT = 4096
 
 
 class Counter(StrEnum):
@@ -46,9 +49,10 @@ class Accounting:
         self.ledger = store.ledger
         self.store = store
         self.retention_s = retention_s
-        # Who a model or sampler belongs to (immutable once created): read once each.
-        self._models: dict[str, tuple[str, str, str]] = {}  # model -> owner, session, base
-        self._samplers: dict[str, tuple[str, str]] = {}  # sampler -> session, base
+        # Who a model or sampler belongs to (immutable once created): read once each, the most
+        # recently used kept (an RL run makes a sampler per step: the memory stays bounded).
+        self._models: LRUCache[str, tuple[str, str, str]] = LRUCache(OWNERS_KEPT)
+        self._samplers: LRUCache[str, tuple[str, str]] = LRUCache(OWNERS_KEPT)
 
     # ---------------------------------------------------------------- usage
     async def add(

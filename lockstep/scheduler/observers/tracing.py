@@ -39,7 +39,9 @@ from lockstep.scheduler.state.traces import TraceLog
 log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_S = TRACE_RETENTION_S
-MAX_EVENTS_PER_SESSION = 200_000  # a bounded list: the oldest events go first
+# The most events a session's trace keeps (the oldest go first; older than the retention go
+# too): the last few thousand requests, a few MB.
+MAX_EVENTS_PER_SESSION = 20_000
 MAX_PENDING_SUBMISSIONS = 100_000  # submission times kept in memory until the request runs
 CLOCK_PID = 0
 

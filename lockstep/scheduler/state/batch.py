@@ -18,6 +18,7 @@ from typing import Any
 from lockstep.scheduler.state import keys
 
 log = logging.getLogger(__name__)
+TRACE_FIELD = "e"  # a trace stream entry's one field: the event's JSON
 
 
 class WriteBatch:
@@ -59,12 +60,16 @@ class WriteBatch:
     def trace(
         self, per_session: Mapping[str, Sequence[str]], keep_events: int, retention_s: int
     ) -> None:
-        """Append each session's trace events (JSON) and keep its last `keep_events`."""
+        """Append each session's trace events (JSON); events older than `retention_s` go as
+        the stream grows, and past `keep_events` the oldest do (a long-lived session's trace
+        stays bounded by age and by count); an idle session's goes whole."""
+        oldest = str(int((time.time() - retention_s) * 1000))
         with self.best_effort("session trace"):
             for session_id, events in per_session.items():
                 key = keys.session_trace(session_id)
-                self.pipe.rpush(key, *events)
-                self.pipe.ltrim(key, -keep_events, -1)
+                for event in events:
+                    self.pipe.xadd(key, {TRACE_FIELD: event}, minid=oldest, approximate=True)
+                self.pipe.xtrim(key, maxlen=keep_events, approximate=True)
                 self.pipe.expire(key, retention_s)
 
     # ------------------------------------------------------------------ sending

@@ -17,6 +17,7 @@ from typing import Any
 
 from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.records import ModelRecord, encoder
+from lockstep.scheduler.state.scripts import WRITES
 from lockstep.vocab import ErrorCategory, JobStatus, OpKind
 
 # Shared by both claims. KEYS[1] claim, KEYS[2] job, KEYS[3] the queue.
@@ -68,12 +69,20 @@ end
 
 
 # Training. KEYS[4] active models, KEYS[5] model, KEYS[6] session's models, KEYS[7] owner's
-# runs, KEYS[8] all models, KEYS[9] the model's session. ARGV[6] seq_id, ARGV[7] model id,
+# runs, KEYS[8] all models, KEYS[9] the model's session, KEYS[10] its progress (a free claim
+# below its next_seq is one that expired: "expired", detail the next_seq; the request ran long
+# ago and its result is gone, and queueing it again would hold a seq_id the clock has passed).
+# ARGV[6] seq_id, ARGV[7] model id,
 # ARGV[8] new model record ('' if none), ARGV[9] its creation time, ARGV[10] runs per key
 # limit, ARGV[11] server runs limit, ARGV[12] "1": check the model is live (_live_check).
 CLAIM_TRAINING = (
-    _live_check("12", "5", "9")
+    WRITES
+    + _live_check("12", "5", "9")
     + _HEAD
+    + """
+local reached = tonumber(redis.call('HGET', KEYS[10], 'next_seq') or '0')
+if tonumber(ARGV[6]) < reached then return {'expired', '', tostring(reached)} end
+"""
     + _refuse_past_backlog("ZCARD")
     + """
 if ARGV[8] ~= '' then
@@ -100,17 +109,20 @@ return {'created', ARGV[1], ''}
 )
 
 # Sampling: the queue is the sampling lane's FIFO list. KEYS[4] the sampler, KEYS[5] its
-# session; ARGV[6] "1": check the sampler is live (_live_check).
+# session, KEYS[6] samplers by last use; ARGV[6] "1": check the sampler is live (_live_check),
+# ARGV[7] now, ARGV[8] the sampler id.
 CLAIM_SAMPLE = (
-    _live_check("6", "4", "5")
+    WRITES
+    + _live_check("6", "4", "5")
     + _HEAD
     + _refuse_past_backlog("LLEN")
     + """
-local FIELDS = 7
+local FIELDS = 9
 """
     + _WRITE_JOB
     + """
 redis.call('RPUSH', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[6], ARGV[7], ARGV[8])
 return {'created', ARGV[1], ''}
 """
 )
@@ -118,6 +130,18 @@ return {'created', ARGV[1], ''}
 
 class ClaimConflict(Exception):
     """A different payload was submitted under an already used (model, seq_id)."""
+
+
+class SeqExpired(Exception):
+    """A (model, seq_id) whose claim expired with its result: the clock passed it long ago."""
+
+    def __init__(self, model_id: str, seq_id: int, next_seq: int) -> None:
+        super().__init__(
+            f"seq_id {seq_id} of model {model_id} was used by a request whose result has "
+            f"expired (a finished request's result and its seq_id are kept --future-ttl "
+            f"seconds); new work takes the model's next seq_id ({next_seq})"
+        )
+        self.next_seq = next_seq
 
 
 class TenantLimitReached(Exception):
@@ -215,7 +239,7 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
     session = model.session_id if model is not None else ""
     reply = await redis.eval(
         CLAIM_TRAINING,
-        9,
+        10,
         keys.seq_claim(c.model_id, c.seq_id),
         keys.job(rid),
         keys.pending(c.model_id),
@@ -225,6 +249,7 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
         keys.owner_runs(c.owner),
         keys.ALL_MODELS,
         keys.session(c.live_session or ""),
+        keys.progress(c.model_id),
         rid,
         want,
         c.backlog,
@@ -242,6 +267,8 @@ async def claim_training(redis: Any, c: TrainingClaim) -> tuple[str, bool]:
     state, found, detail = (part.decode() for part in reply)
     if state in NOT_LIVE:
         raise NotLive(state)
+    if state == "expired":
+        raise SeqExpired(c.model_id, c.seq_id, int(detail))
     if state == "max_tenants_per_key":
         raise TenantLimitReached(state, int(detail), c.max_runs_per_key)
     if state == "max_tenants":
@@ -267,18 +294,21 @@ async def claim_sample(
     fields = job_fields(rid, OpKind.SAMPLE, owner, sampler_id, seq_id, want, payload, 0)
     reply = await redis.eval(
         CLAIM_SAMPLE,
-        5,
+        6,
         keys.sample_claim(sampler_id, seq_id),
         keys.job(rid),
         keys.SAMPLE_QUEUE,
         keys.sampler(sampler_id),
         keys.session(live_session or ""),
+        keys.SAMPLER_USES,
         rid,
         want,
         backlog,
         keys.job(""),
         ttl_s,
         "0" if live_session is None else "1",
+        time.time(),
+        sampler_id,
         *_flat(fields),
     )
     state, found, detail = (part.decode() for part in reply)

@@ -24,18 +24,21 @@ from lockstep.scheduler.state.records import (
     decode,
     encoder,
 )
+from lockstep.scheduler.state.scripts import WRITES
 from lockstep.vocab import CheckpointType, JobStatus, OpKind
 
 # The one trim rule: replay-log entries a snapshot covers leave the log and their job keeps its
-# outcome only (the payload goes; it expires with the other results).
+# outcome only (the payload goes; it expires with the other results, and so does the claim of
+# its seq_id: a retry within the retention still finds its first request).
 _TRIM = """
-local function trim(replay, upto, job_prefix, ttl)
-  local stale = redis.call('ZRANGEBYSCORE', replay, '-inf', upto)
-  if #stale == 0 then return end
-  redis.call('ZREM', replay, unpack(stale))
-  for _, rid in ipairs(stale) do
+local function trim(replay, upto, job_prefix, ttl, claim_prefix)
+  local stale = redis.call('ZRANGEBYSCORE', replay, '-inf', upto, 'WITHSCORES')
+  for i = 1, #stale, 2 do
+    local rid, seq = stale[i], stale[i + 1]
+    redis.call('ZREM', replay, rid)
     redis.call('HDEL', job_prefix .. rid, 'payload')
     redis.call('EXPIRE', job_prefix .. rid, ttl)
+    redis.call('EXPIRE', claim_prefix .. seq, ttl)
   end
 end
 """
@@ -48,25 +51,28 @@ local function advance(key, version, record)
   return 1
 end
 """
-ADVANCE_INFLIGHT = _ADVANCE + "return advance(KEYS[1], ARGV[1], ARGV[2])"
+ADVANCE_INFLIGHT = WRITES + _ADVANCE + "return advance(KEYS[1], ARGV[1], ARGV[2])"
 
-# The ops a run's metrics history keeps (`keys.history`): the newest 100,000 forward,
-# forward_backward and optim_step results (a few MB; 10,000 steps of two ops each fit 5 times).
-HISTORY_KEPT = 100_000
+# The ops a run's metrics history keeps (`keys.history`): the newest 20,000 forward,
+# forward_backward and optim_step results (10,000 steps of two ops each, ~1 MB of Redis per run;
+# runs are kept as long as their checkpoints, so this bounds what each run holds for good).
+HISTORY_KEPT = 20_000
 # KEYS: 1 progress, 2 pending, 3 job, 4 replay, 5 model, 6 checkpoints, 7 inflight target,
-#       8 sampler, 9 session's samplers, 10 history.
+#       8 sampler, 9 session's samplers, 10 the op's seq_id claim, 11 samplers by last use,
+#       12 history.
 # ARGV: 1 request id, 2 seq_id, 3 the outcome's snapshot_seq ('' none), 4 now, 5 result TTL,
 #       6 job key prefix, 7 replayed ('1': keep the payload in the replay log),
 #       8 model record expected ('' no change), 9 model record after,
 #       10 checkpoint id ('' none), 11 checkpoint record, 12 inflight version ('' none),
-#       13 inflight record, 14 sampler id ('' none), 15 sampler record,
-#       16 history entry ('' none), 17 steps it adds, 18 trained tokens it adds,
-#       19.. the job's outcome fields as name, value pairs (none: a rejected op's error was
+#       13 inflight record, 14 sampler id ('' none), 15 sampler record, 16 the model's claim
+#       key prefix, 17 history entry ('' none), 18 steps it adds, 19 trained tokens it adds,
+#       20.. the job's outcome fields as name, value pairs (none: a rejected op's error was
 #       written at submission).
 # Returns 1 committed, 0 committed already (no longer pending), -1 the model record changed
 # since it was read (read it again and retry).
 COMMIT_OP = (
-    f"local HISTORY_KEPT = {HISTORY_KEPT}\n"
+    WRITES
+    + f"local HISTORY_KEPT = {HISTORY_KEPT}\n"
     + _TRIM
     + _ADVANCE
     + """
@@ -80,7 +86,7 @@ local own = tonumber(ARGV[3])
 if own then
   local snapshot = math.max(own, tonumber(recorded[2]) or own)
   progress[5], progress[6] = 'snapshot_seq', snapshot
-  trim(KEYS[4], snapshot, ARGV[6], ARGV[5])
+  trim(KEYS[4], snapshot, ARGV[6], ARGV[5], ARGV[16])
 end
 if ARGV[10] ~= '' then redis.call('HSET', KEYS[6], ARGV[10], ARGV[11]) end
 if ARGV[8] ~= '' then redis.call('SET', KEYS[5], ARGV[9]) end
@@ -88,34 +94,41 @@ if ARGV[12] ~= '' then advance(KEYS[7], ARGV[12], ARGV[13]) end
 if ARGV[14] ~= '' then
   redis.call('SET', KEYS[8], ARGV[15])
   redis.call('SADD', KEYS[9], ARGV[14])
+  redis.call('ZADD', KEYS[11], ARGV[4], ARGV[14])
 end
-if ARGV[16] ~= '' then
-  redis.call('RPUSH', KEYS[10], ARGV[16])
-  redis.call('LTRIM', KEYS[10], -HISTORY_KEPT, -1)
+if ARGV[17] ~= '' then
+  redis.call('RPUSH', KEYS[12], ARGV[17])
+  redis.call('LTRIM', KEYS[12], -HISTORY_KEPT, -1)
 end
-if ARGV[17] ~= '0' then redis.call('HINCRBY', KEYS[1], 'steps', ARGV[17]) end
-if ARGV[18] ~= '0' then redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[18]) end
-if #ARGV > 18 then redis.call('HSET', KEYS[3], unpack(ARGV, 19)) end
+if ARGV[18] ~= '0' then redis.call('HINCRBY', KEYS[1], 'steps', ARGV[18]) end
+if ARGV[19] ~= '0' then redis.call('HINCRBY', KEYS[1], 'tokens', ARGV[19]) end
+if #ARGV > 19 then redis.call('HSET', KEYS[3], unpack(ARGV, 20)) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 if ARGV[7] == '1' and not (own and seq <= own) then
   redis.call('ZADD', KEYS[4], seq, ARGV[1])
 else
   redis.call('HDEL', KEYS[3], 'payload')
   redis.call('EXPIRE', KEYS[3], ARGV[5])
+  redis.call('EXPIRE', KEYS[10], ARGV[5])
 end
 redis.call('HSET', KEYS[1], unpack(progress))
 return 1
 """
 )
 
-# KEYS: 1 progress, 2 replay. ARGV: 1 seq, 2 job key prefix, 3 result TTL. Returns the mark.
+# KEYS: 1 progress, 2 replay. ARGV: 1 seq, 2 job key prefix, 3 result TTL, 4 claim key prefix.
+# Returns the mark (-1: none). Only a state the recorded progress has reached is marked: a
+# snapshot of a step whose commit failed (Redis refused it) is not, and the step runs again.
 MARK_SNAPSHOT = (
-    _TRIM
+    WRITES
+    + _TRIM
     + """
-local mark = math.max(tonumber(ARGV[1]), tonumber(redis.call('HGET', KEYS[1], 'snapshot_seq'))
-                      or tonumber(ARGV[1]))
+local recorded = redis.call('HMGET', KEYS[1], 'snapshot_seq', 'next_seq')
+local seq, current = tonumber(ARGV[1]), tonumber(recorded[1])
+if seq >= (tonumber(recorded[2]) or 0) then return current or -1 end
+local mark = math.max(seq, current or seq)
 redis.call('HSET', KEYS[1], 'snapshot_seq', mark)
-trim(KEYS[2], mark, ARGV[2], ARGV[3])
+trim(KEYS[2], mark, ARGV[2], ARGV[3], ARGV[4])
 return mark
 """
 )
@@ -127,12 +140,15 @@ def progress_of(raw: list[bytes | None]) -> tuple[int, int | None]:
 
 
 # The cycle number reached: stored unless a larger one is (KEYS[1] the clock, ARGV[1] it).
-_ADVANCE_CLOCK = """
+_ADVANCE_CLOCK = (
+    WRITES
+    + """
 if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[1])
 end
 return 0
 """
+)
 
 
 async def commit_ops(
@@ -154,7 +170,7 @@ async def commit_ops(
             for i in todo:
                 op, outcome = pairs[i]
                 args = _args(op, outcome, models.get(i, (b"", b"")), result_ttl_s)
-                pipe.eval(COMMIT_OP, 10, *_keys(op, outcome), *args)
+                pipe.eval(COMMIT_OP, 12, *_keys(op, outcome), *args)
             replies = await pipe.execute()
         if clock is not None:
             replies, clock = replies[1:], None
@@ -179,6 +195,8 @@ def _keys(op: QueuedOp, outcome: Outcome) -> list[str]:
         keys.inflight_target(op.model_id),
         keys.sampler(sampler.sampler_id if sampler else ""),
         keys.session_samplers(sampler.session_id if sampler else ""),
+        keys.seq_claim(op.model_id, op.seq_id),
+        keys.SAMPLER_USES,
         keys.history(op.model_id),
     ]
 
@@ -204,6 +222,7 @@ def _args(
         encoder.encode(target) if target else b"",
         sampler.sampler_id if sampler else "",
         encoder.encode(sampler) if sampler else b"",
+        keys.seq_claim_prefix(op.model_id),
         *_history(op, outcome),
     ]
     if op.kind != OpKind.REJECTED:  # a rejected op's error was written at submission
@@ -259,7 +278,8 @@ async def _models_before(
 
 async def mark_snapshot(redis: Any, result_ttl_s: int, model_id: str, seq: int) -> int:
     """Record a snapshot finished in the background: `snapshot_seq` = max(recorded, seq)
-    and the replay log trimmed up to it, in one script. Returns the recorded mark."""
+    and the replay log trimmed up to it, in one script, unless the recorded progress has not
+    reached `seq` (its step's commit failed). Returns the recorded mark (-1: none)."""
     mark = await redis.eval(
         MARK_SNAPSHOT,
         2,
@@ -268,5 +288,6 @@ async def mark_snapshot(redis: Any, result_ttl_s: int, model_id: str, seq: int) 
         seq,
         keys.job(""),
         result_ttl_s,
+        keys.seq_claim_prefix(model_id),
     )
     return int(mark)

@@ -11,12 +11,15 @@ from lockstep.scheduler.state import commit, keys
 from lockstep.scheduler.state.jobs import Job, Jobs, job_from
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import QueuedOp, SamplerRecord, decode
+from lockstep.scheduler.state.scripts import FREES, READS
 from lockstep.vocab import OpKind
 
 # The sampling lane's batch: the queue's length, then {request id, job fields, sampler record}
 # per queued sample (a sample job's model_id is its sampler). ARGV: limit, job and sampler key
 # prefixes.
-_SAMPLE_BATCH = """
+_SAMPLE_BATCH = (
+    READS
+    + """
 local out = {redis.call('LLEN', KEYS[1])}
 for _, rid in ipairs(redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
   local fields = redis.call('HGETALL', ARGV[2] .. rid)
@@ -27,11 +30,14 @@ for _, rid in ipairs(redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
 end
 return out
 """
+)
 # Every active model's queue in one read: {model id, next_seq, request id, seq, kind, tokens,
 # ...} per model with queued requests. A model with an empty queue (or no record: it can never
 # run) leaves the active set in the same atomic step, so a request claimed meanwhile (it re-adds
 # the model) is never lost. ARGV: the model, pending, progress and job key prefixes.
-_QUEUES = """
+_QUEUES = (
+    FREES
+    + """
 local out = {}
 for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local entries = {}
@@ -54,6 +60,7 @@ for _, m in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 return out
 """
+)
 
 
 class Cycles:

@@ -6,6 +6,9 @@ Lockstep state can be listed with `SCAN MATCH ls:*`.
 
 PREFIX = "ls:"
 
+# String (JSON): the state's format stamp, {"format": N, "written_by": version} (format.py).
+FORMAT = PREFIX + "format"
+
 # Pool-wide clock counter: INCR once per cycle that ran work. Only ever increases.
 CLOCK = PREFIX + "clock"
 # Models that have queued training work (the clock scans only these).
@@ -16,6 +19,9 @@ ALL_MODELS = PREFIX + "all_models"
 SAMPLE_QUEUE = PREFIX + "sample_queue"
 # Every owner (API key) that has created a session (a set; read by admin keys' usage).
 OWNERS = PREFIX + "owners"
+# Sorted set: sampling session id -> when it was last used (created, a sample submitted, a
+# client joined). Sampling sessions unused for --sampler-expiry are removed (tenancy).
+SAMPLER_USES = PREFIX + "sampler_uses"
 
 
 def job(request_id: str) -> str:
@@ -24,8 +30,14 @@ def job(request_id: str) -> str:
 
 
 def seq_claim(model_id: str, seq_id: int) -> str:
-    """String: request id that owns (model, seq_id). Makes a retried request exactly-once."""
-    return f"{PREFIX}seq:{model_id}:{seq_id}"
+    """String: request id that owns (model, seq_id). Makes a retried request exactly-once. It
+    expires with its request's result (--future-ttl after the request left the replay log); a
+    seq_id below the model's next_seq without a claim is refused as expired (claims.py)."""
+    return f"{seq_claim_prefix(model_id)}{seq_id}"
+
+
+def seq_claim_prefix(model_id: str) -> str:
+    return f"{PREFIX}seq:{model_id}:"
 
 
 def sample_claim(sampling_session_id: str, seq_id: int) -> str:
@@ -147,5 +159,6 @@ def audit(owner: str) -> str:
 
 
 def session_trace(session_id: str) -> str:
-    """List of the session's trace events (JSON), expiring after the trace retention."""
+    """Stream of the session's trace events (field `e`: JSON), trimmed to the trace retention
+    by age and to a most recent count; it expires the retention after its last event."""
     return f"{PREFIX}trace:{session_id}"

@@ -22,7 +22,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lockstep.observability import metrics
@@ -38,6 +38,8 @@ BACKOFF_CAP_S = 2.0
 UNAVAILABLE_ERRORS = (RedisConnectionError, RedisTimeoutError)
 # Any failed Redis command (unavailable, or refused: a wrong type, out of memory).
 ERRORS = RedisError
+# A write Redis refused at its memory limit (noeviction): transient, retry later.
+OUT_OF_MEMORY = OutOfMemoryError
 
 
 class _CountsRoundTrips(AbstractConnection):

@@ -3,6 +3,7 @@ trip), each owner's index of runs, and the owners the clock's per-key quota read
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from lockstep.scheduler.state.records import (
     decode,
     encoder,
 )
+from lockstep.scheduler.state.scripts import READS
 
 R = TypeVar("R")
 
@@ -31,11 +33,14 @@ class RunStats:
 
 
 # A model's or sampler's record and its session's (the session id is in the record).
-_WITH_SESSION = """
+_WITH_SESSION = (
+    READS
+    + """
 local model = redis.call('GET', KEYS[1])
 if not model then return {false, false} end
 return {model, redis.call('GET', ARGV[1] .. cjson.decode(model)['session_id'])}
 """
+)
 
 
 async def _with_session(
@@ -149,6 +154,31 @@ class Samplers:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.sampler(rec.sampler_id), encoder.encode(rec))
             pipe.sadd(keys.session_samplers(rec.session_id), rec.sampler_id)
+            pipe.zadd(keys.SAMPLER_USES, {rec.sampler_id: rec.created})
+            await pipe.execute()
+
+    async def used(self, sampler_id: str) -> None:
+        """The sampler was used now (a client joined it): its expiry starts again."""
+        await self.redis.zadd(keys.SAMPLER_USES, {sampler_id: time.time()}, xx=True)
+
+    async def unused_since(self, cutoff: float, limit: int) -> list[str]:
+        """Samplers last used before `cutoff` (unix seconds), oldest first."""
+        found = await self.redis.zrangebyscore(keys.SAMPLER_USES, "-inf", cutoff, 0, limit)
+        return [s.decode() for s in found]
+
+    async def remove(self, sampler_id: str, session_id: str | None) -> None:
+        """Forget a sampling session: its record, its clients' counter and completion logs (a
+        poll for it is then a 404). Deletions only: served while Redis is full."""
+        clones = int(await self.redis.get(keys.sampler_clients(sampler_id)) or 0)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.sampler(sampler_id), keys.sampler_clients(sampler_id))
+            for clone in range(clones + 1):
+                pipe.delete(
+                    keys.sample_done(sampler_id, clone), keys.sample_done_cursor(sampler_id, clone)
+                )
+            if session_id is not None:
+                pipe.srem(keys.session_samplers(session_id), sampler_id)
+            pipe.zrem(keys.SAMPLER_USES, sampler_id)
             await pipe.execute()
 
     async def get(self, sampler_id: str) -> SamplerRecord | None:

@@ -12,6 +12,7 @@ completions of its own clone only.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from enum import IntEnum, StrEnum
 
@@ -19,6 +20,7 @@ from lockstep.scheduler.state import keys
 from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.jobs import Job, job_from
 from lockstep.scheduler.state.outcome import Recorded
+from lockstep.scheduler.state.scripts import FREES, WRITES
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import ErrorCategory, JobStatus
@@ -40,7 +42,9 @@ MAX_LOGGED = 100_000
 # KEYS: job, sample queue, completion log, its cursor. ARGV: request id, status, ttl,
 # result ("" = none), error ("" = none), category, log state, payload bytes, log length cap.
 # Returns the completion's place in the log (its cursor), 0 if the job had an outcome already.
-_FINISH = """
+_FINISH = (
+    WRITES
+    + """
 redis.call('LREM', KEYS[2], 1, ARGV[1])
 if redis.call('HGET', KEYS[1], 'status') ~= 'pending' then
   return 0
@@ -57,6 +61,7 @@ redis.call('EXPIRE', KEYS[3], ARGV[3])
 redis.call('EXPIRE', KEYS[4], ARGV[3])
 return c
 """
+)
 
 
 class LogState(StrEnum):
@@ -253,7 +258,9 @@ def handed(read: Completions, value: object) -> Completions | None:
 # sampler of the caller's (nothing touched); else {last cursor, entries after prev_cursor, the
 # answer fields of each entry (false past the prefetch budget)} once the entries at or before
 # prev_cursor are dropped.
-_SINCE = """
+_SINCE = (
+    FREES
+    + """
 local rec = redis.call('GET', KEYS[1])
 if not rec or cjson.decode(rec)['owner'] ~= ARGV[1] then return nil end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
@@ -274,6 +281,7 @@ for i, entry in ipairs(entries) do
 end
 return {last, entries, answers}
 """
+)
 
 
 async def since(
@@ -327,5 +335,6 @@ async def join(store: Store, sampling_session_id: str) -> int:
     async with store.redis.pipeline(transaction=True) as pipe:
         pipe.incr(key)
         pipe.expire(key, store.result_ttl_s)
-        counter, _ = await pipe.execute()
+        pipe.zadd(keys.SAMPLER_USES, {sampling_session_id: time.time()}, xx=True)
+        counter, *_ = await pipe.execute()
     return int(counter)

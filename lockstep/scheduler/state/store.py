@@ -12,6 +12,7 @@ Every key comes from `keys`; every record type from `records`.
     cycles       queues, a cycle's begin and commit, progress, replay (cycles.py)
     ledger       usage counters and the audit stream                 (ledger.py)
     traces       session traces                                      (traces.py)
+    memory       Redis's memory, and admission near its limit        (memory.py)
 
 `batch()` queues writes of several roles (a cycle's usage and traces, a sampling batch's
 answers) on one pipeline: one round trip (batch.py).
@@ -21,22 +22,26 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from lockstep.config.limits import DEFAULT_FUTURE_TTL_S
 from lockstep.scheduler.state import redis_conn
 from lockstep.scheduler.state.batch import WriteBatch
 from lockstep.scheduler.state.checkpoints import Checkpoints
 from lockstep.scheduler.state.cycles import Cycles
+from lockstep.scheduler.state.format import Verdict, prepare_state
 from lockstep.scheduler.state.jobs import Jobs
 from lockstep.scheduler.state.ledger import Ledger
+from lockstep.scheduler.state.memory import MemoryWatch
 from lockstep.scheduler.state.runs import Runs, Samplers
 from lockstep.scheduler.state.sessions import Sessions
 from lockstep.scheduler.state.traces import TraceLog
 
 # Completed futures stay retrievable this long (the SDK may re-poll after a transport error).
-RESULT_TTL_SECONDS = 7 * 24 * 3600
+RESULT_TTL_SECONDS = DEFAULT_FUTURE_TTL_S
 
 
 class Store:
@@ -53,6 +58,7 @@ class Store:
         self.cycles = Cycles(client, self.jobs)
         self.ledger = Ledger(client)
         self.traces = TraceLog(client)
+        self.memory = MemoryWatch(client)
 
     @classmethod
     def from_url(cls, url: str, result_ttl_s: int = RESULT_TTL_SECONDS) -> Store:
@@ -65,6 +71,11 @@ class Store:
             batch = WriteBatch(pipe)
             yield batch
             await batch.send()
+
+    async def prepare_state(self, data_dir: Path, redis_name: str) -> Verdict:
+        """Serve, stamp or migrate the state before anything reads it; StateRefused, having
+        written nothing, for state this release does not serve (format.py)."""
+        return await prepare_state(self.redis, data_dir, redis_name)
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
