@@ -10,6 +10,8 @@ The body it read (of a refused one, its first bytes) stays in the scope for the 
 
 from __future__ import annotations
 
+import email.message
+import functools
 import io
 import json
 import zlib
@@ -33,9 +35,21 @@ PREFIX_BYTES = 64 * 1024
 _BODY = "lockstep.body"
 
 
+@functools.lru_cache(maxsize=64)
 def is_json(content_type: str | None) -> bool:
-    """A forward_backward body is JSON when its Content-Type says so, else protobuf."""
-    return "json" in (content_type or "")
+    """Whether a body is JSON by its Content-Type: `application/json` or `application/*+json`,
+    the test FastAPI reads a body model by. The one test of every route (the direct layer's
+    plain path, a forward_backward's JSON form, the refusal report); a body without a
+    Content-Type is not JSON here (a forward_backward's is protobuf, and the direct layer
+    leaves it to FastAPI)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 def request_body(scope: Scope) -> bytes:

@@ -30,6 +30,9 @@ class GatewayOp(ABC):
     # Takes a place in a model's seq_id order (model_id + seq_id): a refusal at the gateway
     # still holds that seq_id (lockstep.gateway.refusals).
     sequenced: ClassVar[bool]
+    # Every training step or sample calls it: its route is served by the direct layer
+    # (`gateway/direct.py`) without FastAPI's routing and dependency solving.
+    hot: ClassVar[bool] = False
     # The JSON request model the route validates (None: the op reads its raw body).
     body: ClassVar[type[BaseModel] | None]
     response_model: ClassVar[type[BaseModel]] = rs.UntypedAPIFuture

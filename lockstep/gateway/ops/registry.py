@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, KeyQuota, Owner, Scheduler
+from lockstep.gateway.direct import HotRoute
 from lockstep.gateway.ops.base import GatewayOp
 from lockstep.gateway.ops.create import CreateModel
 from lockstep.gateway.ops.forward_backward import ForwardBackward
@@ -107,7 +108,7 @@ def _endpoint(op: GatewayOp) -> Any:
 
 
 def router() -> APIRouter:
-    """Every registered op's route."""
+    """Every registered op's route; a hot op's is a `HotRoute` (the direct layer serves it)."""
     out = APIRouter()
     for op in _ops:
         out.add_api_route(
@@ -117,5 +118,6 @@ def router() -> APIRouter:
             tags=[op.tag],
             response_model=op.response_model,
             openapi_extra=op.openapi_extra,
+            route_class_override=HotRoute if op.hot else None,
         )
     return out
