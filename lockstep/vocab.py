@@ -31,6 +31,13 @@ class OpKind(StrEnum):
     REJECTED = "rejected"
 
 
+class InputKind(StrEnum):
+    """Kinds of model input chunk an engine takes (its capabilities)."""
+
+    TEXT = "text"
+    IMAGE = "image"
+
+
 class Optimizer(StrEnum):
     """Optimizer families a training run may name (the SDK's optimizer_config / params `type`).
     The contract carries AdamW steps only (its `AdamParams`)."""

@@ -5,28 +5,22 @@ Each engine declares its capabilities (`TrainingEngine.capabilities`,
 `SamplingEngine.capabilities`) once it has loaded the model: the losses it computes (server-side
 custom losses included or not), the kinds of model input it takes (text; images only for a
 vision-language model on an engine that runs its tower), the optimizers it steps. Admission
-refuses anything else with a 400 that names the engine, before the request is queued, and the
-client config tells the SDK only what the configured engines run (`custom_loss_server_side`:
-the SDK then runs custom losses itself). So an engine never meets a request it cannot run, and
-no engine re-checks what admission already judged.
+refuses anything else with a 400 that names the field and the engine, before the request is
+queued, through these objects alone: `check_loss` (a forward_backward's loss_fn),
+`check_custom_losses` (create_custom_loss), `check_input` (every image chunk, asked by the
+engine's `ImageReader`, `engine/images.py`), `check_optimizer` (create_model's optimizer,
+optim_step, a load with its optimizer state). The client config tells the SDK only what the
+configured engines run (`custom_loss_server_side`: the SDK then runs custom losses itself). So
+an engine never meets a request it cannot run, and no engine re-checks what admission judged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from lockstep.engine.losses import CUSTOM, LOSSES
 from lockstep.errors import UserInputError
-from lockstep.vocab import Optimizer
-
-
-class InputKind(StrEnum):
-    """Kinds of model input chunk an engine takes."""
-
-    TEXT = "text"
-    IMAGE = "image"
-
+from lockstep.vocab import InputKind, Optimizer
 
 TEXT_INPUTS = frozenset({InputKind.TEXT})
 TEXT_AND_IMAGES = frozenset({InputKind.TEXT, InputKind.IMAGE})
@@ -66,7 +60,8 @@ class TrainerCapabilities:
     def check_optimizer(self, optimizer: Optimizer, field: str) -> None:
         if optimizer not in self.optimizers:
             raise UserInputError(
-                field, f"optimizer {optimizer.value} does not run on the {self.engine} engine"
+                field,
+                f"optimizer {optimizer.value} does not run on the {self.engine} training engine",
             )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
-from lockstep.engine.capabilities import Engines, InputKind
+from lockstep.engine.capabilities import Engines
 from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
@@ -81,7 +81,6 @@ class Submissions:
         # What an op's admission reads (scheduler/ops/base.py).
         self.engines = engines
         image_limits = ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels)
-        trainer, sampler = engines.trainer, engines.sampler
         self.ctx = SubmitContext(
             store,
             catalog,
@@ -90,21 +89,9 @@ class Submissions:
             self.memory,
             data_dir,
             self.custom_losses,
-            ImageReader.for_engine(
-                card.vision,
-                InputKind.IMAGE in trainer.inputs,
-                f"the {trainer.engine} training engine",
-                image_limits,
-                image_dir,
-            ),
+            ImageReader(card.vision, image_limits, image_dir, engine=engines.trainer),
             engines,
-            ImageReader.for_engine(
-                card.vision,
-                InputKind.IMAGE in sampler.inputs,
-                f"the {sampler.engine} sampler",
-                image_limits,
-                image_dir,
-            ),
+            ImageReader(card.vision, image_limits, image_dir, engine=engines.sampler),
         )
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:

@@ -54,8 +54,10 @@ class CreateModel(SingleOp):
             raise UserInputError(
                 "lora_config", "at least one of train_mlp, train_attn, train_unembed must be true"
             )
+        optimizer = Optimizer.ADAMW  # the SDK's default
         if c.optimizer_type:
-            Optimizer.named("optimizer_config.type", c.optimizer_type)
+            optimizer = Optimizer.named("optimizer_config.type", c.optimizer_type)
+        ctx.engines.trainer.check_optimizer(optimizer, "optimizer_config.type")
         record = new_run(
             owner,
             session.session_id,

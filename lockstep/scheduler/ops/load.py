@@ -26,7 +26,7 @@ from lockstep.scheduler.state.catalog import NotFound
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import AuditEvent, OpKind
+from lockstep.vocab import AuditEvent, OpKind, Optimizer
 
 
 class Load(SingleOp):
@@ -48,6 +48,8 @@ class Load(SingleOp):
                 "path", "load_state needs a training checkpoint (tinker://<run>/weights/<name>)"
             )
         await ctx.catalog.readable_checkpoint(owner, path)
+        if load.optimizer:  # its Adam state goes on stepping
+            ctx.engines.trainer.check_optimizer(Optimizer.ADAMW, "optimizer")
         if not checkpoint_dir(ctx.data_dir, path).is_dir():
             raise NotFound(f"checkpoint {path} has no files on this server")
         if load.HasField("model_id"):  # load_state on an existing model, in its seq order
