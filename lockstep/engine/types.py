@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypeAlias
 
 import numpy as np
 
@@ -117,6 +117,11 @@ class CustomLossInput:
     rank: int
 
 
+# A custom loss graph's argument values as the SDK encodes them (JSON): plain values, lists, and
+# one-key objects naming what they encode (`lockstep.custom_loss.graph.Encoding`).
+Encoded: TypeAlias = "None | bool | int | float | str | list[Encoded] | dict[str, Encoded]"
+
+
 @dataclass(frozen=True)
 class CustomLossNode:
     """One node of a custom loss graph as plain data (the SDK's fx encoding: `{"ref": name}`
@@ -126,8 +131,8 @@ class CustomLossNode:
     op: str
     name: str
     target: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    args: tuple[Encoded, ...] = ()
+    kwargs: dict[str, Encoded] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler import translate
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import SubmitContext
-from lockstep.scheduler.ops.custom_loss import CustomLosses
 from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.records import (
     CheckpointRecord,
     LoraRecord,

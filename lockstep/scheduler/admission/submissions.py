@@ -22,7 +22,6 @@ from lockstep.scheduler.admission.decoded import DecodedPasses
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import Claim, Hold, SampleClaim, SubmitContext
-from lockstep.scheduler.ops.custom_loss import Created, CustomLosses
 from lockstep.scheduler.state.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.state.claims import (
     ClaimConflict,
@@ -31,6 +30,7 @@ from lockstep.scheduler.state.claims import (
     TenantLimitReached,
     TrainingClaim,
 )
+from lockstep.scheduler.state.custom_losses import Created, CustomLosses
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
 from lockstep.vocab import OpKind

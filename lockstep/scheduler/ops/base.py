@@ -37,8 +37,8 @@ from lockstep.engine.types import (
     PassResult,
 )
 from lockstep.errors import UserInputError
-from lockstep.scheduler.ops.custom_loss import CustomLosses
 from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.scheduler.state.residency import Residency

@@ -1,7 +1,7 @@
 """forward and forward_backward: every tenant's passes run as ONE fused pass per cycle.
 
 Validated at submission in their decoded form (token ids, loss inputs, sizes, the memory
-budget, a named custom loss and its price on each datum: `ops/custom_loss.py`); that decoded
+budget, a named custom loss and its price on each datum: `state/custom_losses.py`); that decoded
 request is kept (`scheduler/admission/decoded.py`) and the dispatcher hands it to the fused pass
 as it is. Only a forward_backward changes the model (gradients), so only it is replayed after a
 restore and counts as trained tokens.
@@ -40,13 +40,13 @@ class ForwardBackward(PassOp):
         check_seq(fb.seq_id)
         if not fb.data:
             raise UserInputError("data", "no datums given")
-        check_datums(ctx, fb)
+        check_data_length(ctx, fb)
         ctx.engines.trainer.check_loss(fb.loss_fn)  # e.g. custom losses where none run
         for i, datum in enumerate(fb.data):
             translate.inline_assets(datum.model_input, f"data[{i}].model_input", ctx.images)
         pass_req = translate.pass_request("", fb, ctx.images)  # its request id once claimed
         check_sizes(ctx, pass_req)
-        pass_req.custom_loss = await ctx.custom_losses.named(model, pass_req)
+        await custom_losses.attach(ctx.store, pass_req, model)  # one of its session's
         losses.validate_pass_request(pass_req, ctx.card.vocab_size, ctx.card.max_context_length)
         await ctx.custom_losses.check_data(pass_req)  # its inputs' ranks, its price per datum
         kind = OpKind.FORWARD if fb.forward_only else OpKind.FORWARD_BACKWARD
@@ -73,7 +73,7 @@ class ForwardBackward(PassOp):
         return Outcome(pb.JobResult(forward_backward=output), replayed=self.backward(op.kind))
 
 
-def check_datums(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
+def check_data_length(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
     """Datums per request: checked before any datum is decoded."""
     most = ctx.limits.max_datums_per_request
     if len(fb.data) > most:
