@@ -18,7 +18,7 @@ from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
-from lockstep.scheduler.admission.decoded import DecodedPasses
+from lockstep.scheduler.admission.decoded import DecodedPasses, DecodedSamples
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import Claim, Hold, SampleClaim, SubmitContext
@@ -60,6 +60,7 @@ class Submissions:
         limits: Limits | None = None,
         memory_budget: MemoryBudget = NO_MEMORY_LIMIT,
         decoded: DecodedPasses | None = None,
+        decoded_samples: DecodedSamples | None = None,
         image_dir: Path | None = None,
         custom_loss_created: Created | None = None,
     ) -> None:
@@ -78,6 +79,7 @@ class Submissions:
             custom_loss_created,
         )
         self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
+        self.decoded_samples = decoded_samples or DecodedSamples()  # with the sampling lane
         # What an op's admission reads (scheduler/ops/base.py).
         self.engines = engines
         image_limits = ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels)
@@ -207,6 +209,8 @@ class Submissions:
             metrics.submitted(req.owner, s.sampler_id, OpKind.SAMPLE, created)
             if created:
                 tracing.submitted(rid)  # [trace hook] queue wait starts
+                if s.decoded is not None:
+                    self.decoded_samples.keep(rid, s.decoded)
         except NotLive as exc:  # refused as admission would have
             raise self.ctx.catalog.not_live(
                 s.sampler_id, s.live_session or "", exc.state, sampler=True

@@ -35,6 +35,7 @@ from lockstep.engine.types import (
     OptimRequest,
     PassRequest,
     PassResult,
+    SampleRequest,
 )
 from lockstep.errors import UserInputError
 from lockstep.scheduler.state.catalog import Catalog
@@ -103,6 +104,7 @@ class SampleClaim(NamedTuple):
     seq_id: int
     num_samples: int
     live_session: str | None = None  # the sampler's session: the claim checks it is live
+    decoded: SampleRequest | None = None  # the validated sample, kept for the sampling lane
 
 
 class Hold(NamedTuple):
