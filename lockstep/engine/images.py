@@ -36,14 +36,12 @@ from typing import Any, Protocol
 
 from PIL import Image, UnidentifiedImageError
 
+from lockstep.engine.families import ModelConfig
 from lockstep.errors import UserInputError
 from lockstep.vocab import InputKind
 
 log = logging.getLogger(__name__)
 TEXT_ONLY = "image chunks are not supported: this server serves a text-only model"
-# Qwen-style processors (qwen2_vl's smart resize, patches merged 2x2): the families whose vision
-# Lockstep computes (each tested against transformers' ForConditionalGeneration forward).
-VISION_FAMILIES = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"})
 MAX_ASPECT = 200  # the processor refuses a longer side over 200 times the shorter
 _HIGH_BIT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 
@@ -72,14 +70,17 @@ class VisionSpec:
     vision_end_token_id: int | None
 
     @classmethod
-    def from_dir(cls, directory: Path, config: dict[str, Any]) -> VisionSpec | None:
+    def of(cls, model: ModelConfig) -> VisionSpec | None:
         """The spec of a model directory, or None: not a vision-language model Lockstep
-        serves images for (its text still trains)."""
-        model_type = str(config.get("model_type", ""))
-        path = Path(directory) / "preprocessor_config.json"
-        if model_type not in VISION_FAMILIES or not config.get("vision_config"):
+        serves images for (its text still trains). Which families those are is the family
+        table's (`families.IMAGES`: Qwen-style processors, each tested against transformers'
+        ForConditionalGeneration forward)."""
+        config, directory = model.settings, model.directory
+        model_type = model.family.model_type
+        path = directory / "preprocessor_config.json"
+        if not model.family.images or not config.get("vision_config"):
             return None
-        vocab = int((config.get("text_config") or config)["vocab_size"])
+        vocab = int(model.text["vocab_size"])
         image_token = config.get("image_token_id")
         if not path.is_file() or not isinstance(image_token, int) or not 0 <= image_token < vocab:
             log.warning(
