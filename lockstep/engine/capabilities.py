@@ -9,9 +9,11 @@ refuses anything else with a 400 that names the field and the engine, before the
 queued, through these objects alone: `check_loss` (a forward_backward's loss_fn),
 `check_custom_losses` (create_custom_loss), `check_input` (every image chunk, asked by the
 engine's `ImageReader`, `engine/images.py`), `check_optimizer` (create_model's optimizer,
-optim_step, a load with its optimizer state). The client config tells the SDK only what the
-configured engines run (`custom_loss_server_side`: the SDK then runs custom losses itself). So
-an engine never meets a request it cannot run, and no engine re-checks what admission judged.
+optim_step, a load with its optimizer state), `check_verb` (an op that brings its own engine
+verb, `Op.verbs`: `Submissions` asks before the op's rules). The client config tells the SDK
+only what the configured engines run (`custom_loss_server_side`: the SDK then runs custom
+losses itself). So an engine never meets a request it cannot run, and no engine re-checks what
+admission judged.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class TrainerCapabilities:
     custom_loss: bool = False  # server-side custom losses (create_custom_loss, loss_fn "custom")
     inputs: frozenset[InputKind] = TEXT_INPUTS
     optimizers: frozenset[Optimizer] = field(default_factory=lambda: frozenset(Optimizer))
+    # Verbs ops bring beyond the engine contract that this engine serves (`interface.Verb`).
+    verbs: frozenset[str] = frozenset()
 
     def check_loss(self, loss_fn: str, field: str = "loss_fn") -> None:
         """Raises UserInputError naming `field` and the engine if it does not compute the loss
@@ -56,6 +60,11 @@ class TrainerCapabilities:
 
     def check_input(self, kind: InputKind, field: str) -> None:
         check_input(self.inputs, kind, field, f"the {self.engine} training engine")
+
+    def check_verb(self, verb: str, field: str) -> None:
+        """An op whose own engine verb this engine does not serve (`Op.verbs`)."""
+        if verb not in self.verbs:
+            raise UserInputError(field, f"{verb} does not run on the {self.engine} training engine")
 
     def check_optimizer(self, optimizer: Optimizer, field: str) -> None:
         if optimizer not in self.optimizers:

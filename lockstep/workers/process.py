@@ -339,6 +339,10 @@ class ProcessTrainingEngine(TrainingEngine):
     def export_adapter(self, model_id: str, directory: Path) -> int:
         return int(self.process.call("export_adapter", model_id, directory))
 
+    def serve(self, verb: str, *args: object) -> object:
+        result: object = self.process.call("serve", verb, *args)
+        return result
+
     def close(self) -> None:
         self.process.close()
 

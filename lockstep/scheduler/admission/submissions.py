@@ -99,7 +99,10 @@ class Submissions:
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
         try:
             try:
-                admitted = await registry.arriving_as(req.WhichOneof("op")).admit(self.ctx, req)
+                op = registry.arriving_as(req.WhichOneof("op"))
+                for verb in op.verbs:  # an engine verb of its own: served here, or refused
+                    self.engines.trainer.check_verb(verb, "type")
+                admitted = await op.admit(self.ctx, req)
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
                 await self._hold_seq(req, req.SerializeToString(deterministic=True), str(exc))
                 raise

@@ -45,7 +45,7 @@ from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.scheduler.state.residency import Residency
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import AuditEvent, OpKind
+from lockstep.vocab import AuditEvent
 
 R = TypeVar("R")
 
@@ -88,7 +88,7 @@ class Claim(NamedTuple):
 
     model_id: str
     seq_id: int
-    kind: OpKind
+    kind: str
     tokens: int  # pass tokens (the cycle's token budget)
     new_model: ModelRecord | None = None
     decoded: PassRequest | None = None  # the validated pass, kept for dispatch
@@ -191,7 +191,10 @@ class Op(ABC):
     """One op kind's rules. A module of `ops/` subclasses this (or a role below) once."""
 
     oneof: ClassVar[str]  # the SubmitRequest `op` field it arrives in
-    kinds: ClassVar[frozenset[OpKind]]  # the queued kinds it owns (ops.registry)
+    kinds: ClassVar[frozenset[str]]  # the queued kinds it owns (ops.registry)
+    # The engine verbs it brings beyond the contract (`engine.interface.Verb` names): admission
+    # refuses it where the training engine does not serve them (its capabilities).
+    verbs: ClassVar[tuple[str, ...]] = ()
     # Never runs: it only holds its seq_id in its model's order (a refused request).
     holds_only: ClassVar[bool] = False
 
@@ -231,7 +234,7 @@ class PassOp(Op):
     """An op that joins the cycle's ONE fused pass (`TrainingEngine.run_passes`)."""
 
     @abstractmethod
-    def backward(self, kind: OpKind) -> bool:
+    def backward(self, kind: str) -> bool:
         """Whether its pass runs backward (accumulates gradients): then it trains tokens and a
         restore must replay it."""
 

@@ -39,7 +39,7 @@ def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
 
 class CreateModel(SingleOp):
     oneof = "create_model"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.CREATE_MODEL})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.CREATE_MODEL})
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
         owner, c = req.owner, req.create_model

@@ -29,7 +29,7 @@ from lockstep.wire.v1 import tinker_pb2 as wire
 
 class ForwardBackward(PassOp):
     oneof = "forward_backward"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.forward_backward.model_id, req.forward_backward.seq_id
@@ -58,7 +58,7 @@ class ForwardBackward(PassOp):
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PASS if current <= Phase.PASS else None
 
-    def backward(self, kind: OpKind) -> bool:
+    def backward(self, kind: str) -> bool:
         return kind == OpKind.FORWARD_BACKWARD
 
     async def decode(

@@ -31,7 +31,7 @@ from lockstep.vocab import AuditEvent, OpKind, Optimizer
 
 class Load(SingleOp):
     oneof = "load_weights"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.LOAD})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.LOAD})
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.load_weights.model_id, req.load_weights.seq_id  # ("", 0): create-via-load

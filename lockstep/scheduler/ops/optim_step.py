@@ -19,7 +19,7 @@ from lockstep.vocab import OpKind, Optimizer
 
 class OptimStep(StepOp):
     oneof = "optim_step"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.OPTIM_STEP})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.OPTIM_STEP})
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.optim_step.model_id, req.optim_step.seq_id

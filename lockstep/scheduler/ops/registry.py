@@ -34,9 +34,9 @@ OPS: tuple[Op, ...] = (
 NOT_QUEUED = frozenset({OpKind.UNLOAD_MODEL, OpKind.CREATE_CUSTOM_LOSS})
 
 
-def _index(ops: Iterable[Op]) -> tuple[dict[str, Op], dict[OpKind, Op]]:
+def _index(ops: Iterable[Op]) -> tuple[dict[str, Op], dict[str, Op]]:
     by_oneof: dict[str, Op] = {}
-    by_kind: dict[OpKind, Op] = {}
+    by_kind: dict[str, Op] = {}
     for op in ops:
         if op.oneof in by_oneof:
             raise ValueError(f"two op modules arrive as {op.oneof!r}")
@@ -73,16 +73,16 @@ def arriving_as(oneof: str | None) -> Op:
     return op
 
 
-def queued_as(kind: OpKind) -> Op | None:
+def queued_as(kind: str) -> Op | None:
     """The op of a queued job's kind (None: a kind no cycle runs)."""
     return BY_KIND.get(kind)
 
 
-def _unexpected(kind: OpKind) -> RuntimeError:
+def _unexpected(kind: str) -> RuntimeError:
     return RuntimeError(f"unexpected op kind {kind}")
 
 
-def single(kind: OpKind) -> SingleOp:
+def single(kind: str) -> SingleOp:
     """The op of a kind that runs alone (create, load, save)."""
     op = BY_KIND.get(kind)
     if not isinstance(op, SingleOp):
@@ -90,7 +90,7 @@ def single(kind: OpKind) -> SingleOp:
     return op
 
 
-def fused_pass(kind: OpKind) -> PassOp:
+def fused_pass(kind: str) -> PassOp:
     """The op of a kind that joins the fused pass."""
     op = BY_KIND.get(kind)
     if not isinstance(op, PassOp):
@@ -98,7 +98,7 @@ def fused_pass(kind: OpKind) -> PassOp:
     return op
 
 
-def step(kind: OpKind) -> StepOp:
+def step(kind: str) -> StepOp:
     """The op of a kind that joins the batched optimizer step."""
     op = BY_KIND.get(kind)
     if not isinstance(op, StepOp):
@@ -106,11 +106,11 @@ def step(kind: OpKind) -> StepOp:
     return op
 
 
-def is_pass(kind: OpKind) -> bool:
+def is_pass(kind: str) -> bool:
     return isinstance(BY_KIND.get(kind), PassOp)
 
 
-def trains(kind: OpKind) -> bool:
+def trains(kind: str) -> bool:
     """Whether an op of `kind` trains its pass tokens (a pass that runs backward)."""
     op = BY_KIND.get(kind)
     return isinstance(op, PassOp) and op.backward(kind)

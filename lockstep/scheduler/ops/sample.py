@@ -19,7 +19,7 @@ from lockstep.vocab import OpKind
 
 class Sample(Op):
     oneof = "sample"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.SAMPLE})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.SAMPLE})
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> SampleClaim:
         """Every rule of a sample, judged here once: the gateway only checks its address and

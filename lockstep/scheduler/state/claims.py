@@ -153,7 +153,7 @@ class TrainingClaim:
     owner: str
     model_id: str
     seq_id: int
-    kind: OpKind
+    kind: str
     payload: bytes
     tokens: int
     new_model: ModelRecord | None = None  # written with the claim (create_model, create-via-load)

@@ -19,7 +19,7 @@ from lockstep.vocab import ErrorCategory, JobStatus, OpKind
 @dataclass
 class Job:
     request_id: str
-    kind: OpKind
+    kind: str
     owner: str
     model_id: str
     seq_id: int
@@ -111,7 +111,7 @@ class Jobs:
         ]
 
     async def finished(
-        self, kind: OpKind, owner: str, result: pb.JobResult, model_id: str = ""
+        self, kind: str, owner: str, result: pb.JobResult, model_id: str = ""
     ) -> str:
         """Record an op that is done when asked (no queue, no clock) as a finished future, so
         clients that poll every answer find it; returns its request id."""
@@ -141,7 +141,7 @@ def job_from(request_id: str, f: dict[str, bytes]) -> Job:
 
     return Job(
         request_id=request_id,
-        kind=OpKind(text("kind") or OpKind.SAMPLE),
+        kind=text("kind") or OpKind.SAMPLE,
         owner=text("owner") or "",
         model_id=text("model_id") or "",
         seq_id=int(f.get("seq_id", b"0")),

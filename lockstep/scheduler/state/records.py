@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-from lockstep.vocab import CheckpointType, OpKind
+from lockstep.vocab import CheckpointType
 
 T = TypeVar("T")
 
@@ -109,7 +109,7 @@ class QueuedOp(msgspec.Struct, frozen=True):
     request_id: str
     model_id: str
     seq_id: int
-    kind: OpKind
+    kind: str
     tokens: int = 0  # tokens in the request (for the cycle's token budget)
 
 
