@@ -27,7 +27,6 @@ from lockstep.gateway.settings import GatewaySettings
 from lockstep.gateway.stub import TimedStub
 from lockstep.keyring import KeyRing
 from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
-from lockstep.v1 import scheduler_pb2_grpc
 
 log = logging.getLogger("lockstep.gateway")
 
@@ -43,7 +42,7 @@ def create_app(settings: GatewaySettings, direct: bool = True) -> FastAPI:
             settings.scheduler_address,
             options=grpc_options.channel_options(settings.grpc_max_message_bytes),
         )
-        app.state.scheduler = TimedStub(scheduler_pb2_grpc.SchedulerStub(channel))
+        app.state.scheduler = TimedStub(channel)
         log.info("gateway: scheduler channel open to %s", settings.scheduler_address)
         if settings.keys_file is not None:  # SIGHUP: re-read the keys file (add, revoke)
             try:

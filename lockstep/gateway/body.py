@@ -15,18 +15,13 @@ import functools
 import io
 import json
 import zlib
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 import zstandard
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lockstep.observability import gateway_metrics
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+__all__ = ["ASGIApp", "Message", "Receive", "Scope", "Send"]  # Starlette's ASGI types
 
 
 # How much of a refused body is kept: a request's ids come first (protobuf field order), and
@@ -182,7 +177,7 @@ def _head(chunks: list[bytes], size: int) -> bytes:
     return bytes(out)
 
 
-async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
+async def _send_json(send: Send, status: int, payload: dict[str, str]) -> None:
     data = json.dumps(payload).encode()
     await send(
         {

@@ -37,7 +37,7 @@ class GatewayOp(ABC):
     body: ClassVar[type[BaseModel] | None]
     response_model: ClassVar[type[BaseModel]] = rs.UntypedAPIFuture
     creates_run: ClassVar[bool] = False  # carries the key's run quota (keys file) to admission
-    openapi_extra: ClassVar[dict[str, Any] | None] = None  # a raw body's documented forms
+    openapi_extra: ClassVar[dict[str, object] | None] = None  # a raw body's documented forms
     documented: ClassVar[tuple[type[BaseModel], ...]] = ()  # the models openapi_extra names
 
     @abstractmethod
