@@ -87,3 +87,25 @@ def test_an_op_added_by_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, f"the scenario failed:\n{run.stdout[-12000:]}\n{run.stderr[-4000:]}"
     assert "4 passed" in run.stdout, run.stdout[-4000:]
+
+
+def test_the_architecture_shows_this_very_recipe() -> None:
+    """docs/ARCHITECTURE.md's "Adding an op" shows the op above: every line of its code is a
+    line of the op's files here (the proto additions, the two op modules, the engine's verb)."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = doc[doc.index("Adding an op is its proto messages") : doc.index("### Observing")]
+    here = Path(__file__).with_name("adding_an_op")
+    files = ("gateway_op.py", "scheduler_op.py", "engines.py")
+    written = {line.strip() for name in files for line in (here / name).read_text().splitlines()}
+    written |= {line.strip() for _, added in proto.PROTO for line in added.splitlines()}
+    shown = 0
+    for code in re.findall(r"```(?:python|proto)\n(.*?)```", section, re.S):
+        for line in code.splitlines():
+            line = line.strip()
+            if line.startswith("//   in "):  # where the proto's oneof lines go
+                line = line.split(":", 1)[1].strip()
+            elif not line or line.startswith(("#", "//")):
+                continue
+            assert line in written, f"ARCHITECTURE.md shows a line the test does not: {line!r}"
+            shown += 1
+    assert shown > 50
