@@ -56,6 +56,7 @@ def hot_routes(*routers: APIRouter) -> list[HotRoute]:
 
 
 Call = Callable[..., object]
+AsyncCall = Callable[..., Awaitable[object]]  # a module constant: typing's aliases cost per use
 Handler = Callable[[Request, Exception], object]
 
 
@@ -85,10 +86,37 @@ class _Dependency:
     call: Call
     params: tuple[_Param, ...]
     cached: bool  # FastAPI's `use_cache`: called once per request however often it is named
+    is_async: bool  # a coroutine function (else FastAPI runs it in its thread pool)
 
-    def needs(self) -> tuple[_Dependency, ...]:
-        """Its dependencies, in the order FastAPI solves them."""
-        return tuple(p.dependency for p in self.params if p.dependency is not None)
+
+@dataclass(frozen=True)
+class _Step:
+    """One call of a request's resolution: its function and where each argument comes from
+    (`_Param`s; a dependency's value is the value of step `value_of[name]`)."""
+
+    dep: _Dependency
+    value_of: dict[str, int]  # parameter -> the earlier step whose value it takes
+
+
+def _steps(prior: tuple[_Dependency, ...], endpoint: _Dependency) -> tuple[_Step, ...]:
+    """Every call a request makes, in FastAPI's order (depth first: a function's dependencies
+    before it, the route's own `dependencies=[...]` first), a cached function once; the
+    endpoint last."""
+    steps: list[_Step] = []
+    done: dict[Call, int] = {}
+
+    def visit(dep: _Dependency) -> int:
+        if dep.cached and dep.call in done:
+            return done[dep.call]
+        value_of = {p.name: visit(p.dependency) for p in dep.params if p.dependency is not None}
+        steps.append(_Step(dep, value_of))
+        if dep.cached:
+            done[dep.call] = len(steps) - 1
+        return len(steps) - 1
+
+    for dep in (*prior, endpoint):
+        visit(dep)
+    return tuple(steps)
 
 
 @dataclass(frozen=True)
@@ -96,8 +124,7 @@ class _Plan:
     """How one hot route is served."""
 
     route: HotRoute
-    prior: tuple[_Dependency, ...]  # the route's own `dependencies=[...]`
-    endpoint: _Dependency
+    steps: tuple[_Step, ...]  # the endpoint's call last
     body: TypeAdapter[object] | None  # the JSON body's model, if the endpoint takes one
     response: TypeAdapter[object] | None  # the response model a returned value is checked by
 
@@ -140,7 +167,7 @@ def _dependency(where: str, call: Call, cached: bool = True, body_ok: bool = Fal
         raise ValueError(f"hot route {where}: dependency {call.__name__} yields")
     signature = inspect.signature(call, eval_str=True)
     params = tuple(_param(where, n, p, body_ok) for n, p in signature.parameters.items())
-    return _Dependency(call, params, cached)
+    return _Dependency(call, params, cached, inspect.iscoroutinefunction(call))
 
 
 def plan(route: HotRoute) -> _Plan:
@@ -164,8 +191,7 @@ def plan(route: HotRoute) -> _Plan:
     model = route.response_model
     return _Plan(
         route,
-        prior,
-        endpoint,
+        _steps(prior, endpoint),
         TypeAdapter(bodies[0]) if bodies else None,
         TypeAdapter(model) if model is not None else None,
     )
@@ -175,55 +201,44 @@ class _Fallback(Exception):
     """The request leaves the plain path: FastAPI answers it."""
 
 
-class _Resolver:
-    """One request's arguments: each dependency called once (FastAPI's cache), in order."""
-
-    def __init__(self, request: Request, body: object, model: TypeAdapter[object] | None) -> None:
-        self.request = request
-        self.body = body
-        self.model = model
-        self.values: dict[Call, object] = {}
-
-    async def solve(self, dep: _Dependency) -> dict[str, object]:
-        """`dep`'s arguments, in FastAPI's order: its dependencies, then the headers, then the
-        body. A dependency that raises raises here (the app's handler answers, as under
-        FastAPI); a missing required header or a body its model refuses is `_Fallback`."""
+async def _resolve(direct: _Plan, request: Request, body: object) -> object:
+    """Make the request's calls (`_steps`) and answer the endpoint's value. Each function's
+    arguments come in FastAPI's order: its dependencies' values, then the headers, then the
+    body. A function that raises raises here (the app's handler answers, as under FastAPI); a
+    missing required header or a body its model refuses is `_Fallback`."""
+    values: list[object] = []
+    for step in direct.steps:
         kwargs: dict[str, object] = {}
-        for p in dep.params:
-            if p.dependency is not None:
-                kwargs[p.name] = await self.call(p.dependency)
-        for p in dep.params:
-            if p.source is _Source.CONNECTION:
-                kwargs[p.name] = self.request
-            elif p.source is _Source.HEADER:
-                value = self.request.headers.get(p.header, p.default)
+        for p in step.dep.params:
+            source = p.source
+            if source is _Source.DEPENDENCY:
+                kwargs[p.name] = values[step.value_of[p.name]]
+            elif source is _Source.CONNECTION:
+                kwargs[p.name] = request
+            elif source is _Source.HEADER:
+                value = request.headers.get(p.header, p.default)
                 if value is None and p.required:
                     raise _Fallback
                 kwargs[p.name] = value
-        for p in dep.params:
+        for p in step.dep.params:  # the body last, as FastAPI validates it
             if p.source is _Source.BODY:
-                assert self.model is not None
+                assert direct.body is not None
                 try:
-                    kwargs[p.name] = self.model.validate_python(self.body, from_attributes=True)
+                    kwargs[p.name] = direct.body.validate_python(body, from_attributes=True)
                 except ValidationError as e:
                     raise _Fallback from e
-        return kwargs
-
-    async def call(self, dep: _Dependency) -> object:
-        if dep.cached and dep.call in self.values:
-            return self.values[dep.call]
-        value = await _invoke(dep.call, await self.solve(dep))
-        if dep.cached:
-            self.values[dep.call] = value
-        return value
+        if step is direct.steps[-1]:
+            request.scope["route"] = direct.route  # as FastAPI's routing sets it (metrics)
+        values.append(await _invoke(step.dep, kwargs))
+    return values[-1]
 
 
-async def _invoke(call: Call, kwargs: dict[str, object]) -> object:
+async def _invoke(dep: _Dependency, kwargs: dict[str, object]) -> object:
     """As FastAPI calls an endpoint or a dependency: a coroutine awaited, a plain function in
     the thread pool."""
-    if inspect.iscoroutinefunction(call):
-        return await cast(Callable[..., Awaitable[object]], call)(**kwargs)
-    return await run_in_threadpool(call, **kwargs)
+    if dep.is_async:
+        return await cast(AsyncCall, dep.call)(**kwargs)
+    return await run_in_threadpool(dep.call, **kwargs)
 
 
 class _ExceptionHandlers(Protocol):
@@ -257,13 +272,8 @@ class DirectRoutes:
 
     async def _serve(self, direct: _Plan, request: Request) -> Response:
         body = _json_body(request) if direct.body is not None else None
-        resolver = _Resolver(request, body, direct.body)
         try:
-            for dep in direct.prior:
-                await resolver.call(dep)
-            kwargs = await resolver.solve(direct.endpoint)
-            request.scope["route"] = direct.route  # as FastAPI's routing sets it (metrics)
-            return _response(direct, await _invoke(direct.route.endpoint, kwargs))
+            return _response(direct, await _resolve(direct, request, body))
         except _Fallback:
             raise
         except Exception as exc:
