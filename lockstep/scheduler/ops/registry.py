@@ -1,7 +1,8 @@
 """The op registry: every op kind's module, looked up by the SubmitRequest oneof it arrives in
-or by the `OpKind` it is queued as. Adding an op is adding its module to `OPS` (and its proto
-message and its gateway op, `lockstep/gateway/ops/`); tests/unit/test_op_registry.py fails for a
-queued kind without one.
+or by the kind it is queued as (`OpKind` for the built-in ones; an op may bring its own). Adding
+an op is adding its module to `OPS` (and its proto message and its gateway op,
+`lockstep/gateway/ops/`: docs/ARCHITECTURE.md, "Adding an op"); tests/unit/test_op_registry.py
+fails for a queued kind without one.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ BY_ONEOF, BY_KIND = _index(OPS)
 
 @contextmanager
 def registered(*ops: Op) -> Iterator[None]:
-    """Run `ops` while the block runs, each in place of the op that arrives as its oneof (a
-    new oneof needs a proto change: a test reuses an existing message this way)."""
+    """Run `ops` while the block runs (what a line in `OPS` does), each in place of the op that
+    arrives as its oneof, if any (tests/integration/test_adding_an_op.py)."""
     global BY_ONEOF, BY_KIND
     before = BY_ONEOF, BY_KIND
     replaced = {op.oneof for op in ops}
