@@ -29,6 +29,7 @@ from lockstep.scheduler.state.claims import (
     QueueFull,
     TenantLimitReached,
     TrainingClaim,
+    new_request_id,
 )
 from lockstep.scheduler.state.custom_losses import Created, CustomLosses
 from lockstep.scheduler.state.store import Store
@@ -199,7 +200,12 @@ class Submissions:
     async def _sample(
         self, req: pb.SubmitRequest, payload: bytes, s: SampleClaim
     ) -> pb.SubmitReply:
-        """Queue a validated sample for the sampling lane."""
+        """Queue a validated sample for the sampling lane, its decoded request held for the lane
+        before the lane can see it queued (a busy lane reads the queue at any time)."""
+        new = new_request_id()
+        if s.decoded is not None:
+            self.decoded_samples.keep(new, s.decoded)
+        created = False
         try:
             rid, created = await self.store.jobs.claim_sample(
                 owner=req.owner,
@@ -208,12 +214,11 @@ class Submissions:
                 payload=payload,
                 backlog=self.limits.max_pending_samples,
                 live_session=s.live_session,
+                request_id=new,
             )
             metrics.submitted(req.owner, s.sampler_id, OpKind.SAMPLE, created)
             if created:
                 tracing.submitted(rid)  # [trace hook] queue wait starts
-                if s.decoded is not None:
-                    self.decoded_samples.keep(rid, s.decoded)
         except NotLive as exc:  # refused as admission would have
             raise self.ctx.catalog.not_live(
                 s.sampler_id, s.live_session or "", exc.state, sampler=True
@@ -224,6 +229,9 @@ class Submissions:
             raise UserInputError(
                 "seq_id", f"already used by request {exc} with a different payload"
             ) from exc
+        finally:
+            if not created:  # a retry of a queued sample, or refused: nothing runs as `new`
+                self.decoded_samples.take(new)
         self.on_sample()
         return pb.SubmitReply(
             request_id=rid, sample_sequence_ids=[f"{rid}:seq:{i}" for i in range(s.num_samples)]

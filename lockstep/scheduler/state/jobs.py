@@ -73,9 +73,11 @@ class Jobs:
         payload: bytes,
         backlog: int = 0,
         live_session: str | None = None,
+        request_id: str | None = None,
     ) -> tuple[str, bool]:
-        """Queue a sample request exactly once; QueueFull past `backlog` queued samples; with
-        `live_session`, NotLive unless the sampler exists and that session has not ended."""
+        """Queue a sample request exactly once (as `request_id` if it is new); QueueFull past
+        `backlog` queued samples; with `live_session`, NotLive unless the sampler exists and
+        that session has not ended."""
         return await claims.claim_sample(
             self.redis,
             owner=owner,
@@ -85,6 +87,7 @@ class Jobs:
             backlog=backlog,
             ttl_s=self.result_ttl_s,
             live_session=live_session,
+            request_id=request_id,
         )
 
     async def get(self, request_id: str, payload: bool = True) -> Job | None:
