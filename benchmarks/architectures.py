@@ -30,9 +30,10 @@ import torch
 from common import check, environment, figure_path, print_table, write_json
 from tqdm import tqdm
 
+from lockstep.engine import families
 from lockstep.engine.types import AdamConfig, Datum, LoraSpec, OptimRequest, PassRequest
 from lockstep.modeling import zoo
-from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath
+from lockstep.modeling.architecture import TrainerPath
 from lockstep.workers.local.trainer import LocalTrainingEngine
 
 NAME = "architectures"
@@ -62,7 +63,7 @@ def step(engine: LocalTrainingEngine, data: list[Datum]) -> tuple[float, float]:
 def bench_family(family: str, cache: Path, reps: int) -> dict[str, Any]:
     directory = zoo.ensure_family(family, cache)
     model_type = str(zoo.FAMILIES[family]["model_type"])
-    paths = [TrainerPath.GENERIC] + ([TrainerPath.PACKED] if model_type in PACKED_FAMILIES else [])
+    paths = [TrainerPath.GENERIC] + ([TrainerPath.PACKED] if model_type in families.PACKED else [])
     engines = {
         p: LocalTrainingEngine(directory, zoo.served_name(family), "cpu", trainer_path=p)
         for p in paths

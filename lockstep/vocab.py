@@ -13,7 +13,10 @@ from lockstep.errors import UserInputError
 
 
 class OpKind(StrEnum):
-    """What a queued job does. Training kinds queue per model in seq_id order; samples do not."""
+    """What a queued job does: the built-in ops' kinds. Training kinds queue per model in seq_id
+    order; samples do not. An op may bring a kind of its own (its module names it, the op
+    registry `scheduler/ops/registry.py` knows every op's), so a queued job's kind is a `str`
+    these members compare equal to."""
 
     CREATE_MODEL = "create_model"
     LOAD = "load"
@@ -29,6 +32,13 @@ class OpKind(StrEnum):
     # Refused at submission (bad input): it failed with a 400 but still holds its seq_id, so the
     # model's later requests are not stuck behind a hole. It never reaches an engine.
     REJECTED = "rejected"
+
+
+class InputKind(StrEnum):
+    """Kinds of model input chunk an engine takes (its capabilities)."""
+
+    TEXT = "text"
+    IMAGE = "image"
 
 
 class Optimizer(StrEnum):

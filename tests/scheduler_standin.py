@@ -106,8 +106,12 @@ TEST_API_KEY = "tml-gateway-test"
 
 
 @contextmanager
-def gateway_client(scheduler_address: str, **overrides: Any) -> Iterator[Any]:
-    """A FastAPI TestClient of the gateway (lifespan run), sending TEST_API_KEY by default."""
+def gateway_client(
+    scheduler_address: str, direct: bool = True, raise_errors: bool = True, **overrides: Any
+) -> Iterator[Any]:
+    """A FastAPI TestClient of the gateway (lifespan run), sending TEST_API_KEY by default.
+    `direct` False: without the direct layer; `raise_errors` False: a server error is answered
+    (500) instead of raised in the test."""
     from fastapi.testclient import TestClient  # test-only dependency (httpx)
 
     from lockstep.gateway.app import create_app
@@ -120,6 +124,7 @@ def gateway_client(scheduler_address: str, **overrides: Any) -> Iterator[Any]:
     }
     fields.update(overrides)
     settings = GatewaySettings(scheduler_address=scheduler_address, **fields)
-    with TestClient(create_app(settings)) as client:
+    app = create_app(settings, direct=direct)
+    with TestClient(app, raise_server_exceptions=raise_errors) as client:
         client.headers["X-API-Key"] = TEST_API_KEY
         yield client

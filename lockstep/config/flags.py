@@ -13,10 +13,10 @@ import dataclasses
 import logging
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import msgspec
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lockstep.config")
 Config = TypeVar("Config", bound="DataclassInstance")
+T = TypeVar("T")
 
 Cli = Literal["serve", "scheduler", "gateway"]
 SERVE: frozenset[Cli] = frozenset({"serve"})
@@ -69,7 +70,7 @@ def flag(
 class Leaf:
     path: tuple[str, ...]  # attribute path from the root config, e.g. ("clock", "gather_s")
     flag: Flag
-    hint: Any  # the field's resolved type
+    hint: object  # the field's resolved type
 
 
 def leaves(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[Leaf]:
@@ -83,16 +84,16 @@ def leaves(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[Leaf]:
             yield Leaf((*prefix, f.name), f.metadata["flag"], hint)
 
 
-def get_path(obj: Any, path: tuple[str, ...]) -> Any:
+def get_path(obj: object, path: tuple[str, ...]) -> object:
     for name in path:
         obj = getattr(obj, name)
     return obj
 
 
-def replace_paths(obj: Config, values: Mapping[tuple[str, ...], Any]) -> Config:
+def replace_paths(obj: Config, values: Mapping[tuple[str, ...], object]) -> Config:
     """A copy of the frozen dataclass `obj` with the values at these paths replaced."""
     here = {p[0]: v for p, v in values.items() if len(p) == 1}
-    nested: dict[str, dict[tuple[str, ...], Any]] = {}
+    nested: dict[str, dict[tuple[str, ...], object]] = {}
     for p, v in values.items():
         if len(p) > 1:
             nested.setdefault(p[0], {})[p[1:]] = v
@@ -101,7 +102,7 @@ def replace_paths(obj: Config, values: Mapping[tuple[str, ...], Any]) -> Config:
     return dataclasses.replace(obj, **here) if here else obj
 
 
-def _unwrap_optional(hint: Any) -> Any:
+def _unwrap_optional(hint: object) -> object:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:
@@ -109,20 +110,35 @@ def _unwrap_optional(hint: Any) -> Any:
     return hint
 
 
-def _is_repeatable(hint: Any) -> bool:
+def _is_repeatable(hint: object) -> bool:
     return typing.get_origin(hint) is tuple
 
 
-def _argparse_kwargs(hint: Any) -> dict[str, Any]:
+class _Argparse(TypedDict, total=False):
+    """What a field's type says to argparse."""
+
+    action: str
+    type: Callable[[str], object]
+    choices: list[object]
+    metavar: str
+
+
+_SCALARS: tuple[Callable[[str], object], ...] = (int, float, str, Path)
+
+
+def _argparse_kwargs(hint: object) -> _Argparse:
     hint = _unwrap_optional(hint)
     if hint is bool:
         return {"action": "store_true"}
     if _is_repeatable(hint):
-        return {"action": "append", "type": typing.get_args(hint)[0]}
+        item = typing.get_args(hint)[0]
+        if item in _SCALARS:
+            return {"action": "append", "type": item}
     if typing.get_origin(hint) is Literal:
         return {"choices": list(typing.get_args(hint))}
-    if hint in (int, float, str, Path):
-        return {"type": hint}
+    for scalar in _SCALARS:
+        if hint is scalar:
+            return {"type": scalar}
     raise TypeError(f"no flag form for a field of type {hint!r}")
 
 
@@ -136,16 +152,29 @@ def _scaled(scale: float) -> Callable[[str], int]:
 class _Deprecated(argparse.Action):
     """An old spelling: stores into the canonical dest and says which flag replaced it."""
 
-    def __init__(self, *args: Any, new: str, convert: Callable[[str], Any], **kw: Any) -> None:
-        super().__init__(*args, **kw)
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        new: str,
+        convert: Callable[[str], object],
+        help: str | None = None,
+    ) -> None:
+        super().__init__(option_strings, dest, help=help)
         self.new, self.convert = new, convert
 
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-        log.warning("%s is deprecated; use %s", option, self.new)
-        setattr(namespace, self.dest, self.convert(values))
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        log.warning("%s is deprecated; use %s", option_string, self.new)
+        setattr(namespace, self.dest, self.convert(str(values)))
 
 
-def add_flags(parser: argparse.ArgumentParser, root: Any, cli: Cli) -> None:
+def add_flags(parser: argparse.ArgumentParser, root: object, cli: Cli) -> None:
     """Add every flag `cli` has; defaults are the values in `root` (a config instance)."""
     for leaf in leaves(type(root)):
         fl = leaf.flag
@@ -188,7 +217,7 @@ def from_namespace(root: Config, ns: argparse.Namespace, cli: Cli) -> Config:
     """`root` with every flag of `cli` set from the parsed namespace.
 
     Raises ValueError (a dataclass's own check, or a required flag missing)."""
-    values: dict[tuple[str, ...], Any] = {}
+    values: dict[tuple[str, ...], object] = {}
     for leaf in leaves(type(root)):
         if cli not in leaf.flag.clis:
             continue
@@ -196,7 +225,7 @@ def from_namespace(root: Config, ns: argparse.Namespace, cli: Cli) -> Config:
         if _is_repeatable(_unwrap_optional(leaf.hint)):
             if value is None:
                 continue  # not given: keep the base value
-            value = tuple(value)
+            value = tuple(value)  # argparse's list of them
         values[leaf.path] = value
     cfg = replace_paths(root, values)
     for leaf in leaves(type(root)):
@@ -215,22 +244,22 @@ def cli_surface(cls: type, cli: Cli) -> list[str]:
 
 
 # ---------------------------------------------------------------- the JSON form
-def _enc_hook(obj: Any) -> Any:
+def _enc_hook(obj: object) -> object:
     if isinstance(obj, Path):
         return str(obj)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-def _dec_hook(kind: type, obj: Any) -> Any:
-    if kind is Path:
+def _dec_hook(kind: type, obj: object) -> object:
+    if kind is Path and isinstance(obj, str):
         return Path(obj)
     raise NotImplementedError(f"cannot decode {kind!r}")
 
 
-def to_json(cfg: Any) -> bytes:
+def to_json(cfg: object) -> bytes:
     return msgspec.json.encode(cfg, enc_hook=_enc_hook)
 
 
-def from_json(data: bytes | str, cls: type) -> Any:
+def from_json(data: bytes | str, cls: type[T]) -> T:
     """Decode (and validate: each dataclass's __post_init__ runs) a config written by to_json."""
     return msgspec.json.decode(data, type=cls, dec_hook=_dec_hook)

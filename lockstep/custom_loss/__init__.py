@@ -6,5 +6,6 @@
 - `program`: the graph rebuilt from a fixed table of callables and run (`run`, `evaluate`).
 - `pricing`: the program on meta tensors under a FLOP and memory counter, per shape bucket.
 
-The scheduler checks and prices (`scheduler/ops/custom_loss.py`); the engines run the program.
+The scheduler checks, prices and stores them (`scheduler/state/custom_losses.py`); the engines
+run the program (`training/pass_result.py`).
 """

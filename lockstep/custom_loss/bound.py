@@ -14,10 +14,9 @@ Pure Python (no torch): the scheduler reports the bound (get_info, server capabi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from lockstep.engine import memory
+from lockstep.engine.families import ModelConfig
 from lockstep.engine.types import MemoryBudget, ModelCard
 
 FLOPS_SHARE = 0.01  # of the model's forward + backward FLOPs for the same datum
@@ -70,7 +69,7 @@ class CostBound:
         """The bound for the served model: its config.json read once (a model directory
         without a readable config gets the floor)."""
         try:
-            flops = model_flops_per_token(memory.text_config(Path(card.directory)))
+            flops = model_flops_per_token(ModelConfig.read(card.directory).text)
         except (OSError, ValueError, KeyError, TypeError):
             flops = 0
         return cls.of(flops, budget)

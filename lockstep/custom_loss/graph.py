@@ -22,11 +22,10 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from enum import StrEnum
-from typing import Any
 
 import numpy as np
 
-from lockstep.engine.types import CustomLoss, CustomLossInput, CustomLossNode, Datum
+from lockstep.engine.types import CustomLoss, CustomLossInput, CustomLossNode, Datum, Encoded
 from lockstep.errors import UserInputError
 
 MAX_NODES = 512  # a deep graph is refused by size: nodes run in order, none refers ahead
@@ -55,6 +54,25 @@ class NodeOp(StrEnum):
     OUTPUT = "output"
     GET_ATTR = "get_attr"  # a captured tensor: refused
     CALL_MODULE = "call_module"  # an nn.Module: refused
+
+
+class Encoding(StrEnum):
+    """The one-key objects an argument value is encoded as (`{"ref": "x"}`: node x's value),
+    checked here (`_ENCODINGS`) and decoded by the program (`program._decode`)."""
+
+    REF = "ref"
+    TUPLE = "tuple"
+    DICT = "dict"
+    SLICE = "slice"
+    ELLIPSIS = "ellipsis"
+    FLOAT = "float"  # inf, -inf, nan (JSON has no spelling for them)
+    DTYPE = "dtype"  # a name in DTYPES
+    DEVICE = "device"  # ignored: values live on the engine's device
+    LAYOUT = "layout"  # a name in CONSTANTS["layout"]
+    MEMORY_FORMAT = "memory_format"  # a name in CONSTANTS["memory_format"]
+
+
+_KINDS = frozenset(Encoding)
 
 
 class Reduction(StrEnum):
@@ -122,12 +140,14 @@ ALLOWED_METHODS: frozenset[str] = frozenset(
     ).split()
 )
 ALLOWED_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "T", "mT"})
+# torch's names of the dtypes and constants an argument may name (the program maps each to
+# torch's object of that name).
 DTYPES = frozenset(
     {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "bool"}
 )
-_CONSTANTS = {
-    "layout": frozenset({"strided"}),
-    "memory_format": frozenset({"contiguous_format", "preserve_format"}),
+CONSTANTS = {
+    Encoding.LAYOUT: frozenset({"strided"}),
+    Encoding.MEMORY_FORMAT: frozenset({"contiguous_format", "preserve_format"}),
 }
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
@@ -239,16 +259,28 @@ def _check_call(i: int, node: CustomLossNode, op: NodeOp) -> None:
             )
 
 
-def _is_ref(value: Any) -> bool:
-    return isinstance(value, dict) and set(value) == {"ref"}
+def encoded(value: Encoded) -> tuple[Encoding, Encoded] | None:
+    """What a one-key object encodes and its payload (None: a plain value or list, or not an
+    encoding this format has)."""
+    if not isinstance(value, dict) or len(value) != 1:
+        return None
+    ((kind, inner),) = value.items()
+    return (Encoding(kind), inner) if kind in _KINDS else None
+
+
+def _is_ref(value: Encoded) -> bool:
+    found = encoded(value)
+    return found is not None and found[0] is Encoding.REF
 
 
 def _check_output(i: int, node: CustomLossNode) -> None:
     out = node.args[0] if len(node.args) == 1 and not node.kwargs else None
-    pair = out.get("tuple") if isinstance(out, dict) else out
+    found = encoded(out)
+    pair = found[1] if found is not None and found[0] is Encoding.TUPLE else out
     if not isinstance(pair, list) or len(pair) != 2 or not _is_ref(pair[0]):
         raise _refuse(i, node.name, "must return (loss, metrics) with the loss a tensor")
-    metrics = pair[1].get("dict") if isinstance(pair[1], dict) else None
+    found = encoded(pair[1])
+    metrics = found[1] if found is not None and found[0] is Encoding.DICT else None
     if not isinstance(metrics, dict):
         raise _refuse(i, node.name, "must return its metrics as a dict")
     if len(metrics) > MAX_METRICS:
@@ -283,20 +315,21 @@ def _check_args(i: int, node: CustomLossNode, defined: set[str]) -> None:
             )
 
 
-def _walk(values: list[Any], depth: int) -> Iterator[tuple[Any, int]]:
+def _walk(values: list[Encoded], depth: int) -> Iterator[tuple[Encoded, int]]:
     for value in values:
         yield value, depth
+        found = encoded(value)
         if isinstance(value, list):
             yield from _walk(value, depth + 1)
-        elif isinstance(value, dict) and len(value) == 1:
-            ((kind, inner),) = value.items()
-            if kind in ("tuple", "slice") and isinstance(inner, list):
+        elif found is not None:
+            kind, inner = found
+            if kind in (Encoding.TUPLE, Encoding.SLICE) and isinstance(inner, list):
                 yield from _walk(inner, depth + 1)
-            elif kind == "dict" and isinstance(inner, dict):
+            elif kind is Encoding.DICT and isinstance(inner, dict):
                 yield from _walk(list(inner.values()), depth + 1)
 
 
-def _value_problem(value: Any, defined: set[str]) -> str | None:
+def _value_problem(value: Encoded, defined: set[str]) -> str | None:
     """Why an encoded argument value is refused (None: it is fine). Containers' items are
     walked separately."""
     if value is None or isinstance(value, (bool, list)):
@@ -309,16 +342,16 @@ def _value_problem(value: Any, defined: set[str]) -> str | None:
         return None if len(value) <= MAX_STRING else "a string argument is too long"
     if not isinstance(value, dict) or len(value) != 1:
         return f"unknown argument encoding {str(value)[:60]!r}"
-    ((kind, inner),) = value.items()
-    check = _ENCODINGS.get(kind)
-    if check is None:
-        return f"unknown argument encoding {kind[:40]!r}"
-    if kind == "ref":
+    found = encoded(value)
+    if found is None:
+        return f"unknown argument encoding {next(iter(value))[:40]!r}"
+    kind, inner = found
+    if kind is Encoding.REF:
         return None if inner in defined else f"refers to {str(inner)[:40]!r}, not an earlier node"
-    return None if check(inner) else f"bad {kind} {str(inner)[:40]!r}"
+    return None if _ENCODINGS[kind](inner) else f"bad {kind} {str(inner)[:40]!r}"
 
 
-def _slice_ok(inner: Any) -> bool:
+def _slice_ok(inner: Encoded) -> bool:
     return (
         isinstance(inner, list)
         and len(inner) == 3
@@ -326,23 +359,29 @@ def _slice_ok(inner: Any) -> bool:
     )
 
 
-# Each one-key encoding the SDK uses -> whether its payload is acceptable.
-_ENCODINGS: dict[str, Callable[[Any], bool]] = {
-    "ref": lambda inner: isinstance(inner, str),
-    "tuple": lambda inner: isinstance(inner, list),
+# Each encoding -> whether its payload is acceptable.
+_ENCODINGS: dict[Encoding, Callable[[Encoded], bool]] = {
+    Encoding.REF: lambda inner: isinstance(inner, str),
+    Encoding.TUPLE: lambda inner: isinstance(inner, list),
     # Keys are data (metric names, which `_check_output` checks by name).
-    "dict": lambda inner: isinstance(inner, dict) and all(len(k) <= MAX_STRING for k in inner),
-    "slice": _slice_ok,
-    "ellipsis": lambda inner: inner is True,
-    "float": lambda inner: isinstance(inner, str) and inner in _FLOATS,
-    "dtype": lambda inner: isinstance(inner, str) and inner in DTYPES,
-    "device": lambda inner: isinstance(inner, str),  # ignored: values live on the engine's
-    "layout": lambda inner: isinstance(inner, str) and inner in _CONSTANTS["layout"],
-    "memory_format": lambda inner: isinstance(inner, str) and inner in _CONSTANTS["memory_format"],
+    Encoding.DICT: lambda inner: (
+        isinstance(inner, dict) and all(len(k) <= MAX_STRING for k in inner)
+    ),
+    Encoding.SLICE: _slice_ok,
+    Encoding.ELLIPSIS: lambda inner: inner is True,
+    Encoding.FLOAT: lambda inner: isinstance(inner, str) and inner in _FLOATS,
+    Encoding.DTYPE: lambda inner: isinstance(inner, str) and inner in DTYPES,
+    Encoding.DEVICE: lambda inner: isinstance(inner, str),
+    Encoding.LAYOUT: lambda inner: isinstance(inner, str) and inner in CONSTANTS[Encoding.LAYOUT],
+    Encoding.MEMORY_FORMAT: lambda inner: (
+        isinstance(inner, str) and inner in CONSTANTS[Encoding.MEMORY_FORMAT]
+    ),
 }
+assert set(_ENCODINGS) == set(Encoding), "every encoding is checked"
 
 
-def decode_float(value: Any) -> float:
+def decode_float(value: Encoded) -> float:
+    assert isinstance(value, str)  # checked at creation (`Encoding.FLOAT`)
     return _FLOATS[value]
 
 

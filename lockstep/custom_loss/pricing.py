@@ -32,21 +32,22 @@ import functools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import torch
 from torch._decomp import core_aten_decompositions
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from lockstep.custom_loss import graph, program
 from lockstep.custom_loss.bound import CostBound
-from lockstep.custom_loss.graph import Shapes, datum_shapes
-from lockstep.custom_loss.program import NodeError, Program, Step
-from lockstep.engine.types import CustomLoss, Datum
+from lockstep.custom_loss.graph import Encoding, Shapes, datum_shapes
+from lockstep.custom_loss.program import NodeError, Program, Step, Value
+from lockstep.engine.types import CustomLoss, Datum, Encoded
 from lockstep.errors import UserInputError
 
 PROBE_T, PROBE_K = 64, 4  # shapes a graph is priced on at creation
@@ -86,12 +87,18 @@ class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.step: Step | None = None
-        self.owners: dict[Any, Step] = {}  # autograd node -> the step whose op made it
+        self.owners: dict[object, Step] = {}  # autograd node -> the step whose op made it
         self.flops: dict[int, int] = {}  # step index (-1: unattributed) -> FLOPs
         self.ops: list[tuple[Step | None, list[tuple[int, int]], list[int]]] = []
         self.keep: list[torch.Tensor] = []  # every value stays referenced: storage ids unique
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: object,
+        args: Sequence[object] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         decompose = _DECOMPOSITIONS.get(func)
         if decompose is not None:
@@ -116,7 +123,7 @@ class _Counter(TorchDispatchMode):
     def enter(self, step: Step) -> None:
         self.step = step
 
-    def made(self, step: Step, out: Any) -> None:
+    def made(self, step: Step, out: Value) -> None:
         """Attribute the autograd nodes the step created (its backward) to it."""
         todo = [t.grad_fn for t in program.tensors(out) if t.grad_fn is not None]
         while todo:
@@ -163,10 +170,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _flops(
-    func: Any,
-    args: Any,
-    kwargs: dict[str, Any],
-    out: Any,
+    func: OpOverload,
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    out: object,
     ins: list[torch.Tensor],
     outs: list[torch.Tensor],
 ) -> int:
@@ -198,7 +205,7 @@ class _Watch:
         self.facts = _Facts()
         self.sized: set[str] = set()  # non-tensor values computed from a dimension's size
 
-    def after(self, step: Step, out: Any) -> None:
+    def after(self, step: Step, out: Value) -> None:
         refs = set(program.refs([*step.args, *step.kwargs.values()]))
         is_tensor = any(True for _ in program.tensors(out))
         reads = step.target in _SIZE_READS or (step.target == "getattr" and step.args[1] == "shape")
@@ -210,7 +217,7 @@ class _Watch:
             self.facts.indexes = True
 
 
-def _integer_index(value: Any) -> bool:
+def _integer_index(value: Encoded | tuple[Encoded, ...]) -> bool:
     """Whether an encoded index holds an integer outside a slice (or a list of them)."""
     if isinstance(value, bool):
         return False
@@ -218,9 +225,8 @@ def _integer_index(value: Any) -> bool:
         return True
     if isinstance(value, (list, tuple)):
         return any(_integer_index(v) for v in value)
-    if isinstance(value, dict) and "tuple" in value:
-        return _integer_index(value["tuple"])
-    return False
+    found = graph.encoded(value)
+    return found is not None and found[0] is Encoding.TUPLE and _integer_index(found[1])
 
 
 # ---------------------------------------------------------------- running and caching
@@ -235,7 +241,11 @@ _FEWEST: OrderedDict[tuple[str, CostBound, Shapes], int | None] = OrderedDict()
 _LOCK = threading.Lock()  # the scheduler prices in threads: one at a time touches a cache
 
 
-def _cached(cache: OrderedDict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _cached(cache: OrderedDict[K, V], key: K, make: Callable[[], V]) -> V:
     with _LOCK:
         if key in cache:
             cache.move_to_end(key)
@@ -263,7 +273,7 @@ def _price(prog: Program, shapes: Shapes) -> Price | UserInputError:
     counter, watch = _Counter(), _Watch()
     inputs = _meta(prog, shapes, grad=True)
 
-    def after(step: Step, out: Any) -> None:
+    def after(step: Step, out: Value) -> None:
         counter.made(step, out)
         watch.after(step, out)
 
@@ -310,7 +320,7 @@ def priced(loss: CustomLoss, shapes: Shapes) -> Price:
     found = _cached(_PRICES, (loss.loss_id, shapes), lambda: _price(prog, shapes))
     if isinstance(found, UserInputError):
         raise found
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def over(loss: CustomLoss, price: Price, tokens: int, bound: CostBound) -> UserInputError | None:
@@ -406,7 +416,7 @@ def _fewest_tokens(loss: CustomLoss, high: Shapes, bound: CostBound, facts: _Fac
     return fewest
 
 
-def check_datum(loss: CustomLoss, shapes: Shapes, tokens: int, bound: CostBound) -> None:
+def check_price(loss: CustomLoss, shapes: Shapes, tokens: int, bound: CostBound) -> None:
     """One datum's loss within the bound on its shapes (its bucket's price when that speaks for
     it, else its own).
 
@@ -426,11 +436,11 @@ def check_datum(loss: CustomLoss, shapes: Shapes, tokens: int, bound: CostBound)
 
 
 def check_shapes(loss: CustomLoss, shapes: Sequence[tuple[Shapes, int]], bound: CostBound) -> None:
-    """`check_datum` on each datum of a request, given as (its shapes, its tokens); the error
+    """`check_price` on each datum of a request, given as (its shapes, its tokens); the error
     names the datum and the node."""
     for i, (datum, tokens) in enumerate(shapes):
         try:
-            check_datum(loss, datum, tokens, bound)
+            check_price(loss, datum, tokens, bound)
         except UserInputError as exc:
             raise UserInputError(f"data[{i}]", str(exc)) from None
 

@@ -20,36 +20,28 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lockstep.custom_loss import graph
+from lockstep.custom_loss.graph import Encoding
 from lockstep.engine.interface import is_device_error
-from lockstep.engine.types import CustomLoss, Datum
+from lockstep.engine.types import CustomLoss, Datum, Encoded
 from lockstep.errors import UserInputError
 
-Fn = Callable[..., Any]
+# A value a step takes or makes: a tensor, a size or a number, a dtype, a slice, a container of
+# them. Steps narrow what they are given (`isinstance`), never trust it.
+Value = object
+Fn = Callable[..., Value]  # a step's callable: a torch function or method, or a guard below
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "bool": torch.bool,
-}
-_CONSTANTS: dict[str, dict[str, Any]] = {
-    "layout": {"strided": torch.strided},
-    "memory_format": {
-        "contiguous_format": torch.contiguous_format,
-        "preserve_format": torch.preserve_format,
-    },
+
+# torch's object of each name the graph's vocabulary allows (`graph.DTYPES`, `graph.CONSTANTS`).
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in graph.DTYPES}
+_CONSTANTS: dict[Encoding, dict[str, Value]] = {
+    kind: {name: getattr(torch, name) for name in names} for kind, names in graph.CONSTANTS.items()
 }
 _PLACED = frozenset({"torch.zeros", "torch.ones", "torch.full", "torch.arange"})
 
@@ -70,10 +62,10 @@ class IndexOutOfRange(Refused):
     """A literal or computed index past the end of the dimension it indexes."""
 
 
-def _attribute(x: Any, name: str) -> Any:
+def _attribute(x: Value, name: Value) -> Value:
     if not isinstance(x, torch.Tensor) or name not in graph.ALLOWED_ATTRIBUTES:
         raise Refused(f"attribute {name!r} of a {type(x).__name__}")
-    getters: dict[str, Callable[[], Any]] = {
+    getters: dict[Value, Callable[[], Value]] = {
         "shape": lambda: x.shape,
         "ndim": lambda: x.ndim,
         "dtype": lambda: x.dtype,
@@ -83,14 +75,16 @@ def _attribute(x: Any, name: str) -> Any:
     return getters[name]()
 
 
-def _to(x: torch.Tensor, target: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _to(x: Value, target: Value, *args: Value, **kwargs: Value) -> Value:
     """`.to` for dtypes only (a tensor argument gives its dtype): never another device."""
+    if not isinstance(x, torch.Tensor):
+        raise Refused(".to() of a non-tensor")
     if args or kwargs or not isinstance(target, (torch.dtype, torch.Tensor)):
         raise Refused(".to() takes only a dtype here")
     return x.to(target if isinstance(target, torch.dtype) else target.dtype)
 
 
-def _index_values(item: Any) -> Iterator[Any]:
+def _index_values(item: Value) -> Iterator[Value]:
     """The scalar indices of one advanced index (a list or tuple, nested)."""
     if isinstance(item, (list, tuple)):
         for value in item:
@@ -99,7 +93,7 @@ def _index_values(item: Any) -> Iterator[Any]:
         yield item
 
 
-def check_index(x: torch.Tensor, index: Any) -> None:
+def check_index(x: torch.Tensor, index: Value) -> None:
     """Every integer in `x[index]` within the dimension it indexes (checked on the host from
     the shape alone: nothing is read from the device).
 
@@ -132,7 +126,7 @@ def check_index(x: torch.Tensor, index: Any) -> None:
         dim += 1
 
 
-def _has_tensor(index: Any) -> bool:
+def _has_tensor(index: Value) -> bool:
     if isinstance(index, slice):
         return any(_has_tensor(v) for v in (index.start, index.stop, index.step))
     if isinstance(index, (list, tuple)):
@@ -140,13 +134,13 @@ def _has_tensor(index: Any) -> bool:
     return isinstance(index, torch.Tensor)
 
 
-def _getitem(x: Any, index: Any) -> Any:
+def _getitem(x: Value, index: Value) -> Value:
     if isinstance(x, torch.Tensor):
         if _has_tensor(index):  # a value read back from the device, or a gather
             raise Refused("indexing with tensors is not allowed")
         check_index(x, index)
-        return x[index]
-    if not isinstance(x, (tuple, torch.Size)):
+        return x[index]  # type: ignore[index]  # what check_index let through is an index
+    if not isinstance(x, (tuple, torch.Size)) or not isinstance(index, (int, slice)):
         raise Refused("indexing a non-tensor")
     return x[index]
 
@@ -155,7 +149,7 @@ def _python_op(fn: Fn) -> Fn:
     """An operator: on tensors as torch has it; on plain Python values (sizes) numbers only,
     results bounded, so no graph builds a huge int, string or list on the host."""
 
-    def call(*args: Any) -> Any:
+    def call(*args: Value) -> Value:
         if any(isinstance(a, torch.Tensor) for a in args):
             return fn(*args)
         if not all(isinstance(a, (int, float, bool)) for a in args):
@@ -217,8 +211,8 @@ class Step:
     name: str
     target: str
     fn: Fn
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    args: tuple[Encoded, ...]
+    kwargs: dict[str, Encoded]
     done_with: tuple[str, ...]  # values no later step (nor the output) reads: dropped after it
 
     @property
@@ -235,24 +229,25 @@ class Program:
 
     loss: CustomLoss
     steps: tuple[Step, ...]
-    output: Any  # encoded (loss, metrics)
+    output: Encoded  # (loss, metrics)
 
     @property
     def name(self) -> str:
         return self.loss.name
 
 
-def refs(value: Any) -> Iterator[str]:
+def refs(value: Encoded) -> Iterator[str]:
+    found = graph.encoded(value)
     if isinstance(value, list):
         for v in value:
             yield from refs(v)
-    elif isinstance(value, dict) and len(value) == 1:
-        ((kind, inner),) = value.items()
-        if kind == "ref":
+    elif found is not None:
+        kind, inner = found
+        if kind is Encoding.REF and isinstance(inner, str):
             yield inner
-        elif kind in ("tuple", "slice"):
+        elif kind in (Encoding.TUPLE, Encoding.SLICE):
             yield from refs(inner)
-        elif kind == "dict":
+        elif kind is Encoding.DICT and isinstance(inner, dict):
             yield from refs(list(inner.values()))
 
 
@@ -291,32 +286,36 @@ def program(loss: CustomLoss) -> Program:
         return found
 
 
-def _decode(value: Any, env: dict[str, Any], device: torch.device) -> Any:
+def _decode(value: Encoded, env: dict[str, Value], device: torch.device) -> Value:
+    """An argument's value (its encoding was checked at creation, `graph._ENCODINGS`)."""
     if isinstance(value, list):
         return [_decode(v, env, device) for v in value]
-    if not isinstance(value, dict):
+    found = graph.encoded(value)
+    if found is None:
         return value
-    ((kind, inner),) = value.items()
-    if kind == "ref":
-        return env[inner]
-    if kind == "tuple":
-        return tuple(_decode(v, env, device) for v in inner)
-    if kind == "dict":
+    kind, inner = found
+    items = inner if isinstance(inner, list) else []
+    if kind is Encoding.REF:
+        return env[str(inner)]
+    if kind is Encoding.TUPLE:
+        return tuple(_decode(v, env, device) for v in items)
+    if kind is Encoding.DICT:
+        assert isinstance(inner, dict)
         return {k: _decode(v, env, device) for k, v in inner.items()}
-    if kind == "slice":
-        return slice(*(_decode(v, env, device) for v in inner))
-    if kind == "ellipsis":
+    if kind is Encoding.SLICE:
+        return slice(*(_decode(v, env, device) for v in items))
+    if kind is Encoding.ELLIPSIS:
         return Ellipsis
-    if kind == "float":
+    if kind is Encoding.FLOAT:
         return graph.decode_float(inner)
-    if kind == "dtype":
-        return _DTYPES[inner]
-    if kind == "device":
+    if kind is Encoding.DTYPE:
+        return _DTYPES[str(inner)]
+    if kind is Encoding.DEVICE:
         return device  # a graph never picks a device: values live on the engine's
-    return _CONSTANTS[kind][inner]
+    return _CONSTANTS[kind][str(inner)]
 
 
-def tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors(value: Value) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
@@ -324,7 +323,10 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors(v)
 
 
-StepHook = Callable[[Step, Any], None]
+class StepHook(Protocol):
+    """What sees each step's output (the pricing counter's attribution)."""
+
+    def __call__(self, step: Step, out: Value) -> None: ...
 
 
 def run(
@@ -344,9 +346,9 @@ def run(
             the engine.
     """
     device = inputs["logprobs"].device
-    env: dict[str, Any] = dict(inputs)
+    env: dict[str, Value] = dict(inputs)
     for step in prog.steps:
-        args = _decode(list(step.args), env, device)
+        args = [_decode(v, env, device) for v in step.args]
         kwargs = {k: _decode(v, env, device) for k, v in step.kwargs.items()}
         if step.target in _PLACED:
             kwargs["device"] = device
@@ -369,14 +371,17 @@ def run(
         env[step.name] = out
         for name in step.done_with:  # its last reader ran: the value can go
             env.pop(name, None)
-    loss, metrics = _decode(prog.output, env, device)
-    _check_scalar(prog, "the loss", loss)
-    for key, value in metrics.items():
-        _check_scalar(prog, f"metric {key!r}", value)
-    return loss, metrics
+    output = _decode(prog.output, env, device)
+    assert isinstance(output, (tuple, list)) and len(output) == 2  # checked at creation
+    loss, metrics = output
+    assert isinstance(metrics, dict)
+    return _scalar(prog, "the loss", loss), {
+        str(key): _scalar(prog, f"metric {key!r}", value) for key, value in metrics.items()
+    }
 
 
-def _check_scalar(prog: Program, what: str, value: Any) -> None:
+def _scalar(prog: Program, what: str, value: Value) -> torch.Tensor:
+    """`value` if it is a scalar float tensor; else the graph's error."""
     if not isinstance(value, torch.Tensor) or value.ndim != 0:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise UserInputError(
@@ -384,6 +389,7 @@ def _check_scalar(prog: Program, what: str, value: Any) -> None:
         )
     if not value.is_floating_point():
         raise UserInputError("graph", f"custom loss {prog.name!r}: {what} must be a float tensor")
+    return value
 
 
 def datum_inputs(loss: CustomLoss, datum: Datum, device: torch.device) -> dict[str, torch.Tensor]:

@@ -5,10 +5,15 @@ Each engine declares its capabilities (`TrainingEngine.capabilities`,
 `SamplingEngine.capabilities`) once it has loaded the model: the losses it computes (server-side
 custom losses included or not), the kinds of model input it takes (text; images only for a
 vision-language model on an engine that runs its tower), the optimizers it steps. Admission
-refuses anything else with a 400 that names the engine, before the request is queued, and the
-client config tells the SDK only what the configured engines run (`custom_loss_server_side`:
-the SDK then runs custom losses itself). So an engine never meets a request it cannot run, and
-no engine re-checks what admission already judged.
+refuses anything else with a 400 that names the field and the engine, before the request is
+queued, through these objects alone: `check_loss` (a forward_backward's loss_fn),
+`check_custom_losses` (create_custom_loss), `check_input` (every image chunk, asked by the
+engine's `ImageReader`, `engine/images.py`), `check_optimizer` (create_model's optimizer,
+optim_step, a load with its optimizer state), `check_verb` (an op that brings its own engine
+verb, `Op.verbs`: `Submissions` asks before the op's rules). The client config tells the SDK
+only what the configured engines run (`custom_loss_server_side`: the SDK then runs custom
+losses itself). So an engine never meets a request it cannot run, and no engine re-checks what
+admission judged.
 
 An engine also says which implementation runs each hybrid kernel of the loaded model (the
 recurrent layers of Gated DeltaNet and Mamba-2 hybrids: `KernelChoice`), so a fallback to slow
@@ -22,15 +27,7 @@ from enum import StrEnum
 
 from lockstep.engine.losses import CUSTOM, LOSSES
 from lockstep.errors import UserInputError
-from lockstep.vocab import Optimizer
-
-
-class InputKind(StrEnum):
-    """Kinds of model input chunk an engine takes."""
-
-    TEXT = "text"
-    IMAGE = "image"
-
+from lockstep.vocab import InputKind, Optimizer
 
 TEXT_INPUTS = frozenset({InputKind.TEXT})
 TEXT_AND_IMAGES = frozenset({InputKind.TEXT, InputKind.IMAGE})
@@ -79,6 +76,8 @@ class TrainerCapabilities:
     inputs: frozenset[InputKind] = TEXT_INPUTS
     optimizers: frozenset[Optimizer] = field(default_factory=lambda: frozenset(Optimizer))
     kernels: tuple[KernelChoice, ...] = ()  # each hybrid kernel the model uses (none: no hybrid)
+    # Verbs ops bring beyond the engine contract that this engine serves (`interface.Verb`).
+    verbs: frozenset[str] = frozenset()
 
     def check_loss(self, loss_fn: str, field: str = "loss_fn") -> None:
         """Raises UserInputError naming `field` and the engine if it does not compute the loss
@@ -101,10 +100,16 @@ class TrainerCapabilities:
     def check_input(self, kind: InputKind, field: str) -> None:
         check_input(self.inputs, kind, field, f"the {self.engine} training engine")
 
+    def check_verb(self, verb: str, field: str) -> None:
+        """An op whose own engine verb this engine does not serve (`Op.verbs`)."""
+        if verb not in self.verbs:
+            raise UserInputError(field, f"{verb} does not run on the {self.engine} training engine")
+
     def check_optimizer(self, optimizer: Optimizer, field: str) -> None:
         if optimizer not in self.optimizers:
             raise UserInputError(
-                field, f"optimizer {optimizer.value} does not run on the {self.engine} engine"
+                field,
+                f"optimizer {optimizer.value} does not run on the {self.engine} training engine",
             )
 
 

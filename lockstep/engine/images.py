@@ -32,17 +32,16 @@ import warnings
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from PIL import Image, UnidentifiedImageError
 
+from lockstep.engine.families import ModelConfig
 from lockstep.errors import UserInputError
+from lockstep.vocab import InputKind
 
 log = logging.getLogger(__name__)
 TEXT_ONLY = "image chunks are not supported: this server serves a text-only model"
-# Qwen-style processors (qwen2_vl's smart resize, patches merged 2x2): the families whose vision
-# Lockstep computes (each tested against transformers' ForConditionalGeneration forward).
-VISION_FAMILIES = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"})
 MAX_ASPECT = 200  # the processor refuses a longer side over 200 times the shorter
 _HIGH_BIT_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 
@@ -71,14 +70,17 @@ class VisionSpec:
     vision_end_token_id: int | None
 
     @classmethod
-    def from_dir(cls, directory: Path, config: dict[str, Any]) -> VisionSpec | None:
+    def of(cls, model: ModelConfig) -> VisionSpec | None:
         """The spec of a model directory, or None: not a vision-language model Lockstep
-        serves images for (its text still trains)."""
-        model_type = str(config.get("model_type", ""))
-        path = Path(directory) / "preprocessor_config.json"
-        if model_type not in VISION_FAMILIES or not config.get("vision_config"):
+        serves images for (its text still trains). Which families those are is the family
+        table's (`families.IMAGES`: Qwen-style processors, each tested against transformers'
+        ForConditionalGeneration forward)."""
+        config, directory = model.settings, model.directory
+        model_type = model.family.model_type
+        path = directory / "preprocessor_config.json"
+        if not model.family.images or not config.get("vision_config"):
             return None
-        vocab = int((config.get("text_config") or config)["vocab_size"])
+        vocab = int(model.text["vocab_size"])
         image_token = config.get("image_token_id")
         if not path.is_file() or not isinstance(image_token, int) or not 0 <= image_token < vocab:
             log.warning(
@@ -261,55 +263,51 @@ def check_expected(
     )
 
 
+class TakesInput(Protocol):
+    """An engine's capabilities (`engine/capabilities.py`): the one judge of what it takes."""
+
+    def check_input(self, kind: InputKind, field: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class ImageReader:
     """Turns image chunks into placeholder tokens and `ImageInput`s for one served model.
 
-    `spec` None: the model (or the engine serving it) takes no images, and every image chunk is
-    refused by name. `asset_dir`: the one local directory an `image_asset_pointer` chunk may
-    name (--image-dir); None refuses them. `decode`: judge every pixel (submission) or read
-    headers only (a payload judged at its submission, run again later)."""
+    `spec` None: the model takes no images, and every image chunk is refused by name. `engine`:
+    the capabilities of the engine the images go to, asked of every image chunk (None: a
+    payload admitted before, run again). `asset_dir`: the one local directory an
+    `image_asset_pointer` chunk may name (--image-dir); None refuses them. `decode`: judge
+    every pixel (submission) or read headers only (a payload judged at its submission, run
+    again later)."""
 
     spec: VisionSpec | None
     limits: ImageLimits
     asset_dir: Path | None = None
     decode: bool = True
-    refusal: str = TEXT_ONLY  # why every image is refused when `spec` is None
+    engine: TakesInput | None = None
 
-    @classmethod
-    def for_engine(
-        cls,
-        spec: VisionSpec | None,
-        takes_images: bool,
-        engine: str,
-        limits: ImageLimits,
-        asset_dir: Path | None = None,
-    ) -> ImageReader:
-        """The reader of what one engine takes (its capabilities): a text-only model refuses
-        images as such; a vision-language model on an engine that does not run its tower
-        names the engine."""
-        if spec is not None and not takes_images:
-            return cls(
-                None, limits, asset_dir, refusal=f"image chunks are not supported by {engine}"
-            )
-        return cls(spec, limits, asset_dir)
+    def _spec(self, field: str) -> VisionSpec:
+        """The model's image processing, if it and the engine take images at all."""
+        if self.spec is None:
+            raise UserInputError(field, TEXT_ONLY)
+        if self.engine is not None:
+            self.engine.check_input(InputKind.IMAGE, field)
+        return self.spec
 
     def image(
         self, field: str, data: bytes, fmt: str, expected: int | None, position: int
     ) -> ImageInput:
-        if self.spec is None:
-            raise UserInputError(field, self.refusal)
+        spec = self._spec(field)
         size = read_image(data, fmt, field, self.limits, self.decode)
-        grid = self.spec.grid(*size)
-        tokens = self.spec.tokens(grid)
-        check_expected(field, expected, tokens, size, self.spec)
+        grid = spec.grid(*size)
+        tokens = spec.tokens(grid)
+        check_expected(field, expected, tokens, size, spec)
         return ImageInput(position=position, tokens=tokens, grid=grid, data=data)
 
     def asset(self, field: str, location: str) -> bytes:
         """The bytes of an `image_asset_pointer`'s file: only a file under the operator's
         directory, never a URL (nothing is ever fetched)."""
-        if self.spec is None:
-            raise UserInputError(field, self.refusal)
+        self._spec(field)
         if self.asset_dir is None:
             raise UserInputError(
                 field,

@@ -14,14 +14,20 @@ needs from its durable state. An in-process engine never dies alone, so the defa
 
 A malformed request is not an engine failure: verbs raise `lockstep.errors.UserInputError`,
 which the gateway, the scheduler and every engine share.
+
+An op may bring a verb of its own (`Verb`): the engines that serve it list it in their
+capabilities and define it; every other engine is left as it is, and admission refuses the op
+where the engine does not serve it (`TrainerCapabilities.check_verb`).
 """
 
 from __future__ import annotations
 
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, ParamSpec, TypeVar, cast
 
 from lockstep.engine.capabilities import SamplerCapabilities, TrainerCapabilities
 from lockstep.engine.types import (
@@ -57,6 +63,30 @@ def is_device_error(exc: BaseException) -> bool:
     if any(cls.__name__ == "AcceleratorError" for cls in type(exc).__mro__):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_ERROR_MARKS)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Verb(Generic[P, R]):
+    """An engine verb an op brings beyond the contract's (`scheduler/ops/base.py`, `Op.verbs`),
+    e.g. `Verb[[str, float], float]("sgd_step")`: positional arguments of plain data in, its
+    answer out. An engine serves it by listing `name` in its capabilities
+    (`TrainerCapabilities.verbs`) and defining a method of that name; an engine in another
+    process forwards it like every verb (`serve`)."""
+
+    name: str
+
+    def on(self, engine: TrainingEngine) -> Callable[P, R]:
+        """The verb as a call on `engine` (one that serves it: admission checked)."""
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            assert not kwargs, "an engine verb takes positional arguments"
+            return cast(R, engine.serve(self.name, *args))
+
+        return call
 
 
 class TrainingEngine(ABC):
@@ -180,6 +210,15 @@ class TrainingEngine(ABC):
     @abstractmethod
     def export_adapter(self, model_id: str, directory: Path) -> int:
         """Write PEFT `adapter_model.safetensors` + `adapter_config.json`. Returns bytes."""
+
+    def serve(self, verb: str, *args: object) -> object:
+        """An op's own verb (`Verb`): this engine's method of that name, which it lists in its
+        capabilities. Admission refuses an op whose verb the engine does not list, so a verb it
+        does not serve never gets here."""
+        if verb not in self.capabilities().verbs:
+            raise RuntimeError(f"{verb} does not run on the {self.capabilities().engine} engine")
+        method: Callable[..., object] = getattr(self, verb)
+        return method(*args)
 
     def alive(self) -> bool:
         """Whether the engine can serve calls (its processes are up). In-process: always."""

@@ -6,13 +6,11 @@ tests check the arithmetic without a model. The scheduler only sees the resultin
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lockstep.engine.shape import LayerShape, Mixer, ModelShape
 from lockstep.engine.types import MemoryBudget
@@ -20,13 +18,6 @@ from lockstep.engine.types import MemoryBudget
 GIB = 1 << 30
 CPU_SHARE = 0.75  # of the memory the trainer could still take: the rest for everything else
 CUDA_MARGIN = 0.10  # of the device's total memory, kept free beside a pass (allocator, tenants)
-
-
-def text_config(model_dir: Path) -> dict[str, Any]:
-    """The language model's settings in a HF `config.json` (multimodal: its `text_config`)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text: dict[str, Any] = config.get("text_config") or config
-    return text
 
 
 # The LoRA rank the pass cost assumes (Tinker's default): each LoRA slot a token passes keeps

@@ -7,14 +7,14 @@ decodes a wire request into these, an engine never sees protobuf or JSON.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypeAlias
 
 import numpy as np
 
+from lockstep.engine.families import ModelConfig
 from lockstep.engine.images import ImageInput, VisionSpec
 from lockstep.engine.shape import TrainerPath
 
@@ -71,20 +71,19 @@ class ModelCard:
         torch, no weights), the same for every engine. Multimodal configs keep the language
         model's settings in `text_config`; a vision-language family Lockstep serves images for
         also has its image processing (`VisionSpec`, from `preprocessor_config.json`)."""
-        directory = Path(model_dir).resolve()
-        config = json.loads((directory / "config.json").read_text())
-        text = config.get("text_config") or config
-        eos = text.get("eos_token_id", config.get("eos_token_id"))
+        config = ModelConfig.read(model_dir)
+        text = config.text
+        eos = text.get("eos_token_id", config.settings.get("eos_token_id"))
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         return cls(
             name=served_name,
-            directory=str(directory),
-            arch=str(config.get("model_type", "unknown")),
+            directory=str(config.directory),
+            arch=config.family.model_type,
             vocab_size=int(text["vocab_size"]),
             max_context_length=int(text.get("max_position_embeddings", 2048)),
             eos_token_id=None if eos is None else int(eos),
-            vision=VisionSpec.from_dir(directory, config),
+            vision=VisionSpec.of(config),
         )
 
 
@@ -126,6 +125,11 @@ class CustomLossInput:
     rank: int
 
 
+# A custom loss graph's argument values as the SDK encodes them (JSON): plain values, lists, and
+# one-key objects naming what they encode (`lockstep.custom_loss.graph.Encoding`).
+Encoded: TypeAlias = "None | bool | int | float | str | list[Encoded] | dict[str, Encoded]"
+
+
 @dataclass(frozen=True)
 class CustomLossNode:
     """One node of a custom loss graph as plain data (the SDK's fx encoding: `{"ref": name}`
@@ -135,8 +139,8 @@ class CustomLossNode:
     op: str
     name: str
     target: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    args: tuple[Encoded, ...] = ()
+    kwargs: dict[str, Encoded] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

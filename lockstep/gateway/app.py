@@ -14,28 +14,28 @@ import uvicorn
 from fastapi import FastAPI
 
 from lockstep import grpc_options, runtime
-from lockstep.gateway import direct
 from lockstep.gateway.answers import Answers
 from lockstep.gateway.body import BodyLimitMiddleware
 from lockstep.gateway.console.routes import router as console_router
-from lockstep.gateway.direct import DirectRoutes
+from lockstep.gateway.direct import DirectRoutes, hot_routes
 from lockstep.gateway.errors import install_error_handlers
 from lockstep.gateway.inference.lane import new_sessions
 from lockstep.gateway.openapi import install_openapi
 from lockstep.gateway.ops import registry
 from lockstep.gateway.refusals import RefusalMiddleware
-from lockstep.gateway.routes import api_router
+from lockstep.gateway.routes import routers
 from lockstep.gateway.settings import GatewaySettings
 from lockstep.gateway.stub import TimedStub
 from lockstep.keyring import KeyRing
 from lockstep.observability.asgi import MetricsMiddleware, metrics_endpoint
-from lockstep.v1 import scheduler_pb2_grpc
 
 log = logging.getLogger("lockstep.gateway")
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    """The FastAPI app; its lifespan opens (and closes) the grpc.aio channel to the scheduler."""
+def create_app(settings: GatewaySettings, direct: bool = True) -> FastAPI:
+    """The FastAPI app; its lifespan opens (and closes) the grpc.aio channel to the scheduler.
+    `direct` False leaves the hot routes to FastAPI too (what the direct layer is compared
+    with: tests/unit/test_gateway_direct.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -43,7 +43,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             settings.scheduler_address,
             options=grpc_options.channel_options(settings.grpc_max_message_bytes),
         )
-        app.state.scheduler = TimedStub(scheduler_pb2_grpc.SchedulerStub(channel))
+        app.state.scheduler = TimedStub(channel)
         log.info("gateway: scheduler channel open to %s", settings.scheduler_address)
         if settings.keys_file is not None:  # SIGHUP: re-read the keys file (add, revoke)
             try:
@@ -96,12 +96,14 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.text_codec_lock = asyncio.Lock()
     app.state.compat_sessions = new_sessions()
     install_error_handlers(app)
-    app.include_router(api_router())
+    served = routers()
+    for router in served:
+        app.include_router(router)
     app.include_router(console_router)  # /console: the web console (no key in its pages)
     # bodies read by hand (forward_backward: protobuf or JSON)
     install_openapi(app, [m for op in registry.ops() for m in op.documented])
     app.add_api_route("/metrics", metrics_endpoint, include_in_schema=False)  # no key: scrapers
-    app.add_middleware(DirectRoutes, routes=direct.routes(app, direct.HOT_PATHS))  # innermost
+    app.add_middleware(DirectRoutes, routes=hot_routes(*served) if direct else [])  # innermost
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RefusalMiddleware)  # outside the body limit: it reports that one's 413s
     app.add_middleware(MetricsMiddleware)  # outermost: times everything

@@ -10,21 +10,18 @@ The body it read (of a refused one, its first bytes) stays in the scope for the 
 
 from __future__ import annotations
 
+import email.message
+import functools
 import io
 import json
 import zlib
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 import zstandard
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lockstep.observability import gateway_metrics
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+__all__ = ["ASGIApp", "Message", "Receive", "Scope", "Send"]  # Starlette's ASGI types
 
 
 # How much of a refused body is kept: a request's ids come first (protobuf field order), and
@@ -33,9 +30,21 @@ PREFIX_BYTES = 64 * 1024
 _BODY = "lockstep.body"
 
 
+@functools.lru_cache(maxsize=64)
 def is_json(content_type: str | None) -> bool:
-    """A forward_backward body is JSON when its Content-Type says so, else protobuf."""
-    return "json" in (content_type or "")
+    """Whether a body is JSON by its Content-Type: `application/json` or `application/*+json`,
+    the test FastAPI reads a body model by. The one test of every route (the direct layer's
+    plain path, a forward_backward's JSON form, the refusal report); a body without a
+    Content-Type is not JSON here (a forward_backward's is protobuf, and the direct layer
+    leaves it to FastAPI)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 def request_body(scope: Scope) -> bytes:
@@ -168,7 +177,7 @@ def _head(chunks: list[bytes], size: int) -> bytes:
     return bytes(out)
 
 
-async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
+async def _send_json(send: Send, status: int, payload: dict[str, str]) -> None:
     data = json.dumps(payload).encode()
     await send(
         {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import Depends, Header, Query, Request
 from starlette.requests import HTTPConnection
@@ -12,6 +12,7 @@ from starlette.requests import HTTPConnection
 from lockstep.gateway.answers import Answers
 from lockstep.gateway.errors import ApiError
 from lockstep.gateway.settings import GatewaySettings
+from lockstep.gateway.stub import TimedStub
 from lockstep.keyring import KeyRing, owner_of
 
 __all__ = ["owner_of"]  # the owner id rule lives in lockstep.keyring
@@ -87,9 +88,10 @@ async def get_settings(request: Request) -> GatewaySettings:
     return settings_of(request)
 
 
-async def get_scheduler(request: Request) -> Any:
+async def get_scheduler(request: Request) -> TimedStub:
     """The `SchedulerStub` bound to the app's grpc.aio channel (opened in the lifespan)."""
-    return request.app.state.scheduler
+    stub: TimedStub = request.app.state.scheduler
+    return stub
 
 
 async def get_answers(request: Request) -> Answers:
@@ -126,7 +128,7 @@ async def read_scope(
 Owner = Annotated[str, Depends(require_owner)]
 Reader = Annotated[Scope, Depends(read_scope)]
 KeyQuota = Annotated[int, Depends(key_quota)]
-Scheduler = Annotated[Any, Depends(get_scheduler)]
+Scheduler = Annotated[TimedStub, Depends(get_scheduler)]
 Settings = Annotated[GatewaySettings, Depends(get_settings)]
 Prefetched = Annotated[Answers, Depends(get_answers)]
 

@@ -8,7 +8,7 @@ problems are 429 (backpressure) and an unreachable scheduler is 503.
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 log = logging.getLogger("lockstep.gateway")
 
@@ -121,7 +122,7 @@ async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 _SCHEDULER_ANSWERED = "lockstep.scheduler_answered"
 
 
-def answered_by_scheduler(scope: MutableMapping[str, Any]) -> bool:
+def answered_by_scheduler(scope: Scope) -> bool:
     return bool(scope.get(_SCHEDULER_ANSWERED))
 
 

@@ -15,9 +15,9 @@ from pydantic import BaseModel
 _REF = "#/components/schemas/{model}"
 
 
-def body_ref(model: type[BaseModel], *, protobuf: str | None = None) -> dict[str, Any]:
+def body_ref(model: type[BaseModel], *, protobuf: str | None = None) -> dict[str, object]:
     """`openapi_extra` for a route whose JSON body is `model` (and, optionally, protobuf)."""
-    content: dict[str, Any] = {
+    content: dict[str, object] = {
         "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}
     }
     if protobuf is not None:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import grpc
 from starlette.requests import Request
 
-from lockstep.gateway.body import is_json, request_body
+from lockstep.gateway.body import ASGIApp, Message, Receive, Scope, Send, is_json, request_body
 from lockstep.gateway.deps import CALL_TIMEOUT_S, api_key_of, authenticate
 from lockstep.gateway.errors import ApiError, answered_by_scheduler
 from lockstep.gateway.ops import registry
@@ -31,11 +30,6 @@ from lockstep.v1 import scheduler_pb2 as pb
 
 log = logging.getLogger("lockstep.gateway")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _INT32_MAX = 2**31 - 1
 

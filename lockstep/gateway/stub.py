@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import ParamSpec, TypeVar
+
+import grpc
 
 from lockstep.observability import gateway_metrics
 from lockstep.v1 import scheduler_pb2_grpc
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def timed(*args: Any, **kwargs: Any) -> Any:
+
+def _timed(method: str, call: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    async def timed(*args: P.args, **kwargs: P.kwargs) -> R:
         start = time.perf_counter()
         try:
             return await call(*args, **kwargs)
@@ -25,9 +30,10 @@ def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
     return timed
 
 
-class TimedStub:
+class TimedStub(scheduler_pb2_grpc.SchedulerStub):
     """A `SchedulerStub` whose unary methods (all of them) are timed; same call signature."""
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
-        for method, call in vars(stub).items():
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)  # type: ignore[no-untyped-call]  # generated, unannotated
+        for method, call in list(vars(self).items()):
             setattr(self, method, _timed(method, call))

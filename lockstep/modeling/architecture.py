@@ -16,9 +16,9 @@ shared experts).
 Trainer paths (`lockstep.engine.shape.TrainerPath`):
 - PACKED: a micro-batch's rows concatenated into one sequence, attention per row span
   (`attention.py`), recurrent mixers with their state restarting at every row block, all rows
-  in one call per kernel (`mixers.py`, `hybrid_kernels.py`). Used for the families listed
-  in PACKED_FAMILIES, whose attention variants the row attention implements and whose equality
-  with the model's own forward the test suite checks.
+  in one call per kernel (`mixers.py`, `hybrid_kernels.py`). Used for the families whose
+  attention variants the row attention implements and whose equality with the model's own
+  forward the test suite checks (`engine/families.py`, `packed`).
 - GENERIC: any other causal LM transformers loads: every row runs through the model's own forward
   on its own (its own attention implementation and masks, no padding), with the same multi-LoRA
   layers. Slower, exact by construction; announced at load (a warning, `get_info`, a metric).
@@ -46,6 +46,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from lockstep.engine import families
 from lockstep.engine.images import VisionSpec
 from lockstep.engine.shape import LayerShape, Mixer, ModelShape, TrainerPath
 from lockstep.errors import UnsupportedModel
@@ -60,31 +61,6 @@ from lockstep.modeling.experts import experts_layout
 from lockstep.modeling.lora_targets import Role, Target, lora_slots, lora_targets
 
 __all__ = ["TrainerPath", "Architecture", "describe", "describe_dir"]
-
-
-# model_type -> what the packed path handles there. Each is tested against the model's own
-# forward (tests/unit/test_architectures.py).
-PACKED_FAMILIES = {
-    "llama": "causal attention",
-    "qwen2": "causal attention (sliding windows when configured)",
-    "qwen3": "causal attention",
-    "qwen3_moe": "causal attention, fused experts",
-    "qwen3_5_text": "Gated DeltaNet + gated causal attention",
-    "qwen3_5_moe_text": "Gated DeltaNet + gated causal attention, fused and shared experts",
-    "qwen3_next": "Gated DeltaNet + gated causal attention, fused and shared experts",
-    "gpt_oss": "sliding-window and full attention with sinks, fused experts with biases",
-    "deepseek_v3": "multi-head latent attention, dense and fused + shared experts",
-    "nemotron_h": "Mamba-2 + causal attention, gate-less relu^2 experts + shared experts",
-    # Qwen3-VL's language models: Qwen3 / Qwen3-MoE attention with M-RoPE (DeepStack features
-    # enter per token), tested against the ForConditionalGeneration forward.
-    "qwen3_vl_text": "causal attention, M-RoPE",
-    "qwen3_vl_moe_text": "causal attention, M-RoPE, fused experts",
-}
-# Families an external sampling engine (vLLM, SGLang) serves with multi-LoRA as Lockstep trains
-# them (every target the trainer adapts, same numbers): the dense ones. vLLM's MoE expert LoRA is
-# experimental and its LoRA for linear-attention hybrids, sinks and MLA unverified; SGLang has
-# no expert LoRA. `--sampler local` samples every family.
-EXTERNAL_LORA_FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 
 
 @dataclass(frozen=True)
@@ -108,7 +84,7 @@ class Architecture:
     @property
     def external_lora(self) -> bool:
         """Whether vLLM / SGLang serve this family's adapters as the trainer computes them."""
-        return self.shape.family in EXTERNAL_LORA_FAMILIES
+        return families.family(self.shape.family).external_lora
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -149,7 +125,7 @@ def describe(model: PreTrainedModel, vision: VisionSpec | None = None) -> Archit
         if type(child).__name__ in ROW_MIXERS
     )
     recurrent = sum(1 for s in shapes if s.recurrent is not None)
-    packed = family in PACKED_FAMILIES and recurrent == len(mixers)
+    packed = families.family(family).packed != "" and recurrent == len(mixers)
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     shape = ModelShape(
         family=family,

@@ -19,17 +19,20 @@ import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from lockstep.observability.metrics import SCHEDULER
 
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
+
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 5.0
-StartResponse = Callable[..., Any]
+T = TypeVar("T")
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -42,7 +45,7 @@ class _Server6(_Server):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (stdlib signature)
         return  # scrapes and probes every few seconds: not worth a log line
 
 
@@ -74,10 +77,10 @@ class OpsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-    def _run(self, make: Callable[[], Awaitable[Any]]) -> Any:
+    def _run(self, make: Callable[[], Awaitable[T]]) -> T:
         """Await `make()` on the scheduler's event loop, from this server's thread."""
 
-        async def call() -> Any:
+        async def call() -> T:
             return await make()
 
         future = asyncio.run_coroutine_threadsafe(call(), self.loop)
@@ -87,7 +90,7 @@ class OpsServer:
             future.cancel()
             raise
 
-    def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+    def _app(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             body: Iterable[bytes] = self._metrics(environ, start_response)
@@ -119,7 +122,7 @@ class OpsServer:
         )
 
 
-def _json(start_response: StartResponse, status: int, body: dict[str, Any]) -> list[bytes]:
+def _json(start_response: StartResponse, status: int, body: dict[str, object]) -> list[bytes]:
     data = json.dumps(body).encode()
     reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
     start_response(

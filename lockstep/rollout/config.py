@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from lockstep.config import SamplerConfig
+from lockstep.engine import families
 from lockstep.engine.interface import SamplingEngine
 from lockstep.errors import UnsupportedModel
 from lockstep.workers.process import NO_DEADLINE, Deadline
@@ -18,16 +19,13 @@ from lockstep.workers.process import NO_DEADLINE, Deadline
 def check_external_family(kind: str, model_dir: Path) -> None:
     """Refuse, at configuration time, a model an external sampling engine would serve wrong
     (the model's `Architecture.external_lora`: only the dense families)."""
-    from lockstep.modeling.architecture import (  # imports torch
-        EXTERNAL_LORA_FAMILIES,
-        describe_dir,
-    )
+    from lockstep.modeling.architecture import describe_dir  # imports torch
 
     arch = describe_dir(model_dir)
     if not arch.external_lora:
         raise UnsupportedModel(
             f"--sampler {kind} does not serve LoRA adapters of {arch.model_type!r} models the "
-            f"way Lockstep trains them (supported: {', '.join(sorted(EXTERNAL_LORA_FAMILIES))}); "
+            f"way Lockstep trains them (supported: {', '.join(sorted(families.EXTERNAL_LORA))}); "
             "use --sampler local, which samples every family the trainer accepts"
         )
 

@@ -184,6 +184,7 @@ def assemble(
         limits=cfg.limits,
         memory_budget=trainer.memory_budget(),
         decoded=decoded,
+        decoded_samples=lane.decoded,
         image_dir=cfg.image_dir,
         custom_loss_created=lambda rec: accounting.custom_loss_created(
             rec.owner, rec.session_id, card.name, rec.loss_id, rec.name

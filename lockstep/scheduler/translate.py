@@ -272,6 +272,8 @@ def sample_request(
         prompt_logprobs_last_n=(
             s.prompt_logprobs_last_n if s.HasField("prompt_logprobs_last_n") else None
         ),
+        # Each sampling session is its own KV-cache namespace (prefixes reused within it).
+        cache_namespace=s.sampling_session_id,
     )
 
 

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lockstep import runtime
 from lockstep.engine.capabilities import SamplerCapabilities, TrainerCapabilities
@@ -121,19 +121,23 @@ class NamedFactory:
     for); the engine's process loads them as soon as it starts (`load`)."""
 
     target: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    args: tuple[object, ...] = ()
+    kwargs: dict[str, object] = field(default_factory=dict)
 
-    def load(self) -> Callable[..., Any]:
+    def load(self) -> Callable[..., object]:
         module, _, name = self.target.partition(":")
-        built: Callable[..., Any] = getattr(importlib.import_module(module), name)
+        built: Callable[..., object] = getattr(importlib.import_module(module), name)
         return built
 
-    def __call__(self) -> Any:
+    def __call__(self) -> Any:  # the engine it names
         return self.load()(*self.args, **self.kwargs)
 
 
-def _serve(factory: Callable[[], Any], conn: Connection) -> None:
+class _Engine(Protocol):
+    def close(self) -> None: ...
+
+
+def _serve(factory: Callable[[], _Engine], conn: Connection) -> None:
     try:
         share_cores()
         if isinstance(factory, NamedFactory):
@@ -177,7 +181,7 @@ class EngineProcess:
 
     def __init__(
         self,
-        factory: Callable[[], Any],
+        factory: Callable[[], _Engine],
         name: str,
         start_timeout: float = 600,
         deadline: Deadline = NO_DEADLINE,
@@ -231,7 +235,7 @@ class EngineProcess:
     def alive(self) -> bool:
         return self._proc.is_alive()
 
-    def call(self, verb: str, *args: Any, tokens: int = 0) -> Any:
+    def call(self, verb: str, *args: object, tokens: int = 0) -> Any:  # what the verb returns
         """Run `engine.verb(*args)` in the child; `tokens` (what the call carries) sizes its
         deadline."""
         limit = self.deadline.of(tokens)
@@ -338,6 +342,10 @@ class ProcessTrainingEngine(TrainingEngine):
 
     def export_adapter(self, model_id: str, directory: Path) -> int:
         return int(self.process.call("export_adapter", model_id, directory))
+
+    def serve(self, verb: str, *args: object) -> object:
+        result: object = self.process.call("serve", verb, *args)
+        return result
 
     def close(self) -> None:
         self.process.close()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from lockstep.engine import families
 from lockstep.engine.types import (
     AdamConfig,
     Datum,
@@ -34,7 +35,7 @@ from lockstep.engine.types import (
 )
 from lockstep.errors import UnsupportedModel
 from lockstep.modeling import zoo
-from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath, describe
+from lockstep.modeling.architecture import TrainerPath, describe
 from lockstep.modeling.attention import row_attention_forward
 from lockstep.modeling.lora import PEFT_PREFIX
 from lockstep.modeling.peft_io import load_peft_adapter
@@ -179,7 +180,7 @@ def _logprobs(model: PreTrainedModel, datum: Datum) -> np.ndarray:
 
 def test_trainer_path_is_the_familys(trained: Trained) -> None:
     arch = trained.engine._lora.arch
-    assert (arch.model_type in PACKED_FAMILIES) == trained.engine._packed
+    assert (arch.model_type in families.PACKED) == trained.engine._packed
     # What get_info / capabilities report (the card travels to the scheduler).
     assert trained.engine.card().trainer_path is arch.trainer_path
     if trained.family == "mistral":  # not a packed family: its own forward, row by row
@@ -356,13 +357,12 @@ def test_external_samplers_refuse_families_they_do_not_serve_exactly(
     kind: str, zoo_dir: Path, tmp_path: Path
 ) -> None:
     from lockstep.config import SamplerConfig
-    from lockstep.modeling.architecture import EXTERNAL_LORA_FAMILIES
     from lockstep.rollout.config import check_external_family, start_sampler
 
     for family in sorted(zoo.FAMILIES):
         directory = zoo.ensure_family(family, zoo_dir)
         model_type = describe_type(directory)
-        if model_type in EXTERNAL_LORA_FAMILIES:
+        if model_type in families.EXTERNAL_LORA:
             check_external_family(kind, directory)
             continue
         # Refused before anything is launched (no python exists at that path).

@@ -27,8 +27,8 @@ from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
 from lockstep.engine import losses
 from lockstep.engine.capabilities import (
+    TEXT_AND_IMAGES,
     Engines,
-    InputKind,
     SamplerCapabilities,
     TrainerCapabilities,
 )
@@ -43,8 +43,8 @@ from lockstep.paths import TinkerPath, checkpoint_dir
 from lockstep.scheduler import translate
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import SubmitContext
-from lockstep.scheduler.ops.custom_loss import CustomLosses
 from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.records import (
     CheckpointRecord,
     LoraRecord,
@@ -493,23 +493,47 @@ def test_what_the_engines_do_not_run_is_refused_naming_the_engine(
         asyncio.run(create())
     assert "do not run on the megatron training engine" in str(err.value)
 
+    # Images: the reader of each engine asks its capabilities (Submissions builds them so).
     limits = ImageLimits(1 << 20, 1 << 22)
-    for taken, message in (
-        (True, None),
-        (False, "image chunks are not supported by the vllm sampler"),
+    vlm_sampler = SamplerCapabilities("local", inputs=TEXT_AND_IMAGES)
+    assert len(_judge(_with_image(), ImageReader(VLM, limits, engine=vlm_sampler)).data[0].images)
+    for engine, who in (
+        (SamplerCapabilities("vllm"), "the vllm sampler"),
+        (TrainerCapabilities("megatron"), "the megatron training engine"),
     ):
-        reader = ImageReader.for_engine(VLM, taken, "the vllm sampler", limits)
-        if message is None:
-            assert len(_judge(_with_image(), reader).data[0].images) == 1
-            continue
         with pytest.raises(UserInputError) as err:
-            _judge(_with_image(), reader)
+            _judge(_with_image(), ImageReader(VLM, limits, engine=engine))
+        message = f"image chunks are not supported by {who}"
         assert str(err.value) == f"data[0].model_input.chunks[1]: {message}"
     # A text-only model says so, whatever the engine.
-    text_only = ImageReader.for_engine(None, True, "the local sampler", limits)
+    text_only = ImageReader(None, limits, engine=vlm_sampler)
     with pytest.raises(UserInputError, match="this server serves a text-only model"):
         _judge(_with_image(), text_only)
-    assert InputKind.IMAGE not in SamplerCapabilities("vllm").inputs
+
+
+@pytest.mark.parametrize(
+    "op, mutate, field",
+    [
+        ("optim_step", None, "adam_params"),
+        ("create_model", None, "optimizer_config.type"),
+        ("load_weights", _set("optimizer", True), "optimizer"),
+    ],
+)
+def test_an_optimizer_the_engine_lacks_is_refused(
+    op: str,
+    mutate: Callable[[dict[str, Any]], None] | None,
+    field: str,
+    clean_redis: str,
+    tmp_path: Path,
+) -> None:
+    """Every optimizer a request would step with is judged by the engine's capabilities."""
+    lacking = Engines(
+        TrainerCapabilities("plain", optimizers=frozenset()), SamplerCapabilities("x")
+    )
+    req = asyncio.run(_submit_request(op, _body(op, mutate)))
+    with pytest.raises(UserInputError) as err:
+        asyncio.run(_admit(clean_redis, tmp_path, req, lacking))
+    assert str(err.value) == f"{field}: optimizer adamw does not run on the plain training engine"
 
 
 def test_a_sampling_session_is_judged_by_the_scheduler(clean_redis: str, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
+from lockstep.engine.families import ModelConfig
 from lockstep.engine.images import RUN_AGAIN, VisionSpec, read_image
 from lockstep.errors import UserInputError
 from lockstep.gateway.errors import ApiError, bad_request
@@ -45,14 +46,10 @@ class TextCodec:
             value = json.loads(generation.read_text()).get("eos_token_id")
             eos |= set(value if isinstance(value, list) else [value] if value is not None else [])
         self.eos_ids: tuple[int, ...] = tuple(sorted(int(t) for t in eos))
-        config = Path(directory) / "config.json"
         # A vision-language model's image processing: its placeholder id, and image token
         # counts for usage (the scheduler judges the images themselves).
-        self.vision = (
-            VisionSpec.from_dir(Path(directory), json.loads(config.read_text()))
-            if config.is_file()
-            else None
-        )
+        has_config = (Path(directory) / "config.json").is_file()
+        self.vision = VisionSpec.of(ModelConfig.read(directory)) if has_config else None
 
     @property
     def placeholder(self) -> int | None:

@@ -14,7 +14,6 @@ import base64
 import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -24,6 +23,9 @@ from lockstep.gateway.schema import openai as oa
 from lockstep.wire.v1 import tinker_pb2 as wire
 
 _MEDIA = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}
+
+# A message (or a content part) as the chat template reads it.
+ChatMessage = dict[str, object]
 
 
 @dataclass(frozen=True)
@@ -59,16 +61,16 @@ def data_uri(field: str, url: str) -> ChatImage:
 
 def openai_chat(
     messages: Sequence[oa.ChatMessage],
-) -> tuple[list[dict[str, Any]], list[ChatImage]]:
+) -> tuple[list[ChatMessage], list[ChatImage]]:
     """The chat template's messages (image parts as `{"type": "image"}`) and the images."""
-    out: list[dict[str, Any]] = []
+    out: list[ChatMessage] = []
     images: list[ChatImage] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if not isinstance(m.content, list) or all(isinstance(p, oa.TextPart) for p in m.content):
             out.append({"role": role, "content": m.text()})
             continue
-        parts: list[dict[str, Any]] = []
+        parts: list[ChatMessage] = []
         for j, part in enumerate(m.content):
             if isinstance(part, oa.TextPart):
                 parts.append({"type": "text", "text": part.text})
@@ -80,14 +82,14 @@ def openai_chat(
     return out, images
 
 
-def anthropic_chat(body: an.Conversation) -> tuple[list[dict[str, Any]], list[ChatImage]]:
-    out: list[dict[str, Any]] = body.chat()[: 1 if body.system else 0]
+def anthropic_chat(body: an.Conversation) -> tuple[list[ChatMessage], list[ChatImage]]:
+    out: list[ChatMessage] = [{**m} for m in body.chat()[: 1 if body.system else 0]]
     images: list[ChatImage] = []
     for i, m in enumerate(body.messages):
         if not isinstance(m.content, list) or all(isinstance(b, an.TextBlock) for b in m.content):
             out.append({"role": m.role, "content": m.text()})
             continue
-        parts: list[dict[str, Any]] = []
+        parts: list[ChatMessage] = []
         for j, block in enumerate(m.content):
             if isinstance(block, an.TextBlock):
                 parts.append({"type": "text", "text": block.text})

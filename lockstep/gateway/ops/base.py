@@ -30,11 +30,14 @@ class GatewayOp(ABC):
     # Takes a place in a model's seq_id order (model_id + seq_id): a refusal at the gateway
     # still holds that seq_id (lockstep.gateway.refusals).
     sequenced: ClassVar[bool]
+    # Every training step or sample calls it: its route is served by the direct layer
+    # (`gateway/direct.py`) without FastAPI's routing and dependency solving.
+    hot: ClassVar[bool] = False
     # The JSON request model the route validates (None: the op reads its raw body).
     body: ClassVar[type[BaseModel] | None]
     response_model: ClassVar[type[BaseModel]] = rs.UntypedAPIFuture
     creates_run: ClassVar[bool] = False  # carries the key's run quota (keys file) to admission
-    openapi_extra: ClassVar[dict[str, Any] | None] = None  # a raw body's documented forms
+    openapi_extra: ClassVar[dict[str, object] | None] = None  # a raw body's documented forms
     documented: ClassVar[tuple[type[BaseModel], ...]] = ()  # the models openapi_extra names
 
     @abstractmethod

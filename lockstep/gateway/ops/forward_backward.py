@@ -11,7 +11,7 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from lockstep.gateway.body import is_json
+from lockstep.gateway.body import is_json, request_body
 from lockstep.gateway.openapi import body_ref
 from lockstep.gateway.ops.base import GatewayOp, protobuf
 from lockstep.gateway.schema.requests import ForwardBackwardJsonRequest
@@ -29,6 +29,7 @@ class ForwardBackward(GatewayOp):
     oneof = "forward_backward"
     result = "forward_backward"
     sequenced = True
+    hot = True
     body = None  # protobuf (what the SDK sends; zstd already undone) or JSON
     documented = (ForwardBackwardJsonRequest,)
     openapi_extra = body_ref(
@@ -38,7 +39,7 @@ class ForwardBackward(GatewayOp):
     )
 
     async def submit_request(self, owner: str, body: Request) -> pb.SubmitRequest:
-        raw = await body.body()
+        raw = request_body(body.scope)  # read once, by the body-limit middleware
         if is_json(body.headers.get("content-type")):
             try:
                 parsed = ForwardBackwardJsonRequest.model_validate_json(raw)

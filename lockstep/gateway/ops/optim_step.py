@@ -43,6 +43,7 @@ class OptimStep(GatewayOp):
     oneof = "optim_step"
     result = "optim_step"
     sequenced = True
+    hot = True
     body: ClassVar[type[OptimStepRequest]] = OptimStepRequest
 
     async def submit_request(self, owner: str, body: OptimStepRequest) -> pb.SubmitRequest:

@@ -6,14 +6,15 @@ and its proto message); tests/unit/test_op_registry.py checks the two registries
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import cast
 
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, KeyQuota, Owner, Scheduler
+from lockstep.gateway.direct import HotRoute
 from lockstep.gateway.ops.base import GatewayOp
 from lockstep.gateway.ops.create import CreateModel
 from lockstep.gateway.ops.forward_backward import ForwardBackward
@@ -21,6 +22,7 @@ from lockstep.gateway.ops.load import LoadWeights
 from lockstep.gateway.ops.optim_step import OptimStep
 from lockstep.gateway.ops.sample import Sample
 from lockstep.gateway.ops.save import SaveWeights, SaveWeightsExternal, SaveWeightsForSampler
+from lockstep.gateway.stub import TimedStub
 from lockstep.v1 import scheduler_pb2 as pb
 
 OPS: tuple[GatewayOp, ...] = (
@@ -77,15 +79,15 @@ def answer(result: pb.JobResult, request_type: str | None) -> Response | None:
     return None if op is None else op.answer(result, request_type)
 
 
-def _endpoint(op: GatewayOp) -> Any:
+def _endpoint(op: GatewayOp) -> Callable[..., Awaitable[BaseModel]]:
     """The route of `op`: one Submit, answered with its future."""
 
-    async def endpoint(**params: Any) -> BaseModel:
-        body = params["body"]
-        request = await op.submit_request(params["owner"], body)
-        if op.creates_run:
-            request.key_max_training_runs = params["quota"]  # the keys file's quota, if any
-        reply = await params["stub"].Submit(request, timeout=CALL_TIMEOUT_S)
+    async def endpoint(**params: object) -> BaseModel:
+        body, stub = params["body"], cast(TimedStub, params["stub"])
+        request = await op.submit_request(str(params["owner"]), body)
+        if op.creates_run:  # the keys file's quota, if any
+            request.key_max_training_runs = cast(int, params["quota"])
+        reply = await stub.Submit(request, timeout=CALL_TIMEOUT_S)
         return op.response(reply, body)
 
     # FastAPI reads the signature: the validated body (or the raw request), the caller and
@@ -107,7 +109,7 @@ def _endpoint(op: GatewayOp) -> Any:
 
 
 def router() -> APIRouter:
-    """Every registered op's route."""
+    """Every registered op's route; a hot op's is a `HotRoute` (the direct layer serves it)."""
     out = APIRouter()
     for op in _ops:
         out.add_api_route(
@@ -117,5 +119,6 @@ def router() -> APIRouter:
             tags=[op.tag],
             response_model=op.response_model,
             openapi_extra=op.openapi_extra,
+            route_class_override=HotRoute if op.hot else None,
         )
     return out

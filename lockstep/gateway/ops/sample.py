@@ -106,6 +106,7 @@ class Sample(GatewayOp):
     oneof = "sample"
     result = "sample"
     sequenced = False
+    hot = True
     body: ClassVar[type[SampleRequest]] = SampleRequest
     response_model = rs.SampleFuture
 

@@ -23,16 +23,17 @@ from lockstep.gateway.routes import (
 )
 
 
-def api_router() -> APIRouter:
-    """Every route; the ops' from the registry as it is now."""
-    out = APIRouter()
-    for router in (
+def routers() -> tuple[APIRouter, ...]:
+    """Every router, in the order the app includes them; the ops' from the registry as it is
+    now. The hot routes among them (`direct.hot_routes`) are served by the direct layer too."""
+    return (
         client.health_router,
         client.router,
         sessions.router,
         registry.router(),
         training.router,
         sampling.router,
+        futures.hot_router,
         futures.router,
         runs.router,
         files.router,
@@ -42,6 +43,4 @@ def api_router() -> APIRouter:
         anthropic_messages.router,
         accounting.router,
         traces.router,
-    ):
-        out.include_router(router)
-    return out
+    )

@@ -10,6 +10,7 @@ import grpc
 from fastapi import APIRouter, Header, Response
 
 from lockstep.gateway.deps import CALL_TIMEOUT_S, Owner, Prefetched, Scheduler, Settings
+from lockstep.gateway.direct import HotRoute
 from lockstep.gateway.ops import registry
 from lockstep.gateway.schema import requests as rq
 from lockstep.gateway.schema import responses as rs
@@ -18,6 +19,8 @@ from lockstep.gateway.validate import check_id
 from lockstep.v1 import scheduler_pb2 as pb
 
 router = APIRouter(prefix="/api/v1", tags=["futures"])
+# What every hot op's future is answered through: served by the direct layer too.
+hot_router = APIRouter(prefix="/api/v1", tags=["futures"], route_class=HotRoute)
 
 # The SDK gives up on one retrieve_future(s) call after 45 s.
 _SDK_TIMEOUT_S = 45.0
@@ -29,7 +32,7 @@ def _deadline(wait: float) -> float:
     return min(wait + 5.0, _SDK_TIMEOUT_S - 2.0)
 
 
-@router.post("/retrieve_future", response_model=None)
+@hot_router.post("/retrieve_future", response_model=None)
 async def retrieve_future(
     body: rq.FutureRetrieveRequest,
     owner: Owner,
@@ -68,7 +71,7 @@ async def retrieve_future(
     )
 
 
-@router.post("/retrieve_futures")
+@hot_router.post("/retrieve_futures")
 async def retrieve_futures(
     body: rq.FuturesRetrieveRequest,
     owner: Owner,

@@ -13,16 +13,15 @@ from pathlib import Path
 
 from lockstep.config import Limits
 from lockstep.custom_loss.bound import CostBound
-from lockstep.engine.capabilities import Engines, InputKind
+from lockstep.engine.capabilities import Engines
 from lockstep.engine.images import ImageLimits, ImageReader
 from lockstep.engine.types import NO_MEMORY_LIMIT, MemoryBudget, ModelCard
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
-from lockstep.scheduler.admission.decoded import DecodedPasses
+from lockstep.scheduler.admission.decoded import DecodedPasses, DecodedSamples
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.ops import registry
 from lockstep.scheduler.ops.base import Claim, Hold, SampleClaim, SubmitContext
-from lockstep.scheduler.ops.custom_loss import Created, CustomLosses
 from lockstep.scheduler.state.catalog import Catalog, NotFound, OverCapacity
 from lockstep.scheduler.state.claims import (
     ClaimConflict,
@@ -31,7 +30,9 @@ from lockstep.scheduler.state.claims import (
     SeqExpired,
     TenantLimitReached,
     TrainingClaim,
+    new_request_id,
 )
+from lockstep.scheduler.state.custom_losses import Created, CustomLosses
 from lockstep.scheduler.state.memory import RedisFull
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
@@ -62,6 +63,7 @@ class Submissions:
         limits: Limits | None = None,
         memory_budget: MemoryBudget = NO_MEMORY_LIMIT,
         decoded: DecodedPasses | None = None,
+        decoded_samples: DecodedSamples | None = None,
         image_dir: Path | None = None,
         custom_loss_created: Created | None = None,
     ) -> None:
@@ -80,10 +82,10 @@ class Submissions:
             custom_loss_created,
         )
         self.decoded = decoded or DecodedPasses()  # shared with the dispatcher
+        self.decoded_samples = decoded_samples or DecodedSamples()  # with the sampling lane
         # What an op's admission reads (scheduler/ops/base.py).
         self.engines = engines
         image_limits = ImageLimits(self.limits.max_image_bytes, self.limits.max_image_pixels)
-        trainer, sampler = engines.trainer, engines.sampler
         self.ctx = SubmitContext(
             store,
             catalog,
@@ -92,21 +94,9 @@ class Submissions:
             self.memory,
             data_dir,
             self.custom_losses,
-            ImageReader.for_engine(
-                card.vision,
-                InputKind.IMAGE in trainer.inputs,
-                f"the {trainer.engine} training engine",
-                image_limits,
-                image_dir,
-            ),
+            ImageReader(card.vision, image_limits, image_dir, engine=engines.trainer),
             engines,
-            ImageReader.for_engine(
-                card.vision,
-                InputKind.IMAGE in sampler.inputs,
-                f"the {sampler.engine} sampler",
-                image_limits,
-                image_dir,
-            ),
+            ImageReader(card.vision, image_limits, image_dir, engine=engines.sampler),
         )
 
     async def submit(self, req: pb.SubmitRequest) -> pb.SubmitReply:
@@ -116,7 +106,10 @@ class Submissions:
             raise OverCapacity(str(exc)) from exc
         try:
             try:
-                admitted = await registry.arriving_as(req.WhichOneof("op")).admit(self.ctx, req)
+                op = registry.arriving_as(req.WhichOneof("op"))
+                for verb in op.verbs:  # an engine verb of its own: served here, or refused
+                    self.engines.trainer.check_verb(verb, "type")
+                admitted = await op.admit(self.ctx, req)
             except (UserInputError, NotFound) as exc:  # e.g. a missing checkpoint to load
                 await self._hold_seq(req, req.SerializeToString(deterministic=True), str(exc))
                 raise
@@ -215,7 +208,12 @@ class Submissions:
     async def _sample(
         self, req: pb.SubmitRequest, payload: bytes, s: SampleClaim
     ) -> pb.SubmitReply:
-        """Queue a validated sample for the sampling lane."""
+        """Queue a validated sample for the sampling lane, its decoded request held for the lane
+        before the lane can see it queued (a busy lane reads the queue at any time)."""
+        new = new_request_id()
+        if s.decoded is not None:
+            self.decoded_samples.keep(new, s.decoded)
+        created = False
         try:
             rid, created = await self.store.jobs.claim_sample(
                 owner=req.owner,
@@ -224,6 +222,7 @@ class Submissions:
                 payload=payload,
                 backlog=self.limits.max_pending_samples,
                 live_session=s.live_session,
+                request_id=new,
             )
             metrics.submitted(req.owner, s.sampler_id, OpKind.SAMPLE, created)
             if created:
@@ -238,6 +237,9 @@ class Submissions:
             raise UserInputError(
                 "seq_id", f"already used by request {exc} with a different payload"
             ) from exc
+        finally:
+            if not created:  # a retry of a queued sample, or refused: nothing runs as `new`
+                self.decoded_samples.take(new)
         self.on_sample()
         return pb.SubmitReply(
             request_id=rid, sample_sequence_ids=[f"{rid}:seq:{i}" for i in range(s.num_samples)]

@@ -35,6 +35,7 @@ from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.errors import UserInputError
 from lockstep.observability import metrics
 from lockstep.scheduler import translate
+from lockstep.scheduler.admission.decoded import DecodedSamples
 from lockstep.scheduler.cycle.poison import PoisonHunt
 from lockstep.scheduler.observers import tracing
 from lockstep.scheduler.observers.accounting import Accounting
@@ -72,7 +73,10 @@ class SamplingLane:
         self.store = store
         self.colocate = colocate  # sampler and trainer share one accelerator
         self.engine = engine
-        # Prompts' images were judged at submission: the lane reads their headers only.
+        # Samples validated and decoded at submission (run as they are); the rest (a restarted
+        # scheduler's, or what did not fit) are decoded from their payload, their images judged
+        # at submission: the lane reads their headers only.
+        self.decoded = DecodedSamples()
         self.images = ImageReader(engine.card().vision, RUN_AGAIN, decode=False)
         self.board = board
         self.max_batch = max_batch
@@ -260,8 +264,6 @@ class SamplingLane:
             return 0
         jobs: list[Job] = []
         requests: list[SampleRequest] = []
-        topk: list[int] = []
-        samples = {job.request_id: pb.SubmitRequest.FromString(job.payload).sample for job in read}
         refused: list[tuple[Job, str]] = []
         for job in read:
             if job.status != JobStatus.PENDING:  # finished, or cancelled: only dequeue it
@@ -271,24 +273,19 @@ class SamplingLane:
             if verdict is not None:  # it killed the sampler on its own: never run again
                 refused.append((job, verdict))
                 continue
-            sample = samples[job.request_id]
             try:
-                adapter_id = await self._adapter_for(
-                    sample.sampling_session_id, samplers.get(sample.sampling_session_id)
-                )
-                request = translate.sample_request(job.request_id, sample, adapter_id, self.images)
+                request = self._request(job)
+                session = request.cache_namespace or ""  # its sampling session
+                request.adapter_id = await self._adapter_for(session, samplers.get(session))
             except (LookupError, RuntimeError, UserInputError) as exc:
                 refused.append((job, str(exc)))
                 continue
             jobs.append(job)
-            # Each sampling session is its own KV-cache namespace (prefixes reused within it).
-            request.cache_namespace = sample.sampling_session_id
             requests.append(request)
-            topk.append(sample.topk_prompt_logprobs)
         if refused:
             await self._finish_all([(job, None, error) for job, error in refused])
             metrics.sample_failed([job.owner for job, _ in refused])
-        batch = list(zip(jobs, requests, topk, strict=True))
+        batch = [(j, r, r.topk_prompt_logprobs) for j, r in zip(jobs, requests, strict=True)]
         calls = self.poison.calls([r.request_id for r in requests], batch)
         for call in calls or [[]]:
             await self._sample(call, cancels)
@@ -364,6 +361,14 @@ class SamplingLane:
         engine."""
         live = await sample_futures.pending(self.store, [job.request_id for job, _, _ in call])
         return [item for item in call if item[0].request_id in live]
+
+    def _request(self, job: Job) -> SampleRequest:
+        """The sample as validated at submission, or decoded from its payload."""
+        held = self.decoded.take(job.request_id)
+        if held is not None:
+            return held
+        sample = pb.SubmitRequest.FromString(job.payload).sample
+        return translate.sample_request(job.request_id, sample, None, self.images)
 
     async def _adapter_for(self, sampler_id: str, sampler: SamplerRecord | None) -> str | None:
         if sampler is None:

@@ -23,11 +23,11 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from lockstep.config.sections import TRACE_RETENTION_S
 from lockstep.observability import metrics
@@ -37,6 +37,29 @@ from lockstep.scheduler.state.records import QueuedOp
 from lockstep.scheduler.state.traces import TraceLog
 
 log = logging.getLogger(__name__)
+
+
+class Event(TypedDict):
+    """A Chrome-trace event: complete ("X", a span) or metadata ("M", a name)."""
+
+    name: str
+    ph: str
+    pid: int
+    tid: int
+    ts: int
+    dur: int
+    args: Mapping[str, object]
+
+
+class StoredEvent(Event):
+    """An event as stored: with its process's and thread's names (export makes them "M"s)."""
+
+    process: str
+    thread: str
+
+
+Trace = dict[str, object]  # {"traceEvents": [...], "displayTimeUnit": "ms"}
+Events = dict[str, list[StoredEvent]]  # per session
 
 DEFAULT_RETENTION_S = TRACE_RETENTION_S
 # The most events a session's trace keeps (the oldest go first; older than the retention go
@@ -103,7 +126,7 @@ class Tracer:
 
     def cycle_done(self, trace: CycleTrace, batch: WriteBatch) -> None:
         end = time.time()
-        per_session: dict[str, list[dict[str, Any]]] = {}
+        per_session: Events = {}
         cycle_args = {
             "cycle": trace.cycle,
             "tenants": trace.tenants,
@@ -135,7 +158,7 @@ class Tracer:
         """A sampling batch of (request_id, sampling session id, seq_id) ran from `start`."""
         end = time.time()
         batch = list(requests)
-        per_session: dict[str, list[dict[str, Any]]] = {}
+        per_session: Events = {}
         for request_id, sampler_id, seq_id in batch:
             where = (_pid(sampler_id), seq_id + 1, sampler_id, f"sample #{seq_id}")
             queued = self._queued_since(request_id, start)
@@ -147,7 +170,7 @@ class Tracer:
             events.append(_x("sampling batch", start, end, where, {"batch_size": len(batch)}))
         self._queue(writes, per_session)
 
-    def _queue(self, batch: WriteBatch, per_session: dict[str, list[dict[str, Any]]]) -> None:
+    def _queue(self, batch: WriteBatch, per_session: Events) -> None:
         """On the batch of the cycle's (or sampling batch's) other writes: one round trip. A
         trace is a diagnostic: a refused write is logged by the batch, never raised."""
         if not self.retention_s or not per_session:
@@ -156,17 +179,27 @@ class Tracer:
         batch.trace(encoded, MAX_EVENTS_PER_SESSION, self.retention_s)
 
     # ------------------------------------------------------------------ export
-    async def export(self, session_id: str) -> dict[str, Any]:
+    async def export(self, session_id: str) -> Trace:
         """The session's Chrome-trace JSON object (open it in ui.perfetto.dev)."""
         raw = await self.log.read(session_id)
-        events: list[dict[str, Any]] = []
+        events: list[Event] = []
         names: dict[tuple[int, int | None], str] = {}
         for item in raw:
-            e = json.loads(item)
-            names[(e["pid"], None)] = e.pop("process")
-            names[(e["pid"], e["tid"])] = e.pop("thread")
-            events.append(e)
-        meta = [
+            e: StoredEvent = json.loads(item)
+            names[(e["pid"], None)] = e["process"]
+            names[(e["pid"], e["tid"])] = e["thread"]
+            events.append(
+                Event(
+                    name=e["name"],
+                    ph=e["ph"],
+                    pid=e["pid"],
+                    tid=e["tid"],
+                    ts=e["ts"],
+                    dur=e["dur"],
+                    args=e["args"],
+                )
+            )
+        meta: list[dict[str, object]] = [
             {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
             if tid is None
             else {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
@@ -174,7 +207,7 @@ class Tracer:
         ]
         # Parents before children at equal start times, so viewers nest them.
         events.sort(key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]))
-        return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+        return {"traceEvents": [*meta, *events], "displayTimeUnit": "ms"}
 
 
 def _x(
@@ -182,12 +215,22 @@ def _x(
     start: float,
     end: float,
     where: tuple[int, int, str, str],
-    args: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    args: Mapping[str, object] | None = None,
+) -> StoredEvent:
     pid, tid, process, thread = where
     ts = _us(start)
-    event = {"name": name, "ph": "X", "ts": ts, "dur": max(_us(end) - ts, 0), "pid": pid}
-    return event | {"tid": tid, "process": process, "thread": thread, "args": args or {}}
+    dur = max(_us(end) - ts, 0)
+    return StoredEvent(
+        name=name,
+        ph="X",
+        ts=ts,
+        dur=dur,
+        pid=pid,
+        tid=tid,
+        process=process,
+        thread=thread,
+        args=args or {},
+    )
 
 
 # ---------------------------------------------------------------------- hooks for dispatch
@@ -259,7 +302,7 @@ def sampled(writes: WriteBatch, requests: Iterable[tuple[str, str, int]], start:
         _tracer.sampled(writes, requests, start)
 
 
-async def export(session_id: str) -> dict[str, Any]:
+async def export(session_id: str) -> Trace:
     if _tracer is None:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
     return await _tracer.export(session_id)

@@ -8,5 +8,6 @@
     sample.py            sample                        the sampling lane
     refused.py           refused (queued "rejected")   holds its seq_id only
 
-`registry.py` maps the SubmitRequest oneof and the queued `OpKind` to its module.
+`registry.py` maps the SubmitRequest oneof and the queued kind to its module; an op may bring a
+kind and an engine verb of its own (docs/ARCHITECTURE.md, "Adding an op").
 """

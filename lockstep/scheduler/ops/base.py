@@ -35,16 +35,17 @@ from lockstep.engine.types import (
     OptimRequest,
     PassRequest,
     PassResult,
+    SampleRequest,
 )
 from lockstep.errors import UserInputError
-from lockstep.scheduler.ops.custom_loss import CustomLosses
 from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.custom_losses import CustomLosses
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import LoraRecord, ModelRecord, QueuedOp
 from lockstep.scheduler.state.residency import Residency
 from lockstep.scheduler.state.store import Store
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import AuditEvent, OpKind
+from lockstep.vocab import AuditEvent
 
 R = TypeVar("R")
 
@@ -87,7 +88,7 @@ class Claim(NamedTuple):
 
     model_id: str
     seq_id: int
-    kind: OpKind
+    kind: str
     tokens: int  # pass tokens (the cycle's token budget)
     new_model: ModelRecord | None = None
     decoded: PassRequest | None = None  # the validated pass, kept for dispatch
@@ -103,6 +104,7 @@ class SampleClaim(NamedTuple):
     seq_id: int
     num_samples: int
     live_session: str | None = None  # the sampler's session: the claim checks it is live
+    decoded: SampleRequest | None = None  # the validated sample, kept for the sampling lane
 
 
 class Hold(NamedTuple):
@@ -189,7 +191,10 @@ class Op(ABC):
     """One op kind's rules. A module of `ops/` subclasses this (or a role below) once."""
 
     oneof: ClassVar[str]  # the SubmitRequest `op` field it arrives in
-    kinds: ClassVar[frozenset[OpKind]]  # the queued kinds it owns (ops.registry)
+    kinds: ClassVar[frozenset[str]]  # the queued kinds it owns (ops.registry)
+    # The engine verbs it brings beyond the contract (`engine.interface.Verb` names): admission
+    # refuses it where the training engine does not serve them (its capabilities).
+    verbs: ClassVar[tuple[str, ...]] = ()
     # Never runs: it only holds its seq_id in its model's order (a refused request).
     holds_only: ClassVar[bool] = False
 
@@ -229,7 +234,7 @@ class PassOp(Op):
     """An op that joins the cycle's ONE fused pass (`TrainingEngine.run_passes`)."""
 
     @abstractmethod
-    def backward(self, kind: OpKind) -> bool:
+    def backward(self, kind: str) -> bool:
         """Whether its pass runs backward (accumulates gradients): then it trains tokens and a
         restore must replay it."""
 

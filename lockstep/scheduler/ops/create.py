@@ -39,7 +39,7 @@ def lora_spec(cfg: pb.LoraConfig) -> LoraSpec:
 
 class CreateModel(SingleOp):
     oneof = "create_model"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.CREATE_MODEL})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.CREATE_MODEL})
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> Claim:
         owner, c = req.owner, req.create_model
@@ -54,8 +54,10 @@ class CreateModel(SingleOp):
             raise UserInputError(
                 "lora_config", "at least one of train_mlp, train_attn, train_unembed must be true"
             )
+        optimizer = Optimizer.ADAMW  # the SDK's default
         if c.optimizer_type:
-            Optimizer.named("optimizer_config.type", c.optimizer_type)
+            optimizer = Optimizer.named("optimizer_config.type", c.optimizer_type)
+        ctx.engines.trainer.check_optimizer(optimizer, "optimizer_config.type")
         record = new_run(
             owner,
             session.session_id,

@@ -1,7 +1,7 @@
 """forward and forward_backward: every tenant's passes run as ONE fused pass per cycle.
 
 Validated at submission in their decoded form (token ids, loss inputs, sizes, the memory
-budget, a named custom loss and its price on each datum: `ops/custom_loss.py`); that decoded
+budget, a named custom loss and its price on each datum: `state/custom_losses.py`); that decoded
 request is kept (`scheduler/admission/decoded.py`) and the dispatcher hands it to the fused pass
 as it is. Only a forward_backward changes the model (gradients), so only it is replayed after a
 restore and counts as trained tokens.
@@ -29,7 +29,7 @@ from lockstep.wire.v1 import tinker_pb2 as wire
 
 class ForwardBackward(PassOp):
     oneof = "forward_backward"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.forward_backward.model_id, req.forward_backward.seq_id
@@ -40,13 +40,13 @@ class ForwardBackward(PassOp):
         check_seq(fb.seq_id)
         if not fb.data:
             raise UserInputError("data", "no datums given")
-        check_datums(ctx, fb)
+        check_data_length(ctx, fb)
         ctx.engines.trainer.check_loss(fb.loss_fn)  # e.g. custom losses where none run
         for i, datum in enumerate(fb.data):
             translate.inline_assets(datum.model_input, f"data[{i}].model_input", ctx.images)
         pass_req = translate.pass_request("", fb, ctx.images)  # its request id once claimed
         check_sizes(ctx, pass_req)
-        pass_req.custom_loss = await ctx.custom_losses.named(model, pass_req)
+        await custom_losses.attach(ctx.store, pass_req, model)  # one of its session's
         losses.validate_pass_request(pass_req, ctx.card.vocab_size, ctx.card.max_context_length)
         await ctx.custom_losses.check_data(pass_req)  # its inputs' ranks, its price per datum
         kind = OpKind.FORWARD if fb.forward_only else OpKind.FORWARD_BACKWARD
@@ -58,7 +58,7 @@ class ForwardBackward(PassOp):
     def phase(self, current: Phase) -> Phase | None:
         return Phase.PASS if current <= Phase.PASS else None
 
-    def backward(self, kind: OpKind) -> bool:
+    def backward(self, kind: str) -> bool:
         return kind == OpKind.FORWARD_BACKWARD
 
     async def decode(
@@ -78,7 +78,7 @@ class ForwardBackward(PassOp):
         )
 
 
-def check_datums(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
+def check_data_length(ctx: SubmitContext, fb: wire.ForwardBackwardRequest) -> None:
     """Datums per request: checked before any datum is decoded."""
     most = ctx.limits.max_datums_per_request
     if len(fb.data) > most:

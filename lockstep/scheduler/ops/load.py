@@ -26,12 +26,12 @@ from lockstep.scheduler.state.catalog import NotFound
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.scheduler.state.records import QueuedOp
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import AuditEvent, OpKind
+from lockstep.vocab import AuditEvent, OpKind, Optimizer
 
 
 class Load(SingleOp):
     oneof = "load_weights"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.LOAD})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.LOAD})
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.load_weights.model_id, req.load_weights.seq_id  # ("", 0): create-via-load
@@ -48,6 +48,8 @@ class Load(SingleOp):
                 "path", "load_state needs a training checkpoint (tinker://<run>/weights/<name>)"
             )
         await ctx.catalog.readable_checkpoint(owner, path)
+        if load.optimizer:  # its Adam state goes on stepping
+            ctx.engines.trainer.check_optimizer(Optimizer.ADAMW, "optimizer")
         if not checkpoint_dir(ctx.data_dir, path).is_dir():
             raise NotFound(f"checkpoint {path} has no files on this server")
         if load.HasField("model_id"):  # load_state on an existing model, in its seq order

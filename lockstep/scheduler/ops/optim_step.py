@@ -14,12 +14,12 @@ from lockstep.scheduler import translate
 from lockstep.scheduler.ops.base import Claim, Phase, StepOp, SubmitContext, check_seq, finite
 from lockstep.scheduler.state.outcome import Outcome
 from lockstep.v1 import scheduler_pb2 as pb
-from lockstep.vocab import OpKind
+from lockstep.vocab import OpKind, Optimizer
 
 
 class OptimStep(StepOp):
     oneof = "optim_step"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.OPTIM_STEP})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.OPTIM_STEP})
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.optim_step.model_id, req.optim_step.seq_id
@@ -30,6 +30,7 @@ class OptimStep(StepOp):
         check_seq(o.seq_id)
         if not o.HasField("adam"):
             raise UserInputError("adam_params", "field required")
+        ctx.engines.trainer.check_optimizer(Optimizer.ADAMW, "adam_params")
         a = o.adam
         finite(a.learning_rate, "adam_params.learning_rate", 0.0)
         finite(a.weight_decay, "adam_params.weight_decay", 0.0)

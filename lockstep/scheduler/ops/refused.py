@@ -16,7 +16,7 @@ from lockstep.vocab import OpKind
 class Refused(Op):
     oneof = "refused"
     # Any op refused at submission, here or at the gateway, is queued as REJECTED.
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.REJECTED})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.REJECTED})
     holds_only = True
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:

@@ -1,7 +1,8 @@
 """The op registry: every op kind's module, looked up by the SubmitRequest oneof it arrives in
-or by the `OpKind` it is queued as. Adding an op is adding its module to `OPS` (and its proto
-message and its gateway op, `lockstep/gateway/ops/`); tests/unit/test_op_registry.py fails for a
-queued kind without one.
+or by the kind it is queued as (`OpKind` for the built-in ones; an op may bring its own). Adding
+an op is adding its module to `OPS` (and its proto message and its gateway op,
+`lockstep/gateway/ops/`: docs/ARCHITECTURE.md, "Adding an op"); tests/unit/test_op_registry.py
+fails for a queued kind without one.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ OPS: tuple[Op, ...] = (
 NOT_QUEUED = frozenset({OpKind.UNLOAD_MODEL, OpKind.CREATE_CUSTOM_LOSS})
 
 
-def _index(ops: Iterable[Op]) -> tuple[dict[str, Op], dict[OpKind, Op]]:
+def _index(ops: Iterable[Op]) -> tuple[dict[str, Op], dict[str, Op]]:
     by_oneof: dict[str, Op] = {}
-    by_kind: dict[OpKind, Op] = {}
+    by_kind: dict[str, Op] = {}
     for op in ops:
         if op.oneof in by_oneof:
             raise ValueError(f"two op modules arrive as {op.oneof!r}")
@@ -53,8 +54,8 @@ BY_ONEOF, BY_KIND = _index(OPS)
 
 @contextmanager
 def registered(*ops: Op) -> Iterator[None]:
-    """Run `ops` while the block runs, each in place of the op that arrives as its oneof (a
-    new oneof needs a proto change: a test reuses an existing message this way)."""
+    """Run `ops` while the block runs (what a line in `OPS` does), each in place of the op that
+    arrives as its oneof, if any (tests/integration/test_adding_an_op.py)."""
     global BY_ONEOF, BY_KIND
     before = BY_ONEOF, BY_KIND
     replaced = {op.oneof for op in ops}
@@ -73,16 +74,16 @@ def arriving_as(oneof: str | None) -> Op:
     return op
 
 
-def queued_as(kind: OpKind) -> Op | None:
+def queued_as(kind: str) -> Op | None:
     """The op of a queued job's kind (None: a kind no cycle runs)."""
     return BY_KIND.get(kind)
 
 
-def _unexpected(kind: OpKind) -> RuntimeError:
+def _unexpected(kind: str) -> RuntimeError:
     return RuntimeError(f"unexpected op kind {kind}")
 
 
-def single(kind: OpKind) -> SingleOp:
+def single(kind: str) -> SingleOp:
     """The op of a kind that runs alone (create, load, save)."""
     op = BY_KIND.get(kind)
     if not isinstance(op, SingleOp):
@@ -90,7 +91,7 @@ def single(kind: OpKind) -> SingleOp:
     return op
 
 
-def fused_pass(kind: OpKind) -> PassOp:
+def fused_pass(kind: str) -> PassOp:
     """The op of a kind that joins the fused pass."""
     op = BY_KIND.get(kind)
     if not isinstance(op, PassOp):
@@ -98,7 +99,7 @@ def fused_pass(kind: OpKind) -> PassOp:
     return op
 
 
-def step(kind: OpKind) -> StepOp:
+def step(kind: str) -> StepOp:
     """The op of a kind that joins the batched optimizer step."""
     op = BY_KIND.get(kind)
     if not isinstance(op, StepOp):
@@ -106,11 +107,11 @@ def step(kind: OpKind) -> StepOp:
     return op
 
 
-def is_pass(kind: OpKind) -> bool:
+def is_pass(kind: str) -> bool:
     return isinstance(BY_KIND.get(kind), PassOp)
 
 
-def trains(kind: OpKind) -> bool:
+def trains(kind: str) -> bool:
     """Whether an op of `kind` trains its pass tokens (a pass that runs backward)."""
     op = BY_KIND.get(kind)
     return isinstance(op, PassOp) and op.backward(kind)

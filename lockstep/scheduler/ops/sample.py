@@ -1,7 +1,9 @@
 """sample: queued for the sampling lane (`scheduler/cycle/sampling_lane.py`), which batches every
 tenant's samples beside the clock; no model's seq_id order, no cycle phase.
 
-Its engine request and its result encoding are `translate.sample_request` / `sample_response`.
+Validated at submission in its decoded form (`translate.sample_request`: the prompt's tokens,
+its images judged); that request is kept (`scheduler/admission/decoded.py`) and the lane runs
+it as it is. Its result encoding is `translate.sample_response`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from lockstep.vocab import OpKind
 
 class Sample(Op):
     oneof = "sample"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.SAMPLE})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.SAMPLE})
 
     async def admit(self, ctx: SubmitContext, req: pb.SubmitRequest) -> SampleClaim:
         """Every rule of a sample, judged here once: the gateway only checks its address and
@@ -25,7 +27,8 @@ class Sample(Op):
         s = req.sample
         sampler = await ctx.catalog.addressed_sampler(req.owner, s.sampling_session_id)
         translate.inline_assets(s.prompt_chunks, "prompt", ctx.sample_images)
-        prompt, _ = translate.sample_prompt(s, ctx.sample_images)  # images become their tokens
+        decoded = translate.sample_request("", s, None, ctx.sample_images)  # its id once claimed
+        prompt = decoded.prompt  # images become their tokens
         limits = ctx.limits
         if not 1 <= s.num_samples <= limits.max_samples_per_request:
             raise UserInputError("num_samples", f"must be in [1, {limits.max_samples_per_request}]")
@@ -33,7 +36,11 @@ class Sample(Op):
         _check_params(s.params, len(prompt), ctx.card.max_context_length)
         _check_logprobs(s, len(prompt), ctx.card.vocab_size)
         return SampleClaim(
-            s.sampling_session_id, s.seq_id, s.num_samples, live_session=sampler.session_id
+            s.sampling_session_id,
+            s.seq_id,
+            s.num_samples,
+            live_session=sampler.session_id,
+            decoded=decoded,
         )
 
 

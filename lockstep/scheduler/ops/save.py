@@ -43,7 +43,7 @@ _SEGMENTS = {
 
 class Save(SingleOp):
     oneof = "save_weights"
-    kinds: ClassVar[frozenset[OpKind]] = frozenset({OpKind.SAVE})
+    kinds: ClassVar[frozenset[str]] = frozenset({OpKind.SAVE})
 
     def addressed(self, req: pb.SubmitRequest) -> tuple[str, int]:
         return req.save_weights.model_id, req.save_weights.seq_id

@@ -177,7 +177,7 @@ class TrainingClaim:
     owner: str
     model_id: str
     seq_id: int
-    kind: OpKind
+    kind: str
     payload: bytes
     tokens: int
     new_model: ModelRecord | None = None  # written with the claim (create_model, create-via-load)
@@ -286,11 +286,13 @@ async def claim_sample(
     backlog: int,
     ttl_s: int,
     live_session: str | None = None,
+    request_id: str | None = None,
 ) -> tuple[str, bool]:
-    """Queue a sample request exactly once; (request id, created). The claim expires with
-    the results (`ttl_s`). With `live_session` (the sampler's session), only while the sampler
-    exists and its session has not ended (else NotLive)."""
-    rid, want = new_request_id(), digest(payload)
+    """Queue a sample request exactly once; (request id, created: its id is `request_id`, or
+    a new one). The claim expires with the results (`ttl_s`). With `live_session` (the
+    sampler's session), only while the sampler exists and its session has not ended (else
+    NotLive)."""
+    rid, want = request_id or new_request_id(), digest(payload)
     fields = job_fields(rid, OpKind.SAMPLE, owner, sampler_id, seq_id, want, payload, 0)
     reply = await redis.eval(
         CLAIM_SAMPLE,

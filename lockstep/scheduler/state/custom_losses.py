@@ -1,29 +1,50 @@
-"""A session's custom losses in Redis: stored at creation, found again for each request, gone
-with the session.
+"""A session's custom losses: checked, priced and stored at creation, attached to every request
+that names one, gone with the session. The scheduler's one module for them.
 
-A store only: what a loss may be and what it may cost is the admission's to judge
-(`scheduler/admission/custom_losses.py`), before `put`. A stored loss lives as long as its
-session: a restarted scheduler or an engine replaying a pass still finds it, and the session's
-end (closed, or silent past the expiry) deletes it (`delete_session`). Its id is
-`<session_id>:loss:<custom_loss_seq_id>`, so a retried create (same seq id, same loss) answers
-the same id and a different loss under a used seq id is a 400.
+- `CustomLosses.create` answers create_custom_loss at once (its future is already finished):
+  the graph's structure against the allowlist (`lockstep/custom_loss/graph.py`), then its price
+  on probe shapes (`lockstep/custom_loss/pricing.py`: FLOPs and peak temporary memory on meta
+  tensors, against `bound.py`'s bound), then the store and the usage counter. Its id is
+  `<session_id>:loss:<custom_loss_seq_id>`, so a retried create (same seq id, same loss) answers
+  the same id and a different loss under a used seq id is a 400.
+- `attach` is the one way a request gets its loss: at its admission (`ops/forward_backward.py`:
+  the loss must be one of the model's session's) and at dispatch and replay (rebuilt from the
+  stored record). `CustomLosses.check_data` then judges each datum at admission: its inputs at
+  their declared ranks (`graph.check_datum`) and its price on its shapes within the bound. So a
+  graph or datum the engine should not run is a 400 naming the node before it is queued.
+- A stored loss lives as long as its session: a restarted scheduler or an engine replaying a
+  pass still finds it, and the session's end (closed, or silent past the expiry) deletes it
+  (`delete_session`).
+
+The scheduler never imports torch: pricing runs in a worker process of its own
+(`lockstep/custom_loss/pricer.py`), started on first use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from lockstep.custom_loss import graph
+from lockstep.custom_loss.bound import CostBound
+from lockstep.custom_loss.pricer import Pricer
+from lockstep.engine.capabilities import TrainerCapabilities
 from lockstep.engine.losses import CUSTOM, custom_loss_id
 from lockstep.engine.types import CustomLoss, CustomLossNode, PassRequest
 from lockstep.errors import UserInputError
 from lockstep.scheduler.state import keys
-from lockstep.scheduler.state.records import CustomLossRecord, decode, encoder
+from lockstep.scheduler.state.catalog import Catalog
+from lockstep.scheduler.state.records import CustomLossRecord, ModelRecord, decode, encoder
 from lockstep.scheduler.state.store import Store
+from lockstep.v1 import scheduler_pb2 as pb
+from lockstep.vocab import OpKind
 
 MAX_LOSSES_PER_SESSION = 256
+Created = Callable[[CustomLossRecord], Awaitable[None]]  # usage: a loss was stored
 
 
 class _Node(msgspec.Struct, forbid_unknown_fields=True):
@@ -95,15 +116,84 @@ async def delete_session(store: Store, session_id: str) -> int:
     return len(ids)
 
 
-async def attach(store: Store, req: PassRequest) -> None:
-    """Attach the loss a queued custom request names (checked at its submission): dispatch and
-    replay rebuild it from the stored record."""
+async def attach(store: Store, req: PassRequest, model: ModelRecord | None = None) -> None:
+    """Attach the loss a custom request names (a built-in loss has none): at its admission,
+    given its `model`, only one of that model's session's; at dispatch and replay (checked at
+    its submission), rebuilt from the stored record."""
     if req.loss_fn != CUSTOM:
         return
-    rec = await record(store, custom_loss_id(req.loss_config))
-    if rec is None:
+    loss_id = custom_loss_id(req.loss_config)
+    rec = await record(store, loss_id)
+    if model is None:
+        if rec is None:
+            raise UserInputError(
+                "loss_fn_config.loss_id",
+                f"custom loss {loss_id[:80]!r} is gone (it left with its session)",
+            )
+    elif rec is None or rec.owner != model.owner or rec.session_id != model.session_id:
         raise UserInputError(
             "loss_fn_config.loss_id",
-            f"custom loss {req.loss_config.get('loss_id')} is gone (it left with its session)",
+            f"{loss_id[:80]!r} names no custom loss of this model's session "
+            f"({model.session_id}); create it with create_custom_loss in that session",
         )
     req.custom_loss = loss_from_record(rec)
+
+
+class CustomLosses:
+    def __init__(
+        self,
+        store: Store,
+        catalog: Catalog,
+        bound: CostBound,
+        max_tokens: int,
+        trainer: TrainerCapabilities,
+        created: Created | None = None,
+    ) -> None:
+        self.store = store
+        self.catalog = catalog
+        self.bound = bound  # what one datum's loss may cost (reported by get_info)
+        self.max_tokens = max_tokens  # the longest datum the server accepts
+        self.created = created
+        self.trainer = trainer  # whether the training engine runs them at all
+        self.pricer = Pricer()  # its own process: pricing never holds the scheduler's loop
+
+    async def create(self, req: pb.CreateCustomLossRequest) -> pb.SubmitReply:
+        """Check, price and store a loss; answered as an already finished future."""
+        session = await self.catalog.live_session(req.owner, req.session_id)
+        self.trainer.check_custom_losses()
+        if req.custom_loss_seq_id < 0:
+            raise UserInputError("custom_loss_seq_id", "must be >= 0")
+        loss_id = f"{session.session_id}:loss:{req.custom_loss_seq_id}"
+        inputs = [(x.name, x.rank) for x in req.inputs]
+        loss = graph.build_loss(loss_id, req.name, inputs, nodes_of(req.graph_json))
+        await self.pricer.check_created(loss, self.bound, self.max_tokens)
+        digest = hashlib.sha256(
+            msgspec.json.encode([req.name, inputs]) + b"\0" + req.graph_json
+        ).hexdigest()
+        rec = CustomLossRecord(
+            loss_id,
+            req.owner,
+            session.session_id,
+            req.custom_loss_seq_id,
+            req.name,
+            inputs,
+            req.graph_json,
+            digest,
+            time.time(),
+        )
+        if await put(self.store, rec) and self.created is not None:
+            await self.created(rec)
+        result = pb.JobResult(custom_loss=pb.CustomLossResult(loss_id=loss_id))
+        rid = await self.store.jobs.finished(OpKind.CREATE_CUSTOM_LOSS, req.owner, result)
+        return pb.SubmitReply(request_id=rid)
+
+    async def check_data(self, req: PassRequest) -> None:
+        """Each datum of a request against the loss attached to it: its inputs at their
+        declared ranks (`graph.check_datum`), then the loss's price on its shapes within the
+        bound (in the pricing process)."""
+        loss = req.custom_loss
+        if loss is None:
+            return
+        for i, datum in enumerate(req.data):
+            graph.check_datum(loss, datum, i)
+        await self.pricer.check_data(loss, req.data, self.bound)

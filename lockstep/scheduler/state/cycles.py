@@ -94,7 +94,7 @@ class Cycles:
                     rid.decode(),
                     model_id,
                     int(float(seq)),
-                    OpKind(kind.decode()) if kind else OpKind.REJECTED,
+                    kind.decode() if kind else OpKind.REJECTED,
                     int(tokens),
                 )
                 for rid, seq, kind, tokens in zip(*[iter(row[2:])] * 4, strict=True)

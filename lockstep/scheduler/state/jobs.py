@@ -19,7 +19,7 @@ from lockstep.vocab import ErrorCategory, JobStatus, OpKind
 @dataclass
 class Job:
     request_id: str
-    kind: OpKind
+    kind: str
     owner: str
     model_id: str
     seq_id: int
@@ -73,9 +73,11 @@ class Jobs:
         payload: bytes,
         backlog: int = 0,
         live_session: str | None = None,
+        request_id: str | None = None,
     ) -> tuple[str, bool]:
-        """Queue a sample request exactly once; QueueFull past `backlog` queued samples; with
-        `live_session`, NotLive unless the sampler exists and that session has not ended."""
+        """Queue a sample request exactly once (as `request_id` if it is new); QueueFull past
+        `backlog` queued samples; with `live_session`, NotLive unless the sampler exists and
+        that session has not ended."""
         return await claims.claim_sample(
             self.redis,
             owner=owner,
@@ -85,6 +87,7 @@ class Jobs:
             backlog=backlog,
             ttl_s=self.result_ttl_s,
             live_session=live_session,
+            request_id=request_id,
         )
 
     async def get(self, request_id: str, payload: bool = True) -> Job | None:
@@ -111,7 +114,7 @@ class Jobs:
         ]
 
     async def finished(
-        self, kind: OpKind, owner: str, result: pb.JobResult, model_id: str = ""
+        self, kind: str, owner: str, result: pb.JobResult, model_id: str = ""
     ) -> str:
         """Record an op that is done when asked (no queue, no clock) as a finished future, so
         clients that poll every answer find it; returns its request id."""
@@ -141,7 +144,7 @@ def job_from(request_id: str, f: dict[str, bytes]) -> Job:
 
     return Job(
         request_id=request_id,
-        kind=OpKind(text("kind") or OpKind.SAMPLE),
+        kind=text("kind") or OpKind.SAMPLE,
         owner=text("owner") or "",
         model_id=text("model_id") or "",
         seq_id=int(f.get("seq_id", b"0")),

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-from lockstep.vocab import CheckpointType, OpKind
+from lockstep.vocab import CheckpointType
 
 T = TypeVar("T")
 
@@ -109,7 +109,7 @@ class QueuedOp(msgspec.Struct, frozen=True):
     request_id: str
     model_id: str
     seq_id: int
-    kind: OpKind
+    kind: str
     tokens: int = 0  # tokens in the request (for the cycle's token budget)
 
 
@@ -118,7 +118,7 @@ class HistoryEntry(msgspec.Struct, frozen=True, array_like=True):
     an array, as it is stored once per op for the run's whole life."""
 
     seq_id: int
-    kind: OpKind
+    kind: str  # its queued kind (`ops.registry`; the built-in ones are `OpKind` members)
     time: float
     datums: int
     tokens: int

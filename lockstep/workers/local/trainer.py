@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from lockstep.config.training import DEFAULT_MICRO_BATCH_TOKENS
-from lockstep.engine import memory
+from lockstep.engine import families, memory
 from lockstep.engine.capabilities import (
     TEXT_AND_IMAGES,
     TEXT_INPUTS,
@@ -58,7 +58,7 @@ from lockstep.engine.types import (
 )
 from lockstep.errors import UnsupportedModel, UserInputError
 from lockstep.modeling import hybrid_kernels, mixers
-from lockstep.modeling.architecture import PACKED_FAMILIES, TrainerPath, check_head, describe
+from lockstep.modeling.architecture import TrainerPath, check_head, describe
 from lockstep.modeling.attention import ROW_ATTENTION
 from lockstep.modeling.checkpointing import LayerCheckpoints
 from lockstep.modeling.decoder_layers import decoder_layers
@@ -111,7 +111,7 @@ class LocalTrainingEngine(TrainingEngine):
                 "trainer: %s is not a packed family (%s): every row runs alone through the "
                 "model's own forward, exact but slower",
                 arch.model_type,
-                ", ".join(sorted(PACKED_FAMILIES)),
+                ", ".join(sorted(families.PACKED)),
             )
         # A vision-language model's frozen tower: the images of each micro-batch in one call.
         self._vision = None if arch.vision is None else VisionModel(model, model_dir, arch.vision)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lockstep.engine.families import ModelConfig
 from lockstep.engine.shape import ModelShape
 from lockstep.workers.megatron.support import UnsupportedByMegatron, refused_features
 
@@ -54,10 +55,10 @@ class HFArch:
 
     @staticmethod
     def from_dir(model_dir: Path) -> HFArch:
-        from lockstep.engine.memory import text_config
         from lockstep.modeling.architecture import describe_dir
 
-        return HFArch.from_shape(describe_dir(Path(model_dir)).shape, text_config(Path(model_dir)))
+        text = ModelConfig.read(model_dir).text
+        return HFArch.from_shape(describe_dir(Path(model_dir)).shape, text)
 
     @staticmethod
     def from_shape(shape: ModelShape, cfg: dict[str, Any]) -> HFArch:

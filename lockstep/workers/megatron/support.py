@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from enum import StrEnum
 
+from lockstep.engine import families
 from lockstep.engine.shape import AttentionShape, FeedForwardShape, Mixer, ModelShape
 
-# Families whose decoder layer is Llama's (pre-norm RMSNorm with a plain weight, unscaled
-# embeddings): what a shape does not say, since norm placement and offsets and embedding scaling
-# live in a model's forward, not in its modules. Everything else is read from the shape.
-LLAMA_LAYERS = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+# Whether a family's decoder layer is Llama's is the family table's (`families.LLAMA_LAYERS`):
+# a shape does not say it. Everything else is read from the shape.
 SILU = frozenset({"silu"})
 
 
@@ -132,6 +131,7 @@ def _uniform(shape: ModelShape) -> Found:
 def refused_features(shape: ModelShape) -> Found:
     """Every feature of `shape` megatron's layers would not compute exactly."""
     found = _mixers(shape) + _attention(shape) + _uniform(shape) + _feed_forward(shape)
-    if shape.family not in LLAMA_LAYERS:
-        found.append((Refused.DECODER_LAYER, f"checked: {', '.join(sorted(LLAMA_LAYERS))}"))
+    if not families.family(shape.family).llama_layers:
+        checked = ", ".join(sorted(families.LLAMA_LAYERS))
+        found.append((Refused.DECODER_LAYER, f"checked: {checked}"))
     return found

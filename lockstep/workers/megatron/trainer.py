@@ -16,6 +16,7 @@ import torch
 
 from lockstep.engine import memory
 from lockstep.engine.capabilities import TrainerCapabilities
+from lockstep.engine.families import ModelConfig
 from lockstep.engine.interface import TrainingEngine
 from lockstep.engine.pass_checks import check_passes, require_model
 from lockstep.engine.types import (
@@ -62,7 +63,7 @@ class MegatronTrainingEngine(TrainingEngine):
         memory_budget_bytes: int = 0,
     ) -> None:
         self._shape = describe_dir(Path(model_dir)).shape  # the one description of the model
-        self._arch = arch = HFArch.from_shape(self._shape, memory.text_config(Path(model_dir)))
+        self._arch = arch = HFArch.from_shape(self._shape, ModelConfig.read(model_dir).text)
         parallel.check_model(
             arch.layers, arch.heads, arch.kv_heads, arch.vocab, arch.intermediate, arch.experts
         )
