@@ -15,9 +15,10 @@ computes the same function plus each tenant's LoRA on each expert's projections.
 Work is grouped, never gathered per token: the (token, expert) pairs of a call are sorted by
 expert, and each base projection is ONE grouped GEMM over every expert's run of pairs. For the
 LoRA, the pairs are regrouped once per call, adapter-major with expert order kept (group g*E + e:
-the g-th adapter's pairs routed to expert e; g = 0 the pairs without an adapter that trains the
-layer, against zero weights), gathered once per projection input (gate and up share it), and each
-projection's LoRA is ONE grouped GEMM pair over all (K + 1) x E groups (`torch._grouped_mm`:
+the g-th adapter's pairs routed to expert e; the pairs without an adapter that trains the layer
+ride in the first adapter's groups at a scale of 0), gathered once per projection input (gate and
+up share it), and each projection's LoRA is ONE grouped GEMM pair over all K x E groups
+(`torch._grouped_mm`:
 no per-adapter or per-expert launches on CUDA; cut into runs under the backend's group limit,
 `grouped_gemm.py`), added back with one index_add. Nothing is read back to the host, so a decode
 step can be captured as a CUDA graph. Routing stays dropless and every pair's result depends only
@@ -238,9 +239,10 @@ class MultiLoRAExperts(nn.Module):
 class _AdapterGroups:
     """The pairs of one call regrouped adapter-major with expert order kept: group g*E + e holds
     the pairs of the g-th adapter that trains any projection of the layer (`names`, in routing
-    order) routed to expert e; group g = 0 the pairs without one (zero weights: their deltas are
-    exact zeros). `index`: the pairs' positions in that order, `ends`: the (K + 1) x E group
-    ends. An adapter that does not train a projection gets zero weights there too.
+    order) routed to expert e, the pairs without one in the first adapter's groups with a scale
+    of 0 (their deltas and their gradients are exact zeros). `index`: the pairs' positions in
+    that order, `ends`: the K x E group ends. An adapter that does not train a projection gets
+    zero weights there.
 
     Every shape is the call's, and nothing is read back to the host (the routing's constants are
     on the device from the first layer on), so a decode step can be captured as a CUDA graph;
@@ -273,15 +275,16 @@ class _AdapterGroups:
             return
         self.active = True
         lut, table = _constants(routing, token.device, present, scales, trains)
-        group = lut.index_select(0, ordinal + 1).index_select(0, token)  # 0: no LoRA here
+        scale = lut.index_select(0, ordinal + 1).index_select(0, token)  # 0: no LoRA here
         experts = next(iter(slots.values())).experts
         if not self.grouped:
-            self._per_adapter = _per_adapter_pairs(group, expert, self.names, experts)
+            self._per_adapter = _per_adapter_pairs(scale, expert, self.names, experts)
             return
+        group = (scale - 1).clamp_min(0)  # pairs without an adapter ride with the first's
         key = group * experts + expert
         self.index = torch.argsort(key, stable=True)
-        self.group = group.index_select(0, self.index)
-        parts = len(self.names) + 1
+        self.scale_index = scale.index_select(0, self.index)
+        parts = len(self.names)
         self.ends = group_ends(key.index_select(0, self.index), parts * experts)
         # Past the backend's group limit: cut at adapter boundaries, their rows counted once.
         limit = group_limit(token.device)
@@ -314,7 +317,7 @@ class _AdapterGroups:
         ]
         if all(w is None for w in weights):
             return None
-        a, b = lora_stack([None, *weights], xs.dtype)  # [(K+1)*E, r, in], [(K+1)*E, out, r]
+        a, b = lora_stack(weights, xs.dtype)  # [K*E, r, in], [K*E, out, r]
         h = grouped_mm(xs, a.mT, self.ends, self.cuts)
         h = h * self._scale_of(which, h.dtype)
         return grouped_mm(h, b.mT, self.ends, self.cuts)
@@ -324,7 +327,7 @@ class _AdapterGroups:
         per distinct set of scales, usually one per call)."""
         scales, row = self._scale[which]
         if scales not in self._row_scale:
-            per_pair = row.index_select(0, self.group).unsqueeze(1).to(dtype)
+            per_pair = row.index_select(0, self.scale_index).unsqueeze(1).to(dtype)
             self._row_scale[scales] = per_pair
         return self._row_scale[scales]
 

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import TracebackType
 from typing import Any, NamedTuple
 
 import torch
@@ -99,7 +100,7 @@ class OpCensus(TorchDispatchMode):
         self._model = model
         self._layers = decoder_layers(model)
         self.layer_kinds: list[str] = []
-        self._owners: dict[Any, tuple[Place, str]] = {}  # autograd node -> (place, source)
+        self._owners: dict[object, tuple[Place, str]] = {}  # autograd node -> (place, source)
         self.unattributed = 0  # backward ops of nodes no stamp reached (counted where we are)
         self.forwards = 0  # the model's forwards (one per micro-batch)
         self._stamps = _Stamps(self)
@@ -114,9 +115,14 @@ class OpCensus(TorchDispatchMode):
         super().__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        self._hooks.__exit__(*exc)
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        super().__exit__(kind, exc, tb)  # type: ignore[no-untyped-call]
+        self._hooks.__exit__(kind, exc, tb)
 
     def region(self, region: Region) -> AbstractContextManager[None]:
         """Count the ops run inside as `region`'s (outside the model's own places)."""
@@ -135,7 +141,7 @@ class OpCensus(TorchDispatchMode):
         """Wrap each decoder layer's forward and hook its children for the census's lifetime."""
         decoder = self._model.get_decoder()
         handles = [decoder.register_forward_pre_hook(self._forward_starts)]
-        wrapped: list[tuple[nn.Module, Any]] = []
+        wrapped: list[tuple[nn.Module, Callable[..., object] | None]] = []
         self.layer_kinds = []
         for index, layer in enumerate(self._layers):
             wrapped.append((layer, layer.__dict__.get("forward")))
@@ -161,14 +167,14 @@ class OpCensus(TorchDispatchMode):
                 else:
                     layer.forward = forward
 
-    def _forward_starts(self, *_: Any) -> None:
+    def _forward_starts(self, *_: object) -> None:
         self.forwards += 1
         self.place = Place(Region.EMBED)
 
-    def _wrapped(self, index: int, forward: Any) -> Any:
+    def _wrapped(self, index: int, forward: Callable[..., object]) -> Callable[..., object]:
         last = len(self._layers) - 1
 
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: object, **kwargs: object) -> object:
             self.place = Place(Region.LAYER, index)
             try:
                 return forward(*args, **kwargs)
@@ -177,19 +183,19 @@ class OpCensus(TorchDispatchMode):
 
         return run
 
-    def _enter_part(self, index: int, part: str) -> Any:
-        def hook(*_: Any) -> None:
+    def _enter_part(self, index: int, part: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
             self.place = Place(Region.LAYER, index, part)
 
         return hook
 
-    def _leave_part(self, index: int) -> Any:
-        def hook(*_: Any) -> None:
+    def _leave_part(self, index: int) -> Callable[..., None]:
+        def hook(*_: object) -> None:
             self.place = Place(Region.LAYER, index)
 
         return hook
 
-    def stamp(self, out: Any, source: str) -> None:
+    def stamp(self, out: object, source: str) -> None:
         """Attribute the autograd nodes behind `out` not yet seen to the current place."""
         todo = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         while todo:

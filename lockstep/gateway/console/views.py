@@ -4,7 +4,6 @@ scope and ownership rules an SDK client gets; nothing here reads the scheduler a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 
@@ -14,6 +13,10 @@ from lockstep.gateway.console.clock import ClockWatch
 from lockstep.gateway.deps import Caller, Scope, read_scope
 from lockstep.gateway.routes import accounting, runs
 from lockstep.gateway.schema import responses as rs
+from lockstep.gateway.stub import TimedStub
+
+# What a view hands its template (Jinja reads it by name).
+Page = dict[str, object]
 
 RUNS_PER_PAGE = 100
 CHARTS_PER_RUN = 3  # the first metrics of a run drawn (losses first); the rest are listed
@@ -26,7 +29,7 @@ async def scope_of(caller: Caller) -> Scope:
     return await read_scope(caller, "accessible")
 
 
-async def runs_page(caller: Caller, stub: Any, offset: int) -> dict[str, Any]:
+async def runs_page(caller: Caller, stub: TimedStub, offset: int) -> Page:
     scope = await scope_of(caller)
     listed = await runs.list_training_runs(scope, stub, RUNS_PER_PAGE, offset)
     return {
@@ -46,7 +49,7 @@ class RunUsage:
     checkpoint_bytes: int
 
 
-async def run_page(caller: Caller, stub: Any, run_id: str) -> dict[str, Any]:
+async def run_page(caller: Caller, stub: TimedStub, run_id: str) -> Page:
     scope = await scope_of(caller)
     run = await runs.get_training_run(run_id, scope, stub)
     ckpts = (await runs.list_run_checkpoints(run_id, scope, stub, 10_000, 0)).checkpoints
@@ -65,7 +68,7 @@ async def run_page(caller: Caller, stub: Any, run_id: str) -> dict[str, Any]:
     }
 
 
-async def run_live(caller: Caller, stub: Any, run_id: str) -> dict[str, Any]:
+async def run_live(caller: Caller, stub: TimedStub, run_id: str) -> Page:
     """The part of a run's page that moves: its charts and its futures in flight."""
     scope = await scope_of(caller)
     history = await runs.get_run_history(run_id, scope, stub, chart.MAX_POINTS)
@@ -95,7 +98,7 @@ def metric_charts(history: rs.RunHistoryResponse) -> tuple[list[LineChart], list
     return charts, ordered[CHARTS_PER_RUN:]
 
 
-async def usage_page(request: Request, caller: Caller, stub: Any) -> dict[str, Any]:
+async def usage_page(request: Request, caller: Caller, stub: TimedStub) -> Page:
     scope = await scope_of(caller)
     usage = await accounting.daily_usage(request, scope, stub, USAGE_DAYS)
     charts: list[tuple[str, BarChart, BarChart]] = []
@@ -111,7 +114,7 @@ async def usage_page(request: Request, caller: Caller, stub: Any) -> dict[str, A
     return {"usage": usage, "charts": charts, "me": caller.owner, "days": USAGE_DAYS}
 
 
-async def playground_page(caller: Caller, stub: Any) -> dict[str, Any]:
+async def playground_page(caller: Caller, stub: TimedStub) -> Page:
     caps = await runs.get_server_capabilities(caller.owner, stub)
     own = await runs.list_checkpoints(caller.owner, stub, 1000, 0)
     samplers = [c for c in own.checkpoints if c.checkpoint_type == "sampler"]
@@ -120,5 +123,5 @@ async def playground_page(caller: Caller, stub: Any) -> dict[str, Any]:
     return {"models": models, "samplers": samplers, "images": images}
 
 
-async def clock_panel(watch: ClockWatch) -> dict[str, Any]:
+async def clock_panel(watch: ClockWatch) -> Page:
     return {"clock": await watch.rates(), "clock_error": watch.error, "wired": watch.url}
