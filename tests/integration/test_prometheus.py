@@ -66,6 +66,8 @@ NO_SERIES_HERE = {
     "Failed requests / s per owner #0": "no request failed in this run",
     "Page-ins / outs / frees #0": "no run is paged, freed or restored (no --max-resident-models, "
     "no session ends during the run)",
+    "Hybrid kernels #0": "lockstep_hybrid_kernel is exported for hybrid models only (this run "
+    "serves the dense tiny Qwen3; test_model_families.py reads it for every hybrid family)",
 }
 
 
