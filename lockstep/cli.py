@@ -12,6 +12,7 @@ from lockstep import admin as admin_mod
 from lockstep import config
 from lockstep.config import LockstepConfig
 from lockstep.config.flags import replace_paths
+from lockstep.errors import UnsupportedModel
 from lockstep.supervisor import run
 from lockstep.version import STATE_FORMAT, VERSION
 
@@ -25,7 +26,10 @@ def resolve_models(
     insists on). With none, the built-in tiny Qwen3 model is built (once) under the data dir, or
     with `vision` (the demo's --vision) a tiny Qwen3-VL vision-language model.
     """
-    from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+    try:  # the first import of lockstep.modeling: refuses a transformers outside the range
+        from lockstep.modeling.tiny import DEFAULT_MODEL_NAME, ensure_default_model
+    except UnsupportedModel as exc:
+        raise SystemExit(f"lockstep: {exc}") from exc
 
     if not specs and vision:
         from lockstep.demo.data import VISION_DEMO_MODEL

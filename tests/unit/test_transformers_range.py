@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -63,3 +65,20 @@ def test_experts_a_release_lays_out_in_an_unknown_way_are_refused_naming_it(
     )
     with pytest.raises(UnsupportedModel, match=message):
         describe_dir(directory)
+
+
+def test_lockstep_serve_refuses_an_old_transformers_by_its_version(tmp_path: Path) -> None:
+    """What a user with transformers 4.57 sees: one line naming the release and the range
+    (4.57.1 used to stop the engine with a ModuleNotFoundError of a transformers module)."""
+    code = (
+        "import sys, transformers; transformers.__version__ = '4.57.1'; "
+        "from pathlib import Path; from lockstep import cli; "
+        "cli.resolve_models([], Path(sys.argv[1]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("lockstep: transformers 4.57.1 is outside the range"), last
+    assert "transformers>=5.17,<6" in last, last
