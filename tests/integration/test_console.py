@@ -7,8 +7,6 @@ printed). Without Chromium, or without the playwright package, the tests skip an
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -23,25 +21,14 @@ import pytest
 from lockstep.devserver import Server, start_server, stop_server
 from lockstep.keyring import owner_of
 
+from .browser import WAIT_MS, chromium, require_browser, sign_in_by_keyboard, unlabelled
+
 pytestmark = pytest.mark.e2e
 
-CHROMIUM = shutil.which("chromium")
-# Debian's chromium in a closed network: no sandbox (root), no background connections.
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 OWNER_KEY = "tml-console-owner"
 OTHER_KEY = "tml-console-other"
 ADMIN_KEY = "tml-console-admin"
 BUDGET_BYTES = 300_000  # everything one page loads: HTML, views, script, style
-WAIT_MS = 120_000  # conditions below are waited for, never timed
 
 
 @dataclass
@@ -87,9 +74,7 @@ def _train(server: Server, tenant: Tenant, stop: threading.Event) -> None:
 
 @pytest.fixture(scope="module")
 def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if CHROMIUM is None:
-        pytest.skip("no `chromium` on PATH: apt-get install chromium (README's test command)")
-    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    require_browser()
     srv = start_server(tmp_path_factory.mktemp("console") / "data", "--admin-key", ADMIN_KEY)
     yield srv
     assert stop_server(srv) == 0, srv.log()[-5000:]
@@ -113,43 +98,8 @@ def tenants(console_server: Server) -> Iterator[list[Tenant]]:
 
 @pytest.fixture()
 def browser() -> Iterator[Any]:
-    """A fresh Chromium profile per test (so no key is kept from another test)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
-        context = p.chromium.launch_persistent_context(
-            profile,
-            executable_path=CHROMIUM,
-            headless=True,
-            args=CHROMIUM_ARGS,
-            viewport={"width": 1280, "height": 900},
-            accept_downloads=True,
-        )
+    with chromium() as context:
         yield context
-        context.close()
-
-
-def _sign_in_by_keyboard(page: Any, base_url: str, key: str) -> None:
-    """Tab to the labelled key field, type, Enter: the form works without a mouse."""
-    page.goto(base_url + "/console")
-    field = page.get_by_label("API key")
-    field.wait_for()
-    for _ in range(12):
-        if page.evaluate("document.activeElement && document.activeElement.id") == "api-key":
-            break
-        page.keyboard.press("Tab")
-    assert page.evaluate("document.activeElement.id") == "api-key"
-    page.keyboard.type(key)
-    page.keyboard.press("Enter")
-
-
-def _labelled(page: Any) -> list[str]:
-    """Form controls on the page without a label (an empty list is good)."""
-    script = """() => [...document.querySelectorAll('input, select, textarea')]
-        .filter(e => e.type !== 'hidden' && !(e.labels && e.labels.length) && !e.ariaLabel)
-        .map(e => e.outerHTML)"""
-    unlabelled: list[str] = page.evaluate(script)
-    return unlabelled
 
 
 def test_a_key_watches_its_tenants_train_downloads_and_samples(
@@ -159,8 +109,8 @@ def test_a_key_watches_its_tenants_train_downloads_and_samples(
     page = browser.new_page()
     responses: list[Any] = []
     page.on("response", lambda r: responses.append(r))
-    _sign_in_by_keyboard(page, base, OWNER_KEY)
-    assert _labelled(page) == []
+    sign_in_by_keyboard(page, base, OWNER_KEY)
+    assert unlabelled(page) == []
 
     # Two tenants training: both runs listed, and their steps move while we watch.
     page.wait_for_function(
@@ -195,7 +145,7 @@ def test_a_key_watches_its_tenants_train_downloads_and_samples(
     page.wait_for_function(  # the chart moves: the live part refreshes with new steps
         f"(n) => +document.querySelector('{chart}').dataset.points > n", arg=points, timeout=WAIT_MS
     )
-    assert _labelled(page) == []
+    assert unlabelled(page) == []
     page.screenshot(path=tmp_path / "run.png", full_page=True)
 
     # Download the training checkpoint: signed links, no key in any URL.
@@ -217,7 +167,7 @@ def test_a_key_watches_its_tenants_train_downloads_and_samples(
     s1, s3 = tenants[0].samplers[:2]
     page.goto(base + "/console/playground")
     page.wait_for_selector("#playground")
-    assert _labelled(page) == []
+    assert unlabelled(page) == []
     page.get_by_label("Model", exact=True).select_option(s1)
     page.get_by_label("Compare side by side with").check()
     page.get_by_label("Second model").select_option(s3)
@@ -251,7 +201,7 @@ def test_another_key_sees_none_of_it(
         bodies.extend(r.text() for r in responses if "/console" in r.url)
         responses.clear()
 
-    _sign_in_by_keyboard(page, base, OTHER_KEY)
+    sign_in_by_keyboard(page, base, OTHER_KEY)
     page.wait_for_selector("text=No training runs yet", timeout=WAIT_MS)
     read()
     run_id = tenants[0].client.model_id

@@ -9,6 +9,8 @@ tiny Qwen3.5 vision-language model in its published layout (lockstep/modeling/vi
   forward;
 - OpenAI `image_url` data URIs and Anthropic base64 `image` blocks are answered; remote URLs are
   refused;
+- the console's playground uploads an image and shows what the OpenAI route answers for it
+  (headless Chromium; skipped with the other console tests where it is missing);
 - tinker-cookbook's own renderer and image processing build the datums (tests/cookbook, in its
   venv; skipped with the cookbook tests).
 
@@ -33,6 +35,7 @@ from PIL import Image
 from lockstep.devserver import Server, start_server, stop_server
 from lockstep.modeling.vision import zoo as vision_zoo
 
+from .browser import WAIT_MS, chromium, sign_in_by_keyboard, unlabelled
 from .packing import assert_packed
 
 pytestmark = pytest.mark.e2e
@@ -278,6 +281,56 @@ def test_compatible_apis_take_images_as_the_sdk_does(served: tuple[str, Path, Se
             max_tokens=2,
             messages=[{"role": "user", "content": [{"type": "image", "source": source}]}],
         )
+
+
+def test_console_playground_samples_an_uploaded_image(
+    served: tuple[str, Path, Server], tmp_path: Path
+) -> None:
+    """The playground offers an image field for a vision model; the uploaded file's bytes reach
+    the model (a data: URI in the page's request), and the page shows the logprobs the OpenAI
+    client gets for that very request; another image, another answer."""
+    import openai
+
+    name, _, server = served
+    oai = openai.OpenAI(base_url=server.base_url + "/oai/api/v1", api_key=API_KEY, max_retries=0)
+    sent: list[dict[str, Any]] = []
+    shown: dict[str, list[float]] = {}
+    with chromium() as context:
+        page = context.new_page()
+        chat_url = server.base_url + "/oai/api/v1/chat/completions"
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url == chat_url else None)
+        sign_in_by_keyboard(page, server.base_url, API_KEY)
+        page.goto(server.base_url + "/console/playground")
+        page.wait_for_selector("#playground", timeout=WAIT_MS)
+        assert unlabelled(page) == []
+        for colour, rgb in COLOURS.items():
+            upload = tmp_path / f"{colour}.png"
+            upload.write_bytes(png(rgb))
+            sent.clear()
+            page.get_by_label("Model", exact=True).select_option(name)
+            page.get_by_label("Prompt").fill(QUESTION)
+            page.get_by_label("Image (PNG or JPEG)").set_input_files(upload)
+            page.get_by_label("Samples").fill("1")
+            page.get_by_label("Max tokens").fill("4")
+            page.get_by_label("Temperature").fill("0")
+            page.evaluate("document.querySelector('#samples').replaceChildren()")
+            page.get_by_role("button", name="Sample").click()
+            page.wait_for_selector("#samples .column .sample", timeout=WAIT_MS)
+            cells = page.locator("#samples .sample tbody tr td:nth-of-type(2)").all_text_contents()
+            shown[colour] = [float(c) for c in cells]
+
+            (body,) = sent
+            (image,) = [p for p in body["messages"][0]["content"] if p["type"] == "image_url"]
+            head, data = image["image_url"]["url"].split(",", 1)
+            assert head == "data:image/png;base64" and base64.b64decode(data) == upload.read_bytes()
+            asked = {k: body[k] for k in ("model", "messages", "max_tokens", "temperature")}
+            chat = oai.chat.completions.create(**asked, logprobs=True)
+            content = chat.choices[0].logprobs.content
+            assert shown[colour] and np.allclose(
+                shown[colour], [c.logprob for c in content], atol=1e-4
+            )  # the page shows 4 decimals
+        page.screenshot(path=tmp_path / "playground-image.png", full_page=True)
+    assert not np.allclose(shown["red"], shown["blue"], atol=1e-3)
 
 
 def test_cookbook_renderers_train_sample_and_merge(
