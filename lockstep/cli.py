@@ -118,6 +118,12 @@ def build_parser(
     demo.add_argument("--tenants", type=int, default=3, help="tenants training at once")
     demo.add_argument("--summary-json", type=Path, help="also write the summary here")
     demo.add_argument(
+        "--stay",
+        action="store_true",
+        help="keep serving after the summary (the console keeps the demo's runs, checkpoints "
+        "and curves) until Ctrl-C or SIGTERM, as `lockstep serve` does",
+    )
+    demo.add_argument(
         "--vision",
         action="store_true",
         help="serve a tiny vision-language model (unless --model names one) and add a tenant "
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if min(a.steps, a.tenants) < 1:
         parser.error("--steps and --tenants must be at least 1")
-    sys.exit(run_demo(cfg, a.steps, a.tenants, a.summary_json, a.vision))
+    sys.exit(run_demo(cfg, a.steps, a.tenants, a.summary_json, a.vision, a.stay))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import time
 from collections import Counter
@@ -285,6 +286,7 @@ def run_demo(
     tenants: int = 3,
     summary_json: Path | None = None,
     vision: bool = False,
+    stay: bool = False,
 ) -> int:
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     server_log = cfg.data_dir / "demo-serve.log"
@@ -316,7 +318,13 @@ def run_demo(
             print_summary(console, summary)
             if summary_json is not None:
                 summary_json.write_text(json.dumps(asdict(summary), indent=2))
-            return 0
+            if not stay:
+                return 0
+            # As `lockstep serve` runs: children kept up, Ctrl-C or SIGTERM stops them.
+            signal.signal(signal.SIGTERM, sup.request_stop)
+            signal.signal(signal.SIGINT, sup.request_stop)
+            console.print(f"still serving: {sup.console_url} (Ctrl-C stops it)", markup=False)
+            return sup.watch()
         except Exception:
             log.exception("demo failed")
             console.print(f"[red]demo failed; see {server_log}[/red]")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lockstep.supervisor import free_port
@@ -16,20 +19,40 @@ pytestmark = pytest.mark.e2e
 
 
 def test_demo_trains_three_tenants_in_shared_cycles(tmp_path: Path) -> None:
+    """... and with --stay keeps serving after its summary: the console's admin key still sees
+    the three runs, until Ctrl-C stops it cleanly."""
     summary_path = tmp_path / "summary.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    port = free_port()
     argv = [sys.executable, "-m", "lockstep.cli", "demo", "--data-dir", str(tmp_path / "data")]
-    argv += ["--port", str(free_port()), "--steps", "2"]
-    proc = subprocess.run(
-        [*argv, "--summary-json", str(summary_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    argv += ["--port", str(port), "--steps", "2", "--summary-json", str(summary_path), "--stay"]
     server_log = tmp_path / "data" / "demo-serve.log"
-    assert proc.returncode == 0, proc.stdout + proc.stderr + server_log.read_text()[-5000:]
-    out = proc.stdout
+    with (tmp_path / "stderr.txt").open("w+") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:  # until the demo says it keeps serving, or ends
+            lines.append(line)
+            if line.startswith("still serving: "):
+                break
+        out = "".join(lines)
+        try:
+            assert f"still serving: http://127.0.0.1:{port}/console" in out, (
+                out + server_log.read_text()[-5000:]
+            )
+            key = re.search(r"API key (tml-demo-console-[0-9a-f]+)", out)
+            assert key is not None, out
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as api:
+                api.headers["X-API-Key"] = key.group(1)
+                runs = api.get("/api/v1/training_runs?access_scope=accessible").json()
+                assert len(runs["training_runs"]) >= 3 and runs["training_runs"][0]["steps"] > 0
+                assert api.get("/console").status_code == 200
+        finally:
+            proc.send_signal(signal.SIGINT)
+            rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out + rest + server_log.read_text()[-5000:]
+    with pytest.raises(httpx.ConnectError):  # Ctrl-C stopped the whole server
+        httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=5)
     summary = json.loads(summary_path.read_text())
 
     tenants = {t["name"]: t for t in summary["tenants"]}
