@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,25 @@ def test_a_key_watches_its_tenants_train_downloads_and_samples(
     on_disk = next(console_server.data_dir.rglob("weights/w1/adapter_config.json"))
     assert saved.read_bytes() == on_disk.read_bytes()
     assert OWNER_KEY not in (link.get_attribute("href") or "")
+
+    # Its expiry, as `tinker checkpoint set-ttl` sets it: hours from now, then never again.
+    row = page.locator('tr[data-checkpoint="weights/w1"]')
+    expires_cell = (
+        "document.querySelector('tr[data-checkpoint=\"weights/w1\"] [data-field=expires]')"
+    )
+    assert row.locator('[data-field="expires"]').inner_text() == "never"
+    page.once("dialog", lambda dialog: dialog.accept("2"))
+    asked = time.time()
+    row.locator('button[data-action="expiry"]').click()
+    page.wait_for_function(f"() => {expires_cell}.textContent !== 'never'", timeout=WAIT_MS)
+    with httpx.Client(base_url=base, headers={"X-API-Key": OWNER_KEY}) as api:
+        listed = api.get(f"/api/v1/training_runs/{run_id}/checkpoints").json()["checkpoints"]
+    (w1,) = [c for c in listed if c["checkpoint_id"] == "weights/w1"]
+    expires = datetime.fromisoformat(w1["expires_at"]).timestamp()
+    assert asked + 7200 - 5 <= expires <= time.time() + 7200 + 5, w1
+    page.once("dialog", lambda dialog: dialog.accept(""))
+    row.locator('button[data-action="expiry"]').click()
+    page.wait_for_function(f"() => {expires_cell}.textContent === 'never'", timeout=WAIT_MS)
 
     # The playground: two sampler checkpoints side by side, N samples each with logprobs.
     deadline = time.monotonic() + WAIT_MS / 1000

@@ -84,10 +84,20 @@ async function act(button) {
     unpublish: [base + "/publish", "DELETE"],
     delete: [base, "DELETE"],
     download: [base + "/external_weights_urls", "GET"],
+    expiry: [base + "/ttl", "PUT"],
   };
   const [url, method] = calls[action];
+  const options = { method };
+  if (action === "expiry") {  // as `tinker checkpoint set-ttl`: hours from now, or never
+    const hours = prompt("Expire in how many hours from now? Leave empty to keep it.", "");
+    if (hours === null) return;
+    const ttl = hours.trim() === "" ? null : Math.round(Number(hours) * 3600);
+    if (ttl !== null && !(ttl > 0)) { alert(`expiry: not a positive number of hours: ${hours}`); return; }
+    options.headers = { "Content-Type": "application/json" };
+    options.body = JSON.stringify({ ttl_seconds: ttl });
+  }
   button.disabled = true;
-  const resp = await api(url, { method });
+  const resp = await api(url, options);
   button.disabled = false;
   if (!resp.ok) { alert(`${action}: ${resp.status} ${await detail(resp)}`); return; }
   if (action !== "download") { loadView(); return; }
