@@ -20,6 +20,13 @@ scheduler runs each in parts across cycles while the light tenants share the clo
 p99 within 2x of alone and the heavy tenant at >= 70% of its alone throughput. The pace the
 clock planned (lockstep_clock_token_budget) is sampled during the run and reported.
 
+Each phase also reports how busy the machine's CPUs were (`cpu_busy`, all processes: the
+clients, the server's processes, the engines). Where the light tenants alone keep the CPUs busy,
+a heavy tenant beside them can only have what they leave: `heavy_ceiling` is the share of its
+alone rate it could keep if the light tenants ran at half their alone rate (their latency 2x)
+at the same CPU cost per step (an estimate: what a step costs may change beside another
+tenant), whatever the scheduler does.
+
 `--runs N` repeats the whole measurement on fresh servers and reports the spread.
 
     python benchmarks/noisy_neighbour.py [--shape steps|big] [--runs 3] [--steps 60]
@@ -38,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 from common import (
     API_KEY,
     check,
@@ -181,6 +189,14 @@ def steady_rate(finished: list[float], tokens: int, start: float, end: float) ->
     return (len(inside) - 1) * tokens / (inside[-1] - inside[0])
 
 
+def cpu_busy(since: Any) -> float:
+    """Share of the machine's CPU time that was not idle since `since` (psutil.cpu_times())."""
+    now = psutil.cpu_times()
+    total = sum(now) - sum(since)
+    idle = (now.idle + now.iowait) - (since.idle + since.iowait)
+    return float(1.0 - idle / total) if total > 0 else 0.0
+
+
 def summarize(steps: list[LightStep]) -> dict[str, Any]:
     lat = np.array([s.latency_s for s in steps])
     waited = np.array([s.cycles_waited for s in steps])
@@ -206,18 +222,22 @@ async def phase(
         )
         await asyncio.sleep(args.heavy_lead_s)  # the heavy tenant's queue fills first
     pace = asyncio.create_task(watch_pace(metrics_url, lights_done))  # while the lights run
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), psutil.cpu_times()
     runs = await asyncio.gather(
         *(
             light_tenant(i, tc, datum, args.steps, metrics_url, args.lr)
             for i, tc in enumerate(lights)
         )
     )
-    ended = time.perf_counter()
+    ended, busy = time.perf_counter(), cpu_busy(cpu)
     lights_done.set()
     stop.set()
     steps = [s for run in runs for s in run if s.step >= args.warmup]
-    out: dict[str, Any] = {"light": summarize(steps), "light_steps": [asdict(s) for s in steps]}
+    out: dict[str, Any] = {
+        "light": summarize(steps),
+        "light_steps": [asdict(s) for s in steps],
+        "cpu_busy": busy,
+    }
     paces = await pace
     out["pace_tokens_p50"] = float(np.median(paces)) if paces else 0.0
     if heavy_task is not None:
@@ -289,6 +309,11 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             if heavy_alone and heavy_alone["tokens_per_s"]
             else None
         ),
+        "heavy_ceiling": (
+            min(1.0, (1.0 - alone["cpu_busy"] / TARGET_RATIO) / heavy_alone["cpu_busy"])
+            if heavy_alone and heavy_alone["cpu_busy"] > 0
+            else None
+        ),
         # How much larger than the clock's pace a heavy request is (the pace beside them).
         "request_over_pace": heavy_tokens / max(beside["pace_tokens_p50"], 1.0),
     }
@@ -299,9 +324,13 @@ async def heavy_only(tc: Any, batch: list[Any], args: argparse.Namespace) -> dic
     task = asyncio.create_task(
         heavy_tenant(tc, batch, args.heavy_calls, args.heavy_depth, stop, args.lr)
     )
+    cpu = psutil.cpu_times()
     await asyncio.sleep(args.heavy_alone_s)
+    busy = cpu_busy(cpu)
     stop.set()
-    return await task
+    done: dict[str, Any] = await task
+    done["cpu_busy"] = busy
+    return done
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -374,11 +403,9 @@ def main() -> None:
         key: [min(r[key] for r in results), max(r[key] for r in results)]
         for key in ("p99_ratio", "p50_ratio", "request_over_pace")
     }
-    if all(r["heavy_fraction"] is not None for r in results):
-        spread["heavy_fraction"] = [
-            min(r["heavy_fraction"] for r in results),
-            max(r["heavy_fraction"] for r in results),
-        ]
+    for key in ("heavy_fraction", "heavy_ceiling"):
+        if all(r[key] is not None for r in results):
+            spread[key] = [min(r[key] for r in results), max(r[key] for r in results)]
     payload = {"environment": environment(), "args": vars(args), "spread": spread}
     payload |= results[0] if args.runs == 1 else {"runs": results}
     print(f"spread over {args.runs} run(s): {spread}")
@@ -420,6 +447,18 @@ def report(result: dict[str, Any], title: str) -> None:
             f"; heavy alone {result['heavy_alone']['tokens_per_s']:,.0f} tokens/s, beside/alone "
             f"{fraction:.2f} {check(fraction >= TARGET_HEAVY)} (>= {TARGET_HEAVY})"
             if fraction is not None
+            else ""
+        )
+    )
+    ceiling = result["heavy_ceiling"]
+    print(
+        f"CPUs busy: light alone {result['alone']['cpu_busy']:.0%}, beside "
+        f"{result['beside']['cpu_busy']:.0%}"
+        + (
+            f", heavy alone {result['heavy_alone']['cpu_busy']:.0%}; with the light tenants at "
+            f"half their alone rate, the heavy tenant could keep about {ceiling:.2f} at most of its "
+            "alone rate on this machine (estimate)"
+            if ceiling is not None
             else ""
         )
     )
