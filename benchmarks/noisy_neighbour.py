@@ -456,8 +456,8 @@ def report(result: dict[str, Any], title: str) -> None:
         f"{result['beside']['cpu_busy']:.0%}"
         + (
             f", heavy alone {result['heavy_alone']['cpu_busy']:.0%}; with the light tenants at "
-            f"half their alone rate, the heavy tenant could keep about {ceiling:.2f} at most of its "
-            "alone rate on this machine (estimate)"
+            f"half their alone rate, the heavy tenant could keep about {ceiling:.2f} of its "
+            "alone rate at most on this machine (estimate)"
             if ceiling is not None
             else ""
         )
