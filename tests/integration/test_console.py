@@ -21,6 +21,7 @@ import pytest
 
 from lockstep.devserver import Server, start_server, stop_server
 from lockstep.keyring import owner_of
+from tests import sdk_sessions
 
 from .browser import WAIT_MS, chromium, require_browser, sign_in_by_keyboard, unlabelled
 
@@ -41,16 +42,13 @@ class Tenant:
     error: BaseException | None = None
 
 
-def _train(server: Server, tenant: Tenant, stop: threading.Event) -> None:
+def _train(tenant: Tenant, stop: threading.Event) -> None:
     """SFT steps on a fixed batch until `stop`; sampler checkpoints after steps 1 and 3, a
     training checkpoint after step 1."""
-    import tinker
     from tinker import types
 
     try:
-        service = tenant.service = tinker.ServiceClient(base_url=server.base_url, api_key=OWNER_KEY)
-        tc = service.create_lora_training_client(base_model="Lockstep/tiny-qwen3", rank=8).result()
-        tenant.client = tc
+        tc = tenant.client
         tokens = list(range(10, 58))
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -68,9 +66,8 @@ def _train(server: Server, tenant: Tenant, stop: threading.Event) -> None:
                 tenant.samplers.append(saved.path)
             if tenant.steps == 1:
                 tc.save_state("w1").result()
-    except BaseException as exc:  # reported by the fixture, unless it came while stopping
-        if not stop.is_set():  # (the SDK's client holder may close under a step at teardown)
-            tenant.error = exc
+    except BaseException as exc:  # reported by the fixture
+        tenant.error = exc
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +80,28 @@ def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
 
 @pytest.fixture(scope="module")
 def tenants(console_server: Server) -> Iterator[list[Tenant]]:
+    """Two tenants training in threads. Their sessions are this fixture's own (not closed by
+    the conftest hook before this teardown runs): the threads stop first, then the sessions
+    close, so no step is cut off by its session's end."""
+    import tinker
+
     stop = threading.Event()
     pair = [Tenant(), Tenant()]
-    threads = [
-        threading.Thread(target=_train, args=(console_server, t, stop), daemon=True) for t in pair
-    ]
+    with sdk_sessions.collect() as services:
+        for t in pair:
+            t.service = tinker.ServiceClient(base_url=console_server.base_url, api_key=OWNER_KEY)
+            t.client = t.service.create_lora_training_client(
+                base_model="Lockstep/tiny-qwen3", rank=8
+            ).result()
+    threads = [threading.Thread(target=_train, args=(t, stop), daemon=True) for t in pair]
     for t in threads:
         t.start()
     yield pair
     stop.set()
     for t in threads:
-        t.join(120)
+        t.join(WAIT_MS / 1000)
+    assert not any(t.is_alive() for t in threads), "a tenant's step did not finish"
+    sdk_sessions.close(services)
     assert all(t.error is None for t in pair), [t.error for t in pair]
 
 
