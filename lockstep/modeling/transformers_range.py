@@ -13,12 +13,17 @@ kept as low as the families allow, not at the newest release.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from typing import TYPE_CHECKING
 
 import transformers
 from packaging.version import Version
 
 from lockstep.errors import UnsupportedModel
+
+if TYPE_CHECKING:  # annotations only: the range is checked without importing torch
+    import torch
 
 # The release range pyproject.toml declares and the suite tests (its lowest and highest).
 LOWEST = "5.17.0"
@@ -51,3 +56,22 @@ def check(version: str | None = None) -> None:
             version,
             TESTED_HIGHEST,
         )
+
+
+# A model's forward takes its KV cache as `cache` from the release that renamed it (model by
+# model in 5.2x; the old name warns, and goes in 5.40) and as `past_key_values` before (5.17).
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def cache_argument(module: torch.nn.Module) -> str:
+    """The keyword `module.forward` takes its KV cache by in the installed release; a forward
+    that names neither is refused by name (a cache passed under a name it ignores would be
+    dropped silently, and every decode step would see no past)."""
+    parameters = inspect.signature(module.forward).parameters
+    for name in CACHE_ARGUMENTS:
+        if name in parameters:
+            return name
+    raise UnsupportedModel(
+        f"{type(module).__name__}.forward takes its KV cache by none of {CACHE_ARGUMENTS} "
+        f"under transformers {installed()}"
+    )

@@ -66,7 +66,7 @@ def test_family_trains_packed_and_samples_through_the_sdk(
     name, server, _ = served
     service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     tenants = [
-        service.create_lora_training_client(base_model=name, rank=rank, seed=i)
+        service.create_lora_training_client(base_model=name, rank=rank, seed=i).result()
         for i, rank in enumerate((8, 16))
     ]
     ids = tenants[0].get_tokenizer().encode(TEXT)
@@ -122,7 +122,7 @@ def test_hybrid_kernels_are_reported(served: tuple[str, Server, int]) -> None:
     family = name.removeprefix("Lockstep/tiny-").replace("-", "_")
     want = dict.fromkeys(sorted(HYBRID.get(family, ())), "reference") or None
     service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-    trainer = service.create_lora_training_client(base_model=name, rank=4)
+    trainer = service.create_lora_training_client(base_model=name, rank=4).result()
     with httpx.Client(base_url=server.base_url, headers={"X-API-Key": API_KEY}) as http:
         info = http.post("/api/v1/get_info", json={"model_id": trainer.model_id}).json()
         caps = http.get("/api/v1/get_server_capabilities").json()["supported_models"][0]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 from lockstep.engine.types import LoraSpec, SampleParams, SampleRequest, SampleResult
-from lockstep.errors import UserInputError
+from lockstep.errors import UnsupportedModel, UserInputError
+from lockstep.modeling import transformers_range
 from lockstep.modeling.loader import load_base_model
 from lockstep.modeling.lora import LoraModel
 from lockstep.modeling.peft_io import load_peft_adapter, save_peft_adapter
@@ -119,6 +122,28 @@ def test_greedy_is_deterministic_and_matches_full_forward(
     assert lp.argmax(-1).tolist() == seq.tokens
     expected = lp.gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_the_kv_cache_goes_by_the_name_this_transformers_takes(
+    engine: LocalSamplingEngine, reference: LoraModel
+) -> None:
+    """transformers renamed a forward's `past_key_values` to `cache` (5.2x, model by model; the
+    old name warns and goes in 5.40): the decoders pass the cache by the name the model takes,
+    so a decode neither warns nor, later, loses its past (the test above: decode == full forward,
+    run under the lowest release too). A forward that takes neither is refused by name."""
+    name = transformers_range.cache_argument(reference.base)
+    assert name in inspect.signature(reference.base.forward).parameters
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        one(engine, req(prompt(engine, "English: banana split\nPig Latin:"), num_samples=2))
+    assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return input_ids
+
+    with pytest.raises(UnsupportedModel, match="NoCache.forward takes its KV cache by none"):
+        transformers_range.cache_argument(NoCache())
 
 
 def _sampling_distribution(lp: torch.Tensor, params: SampleParams) -> torch.Tensor:

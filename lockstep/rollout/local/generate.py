@@ -32,7 +32,6 @@ was drawn from: temperature, then top-k / top-p truncation and renormalisation (
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from lockstep.engine.types import SampleRequest, SampleResult
 from lockstep.modeling.lora import LoraModel
+from lockstep.modeling.transformers_range import cache_argument
 from lockstep.rollout.local.generation import Generation, Live, Row
 from lockstep.rollout.local.kvcache import BatchCache, UnpaddedBatch, merge
 from lockstep.rollout.local.prefix_cache import Hit, PrefixCache
@@ -55,10 +55,6 @@ from lockstep.rollout.local.sampling import (
 )
 from lockstep.rollout.local.static_kv import StaticBatch, StaticDecoder
 from lockstep.rollout.local.stops import Decode, StopChecker
-
-# transformers 5.2x renames `past_key_values` to `cache` model by model; the old name works for
-# every model (new ones map it), the new one is silently ignored by models not yet renamed.
-warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
 
 
 @dataclass(frozen=True)
@@ -86,6 +82,7 @@ class Generator:
         self.lora = lora
         self.images = images
         self.model: PreTrainedModel = lora.base
+        self.cache_arg = cache_argument(self.model)  # its name in this transformers release
         self.cfg = cfg
         self.device = next(self.model.parameters()).device
         embeddings = self.model.get_input_embeddings()
@@ -121,16 +118,17 @@ class Generator:
                     input_ids=input_ids,
                     attention_mask=mask,
                     position_ids=positions,
-                    past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=logits_to_keep,
+                    **{self.cache_arg: cache},
                 )
                 logits: torch.Tensor = out.logits
             else:
                 decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
                 assert isinstance(head, torch.nn.Module)
+                past = {cache_argument(decoder): cache}
                 hidden = decoder(
-                    attention_mask=mask, past_key_values=cache, use_cache=True, **images
+                    attention_mask=mask, use_cache=True, **past, **images
                 ).last_hidden_state
                 logits = head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         return logits.float()

@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from lockstep.modeling.lora import LoraModel
+from lockstep.modeling.transformers_range import cache_argument
 from lockstep.rollout.local.kvcache import BatchCache
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class StaticDecoder:
     def __init__(self, lora: LoraModel, pad_id: int, graphs: bool) -> None:
         self.lora = lora
         self.model: PreTrainedModel = lora.base
+        self.cache_arg = cache_argument(self.model)  # its name in this transformers release
         self.pad_id = pad_id
         self.graphs = graphs
         self.graph_failure: str | None = None  # why capture failed once (then never retried)
@@ -103,9 +105,9 @@ class StaticDecoder:
             input_ids=batch.ids,
             attention_mask=batch.mask,
             position_ids=batch.positions,
-            past_key_values=batch.cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self.cache_arg: batch.cache},
         )
         logits: torch.Tensor = out.logits
         return logits
