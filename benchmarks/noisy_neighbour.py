@@ -20,12 +20,13 @@ scheduler runs each in parts across cycles while the light tenants share the clo
 p99 within 2x of alone and the heavy tenant at >= 70% of its alone throughput. The pace the
 clock planned (lockstep_clock_token_budget) is sampled during the run and reported.
 
-Each phase also reports how busy the machine's CPUs were (`cpu_busy`, all processes: the
-clients, the server's processes, the engines). Where the light tenants alone keep the CPUs busy,
-a heavy tenant beside them can only have what they leave: `heavy_ceiling` is the share of its
-alone rate it could keep if the light tenants ran at half their alone rate (their latency 2x)
-at the same CPU cost per step (an estimate: what a step costs may change beside another
-tenant), whatever the scheduler does.
+Each phase also reports how busy the machine's CPUs were (`cpu_busy`, every process) and the
+CPU the engine processes used (`engine_cores`, CPU seconds per second; the trainer computes
+with its share of the cores, `lockstep.workers.process.share_cores`). The engine is what the
+tenants share: `heavy_ceiling` is the share of its alone rate the heavy tenant could keep if
+the light tenants ran at half their alone rate (their latency 2x) at the same engine cost per
+step and the heavy tenant had the rest of what it uses alone (an estimate: a step's cost may
+change beside another tenant).
 
 `--runs N` repeats the whole measurement on fresh servers and reports the spread.
 
@@ -40,6 +41,7 @@ import contextlib
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ import psutil
 from common import (
     API_KEY,
     check,
+    cpu_seconds_by_role,
     environment,
     figure_path,
     print_table,
@@ -189,12 +192,21 @@ def steady_rate(finished: list[float], tokens: int, start: float, end: float) ->
     return (len(inside) - 1) * tokens / (inside[-1] - inside[0])
 
 
-def cpu_busy(since: Any) -> float:
-    """Share of the machine's CPU time that was not idle since `since` (psutil.cpu_times())."""
-    now = psutil.cpu_times()
-    total = sum(now) - sum(since)
-    idle = (now.idle + now.iowait) - (since.idle + since.iowait)
-    return float(1.0 - idle / total) if total > 0 else 0.0
+class Usage:
+    """CPU use from now until `done()`: the machine's busy share and the engines' cores."""
+
+    def __init__(self, engine_seconds: Callable[[], float]) -> None:
+        self.engine_seconds = engine_seconds
+        self.wall, self.cpu, self.engine = time.perf_counter(), psutil.cpu_times(), engine_seconds()
+
+    def done(self) -> dict[str, float]:
+        now, wall = psutil.cpu_times(), time.perf_counter() - self.wall
+        total = sum(now) - sum(self.cpu)
+        idle = (now.idle + now.iowait) - (self.cpu.idle + self.cpu.iowait)
+        return {
+            "cpu_busy": float(1.0 - idle / total) if total > 0 else 0.0,
+            "engine_cores": (self.engine_seconds() - self.engine) / wall if wall > 0 else 0.0,
+        }
 
 
 def summarize(steps: list[LightStep]) -> dict[str, Any]:
@@ -211,7 +223,12 @@ def summarize(steps: list[LightStep]) -> dict[str, Any]:
 
 
 async def phase(
-    metrics_url: str, lights: list[Any], datum: Any, args: argparse.Namespace, heavy: Any | None
+    metrics_url: str,
+    lights: list[Any],
+    datum: Any,
+    args: argparse.Namespace,
+    heavy: Any | None,
+    engine_seconds: Callable[[], float],
 ) -> dict[str, Any]:
     stop, lights_done = asyncio.Event(), asyncio.Event()
     heavy_task = None
@@ -222,21 +239,21 @@ async def phase(
         )
         await asyncio.sleep(args.heavy_lead_s)  # the heavy tenant's queue fills first
     pace = asyncio.create_task(watch_pace(metrics_url, lights_done))  # while the lights run
-    started, cpu = time.perf_counter(), psutil.cpu_times()
+    started, usage = time.perf_counter(), Usage(engine_seconds)
     runs = await asyncio.gather(
         *(
             light_tenant(i, tc, datum, args.steps, metrics_url, args.lr)
             for i, tc in enumerate(lights)
         )
     )
-    ended, busy = time.perf_counter(), cpu_busy(cpu)
+    ended, used = time.perf_counter(), usage.done()
     lights_done.set()
     stop.set()
     steps = [s for run in runs for s in run if s.step >= args.warmup]
     out: dict[str, Any] = {
         "light": summarize(steps),
         "light_steps": [asdict(s) for s in steps],
-        "cpu_busy": busy,
+        **used,
     }
     paces = await pace
     out["pace_tokens_p50"] = float(np.median(paces)) if paces else 0.0
@@ -282,13 +299,19 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         batch = [make_datum(args.heavy_tokens, vocab, i) for i in range(args.heavy_batch)]
         for tc in [*lights, heavy_tc]:  # warm-up: first passes compile / allocate
             tc.forward_backward([datum], "cross_entropy").result(TIMEOUT_S)
-        alone = asyncio.run(phase(metrics_url, lights, datum, args, None))
+
+        def engine_seconds() -> float:
+            return cpu_seconds_by_role(server).get("engines", 0.0)
+
+        alone = asyncio.run(phase(metrics_url, lights, datum, args, None, engine_seconds))
         print(f"alone: {alone['light']}", flush=True)
-        beside = asyncio.run(phase(metrics_url, lights, datum, args, (heavy_tc, batch)))
+        beside = asyncio.run(
+            phase(metrics_url, lights, datum, args, (heavy_tc, batch), engine_seconds)
+        )
         print(f"beside: {beside['light']} heavy: {beside['heavy']}", flush=True)
         heavy_alone = None
         if not args.no_heavy_alone:
-            heavy_alone = asyncio.run(heavy_only(heavy_tc, batch, args))
+            heavy_alone = asyncio.run(heavy_only(heavy_tc, batch, args, engine_seconds))
             print(f"heavy alone: {heavy_alone}", flush=True)
     finally:
         for service in services:  # stop their heartbeats before the server goes away
@@ -310,8 +333,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             else None
         ),
         "heavy_ceiling": (
-            min(1.0, (1.0 - alone["cpu_busy"] / TARGET_RATIO) / heavy_alone["cpu_busy"])
-            if heavy_alone and heavy_alone["cpu_busy"] > 0
+            max(0.0, 1.0 - alone["engine_cores"] / TARGET_RATIO / heavy_alone["engine_cores"])
+            if heavy_alone and heavy_alone["engine_cores"] > 0
             else None
         ),
         # How much larger than the clock's pace a heavy request is (the pace beside them).
@@ -319,18 +342,19 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
-async def heavy_only(tc: Any, batch: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+async def heavy_only(
+    tc: Any, batch: list[Any], args: argparse.Namespace, engine_seconds: Callable[[], float]
+) -> dict[str, Any]:
     stop = asyncio.Event()
     task = asyncio.create_task(
         heavy_tenant(tc, batch, args.heavy_calls, args.heavy_depth, stop, args.lr)
     )
-    cpu = psutil.cpu_times()
+    usage = Usage(engine_seconds)
     await asyncio.sleep(args.heavy_alone_s)
-    busy = cpu_busy(cpu)
+    used = usage.done()
     stop.set()
     done: dict[str, Any] = await task
-    done["cpu_busy"] = busy
-    return done
+    return done | used
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -451,13 +475,16 @@ def report(result: dict[str, Any], title: str) -> None:
         )
     )
     ceiling = result["heavy_ceiling"]
+    alone, beside, heavy_alone = result["alone"], result["beside"], result["heavy_alone"]
     print(
-        f"CPUs busy: light alone {result['alone']['cpu_busy']:.0%}, beside "
-        f"{result['beside']['cpu_busy']:.0%}"
+        f"CPUs busy: light alone {alone['cpu_busy']:.0%}, beside {beside['cpu_busy']:.0%}"
+        + (f", heavy alone {heavy_alone['cpu_busy']:.0%}" if heavy_alone else "")
+        + f"; engine cores used: light alone {alone['engine_cores']:.2f}, beside "
+        f"{beside['engine_cores']:.2f}"
         + (
-            f", heavy alone {result['heavy_alone']['cpu_busy']:.0%}; with the light tenants at "
-            f"half their alone rate, the heavy tenant could keep about {ceiling:.2f} of its "
-            "alone rate at most on this machine (estimate)"
+            f", heavy alone {heavy_alone['engine_cores']:.2f}: with the light tenants at half "
+            f"their alone rate, the heavy tenant could keep about {ceiling:.2f} of its alone "
+            "rate (estimate)"
             if ceiling is not None
             else ""
         )
