@@ -82,7 +82,11 @@ class Generator:
         self.lora = lora
         self.images = images
         self.model: PreTrainedModel = lora.base
-        self.cache_arg = cache_argument(self.model)  # its name in this transformers release
+        # The KV cache's keyword in this transformers release (the decoder's: image prefills).
+        self.cache_arg = cache_argument(self.model)
+        self.decoder_cache_arg = (
+            cache_argument(self.model.get_decoder()) if images is not None else None
+        )
         self.cfg = cfg
         self.device = next(self.model.parameters()).device
         embeddings = self.model.get_input_embeddings()
@@ -125,8 +129,8 @@ class Generator:
                 logits: torch.Tensor = out.logits
             else:
                 decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
-                assert isinstance(head, torch.nn.Module)
-                past = {cache_argument(decoder): cache}
+                assert isinstance(head, torch.nn.Module) and self.decoder_cache_arg is not None
+                past = {self.decoder_cache_arg: cache}
                 hidden = decoder(
                     attention_mask=mask, use_cache=True, **past, **images
                 ).last_hidden_state
