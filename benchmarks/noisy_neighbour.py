@@ -26,7 +26,8 @@ with its share of the cores, `lockstep.workers.process.share_cores`). The engine
 tenants share: `heavy_ceiling` is the share of its alone rate the heavy tenant could keep if
 the light tenants ran at half their alone rate (their latency 2x) at the same engine cost per
 step and the heavy tenant had the rest of what it uses alone (an estimate: a step's cost may
-change beside another tenant).
+change beside another tenant). `cycle_ms`: the clock's milliseconds per cycle in each of its
+phases (plan, dispatch: the engine's part, collect) and between cycles.
 
 `--runs N` repeats the whole measurement on fresh servers and reports the spread.
 
@@ -192,20 +193,41 @@ def steady_rate(finished: list[float], tokens: int, start: float, end: float) ->
     return (len(inside) - 1) * tokens / (inside[-1] - inside[0])
 
 
+PHASES = ("plan", "dispatch", "collect")  # the clock's own spans (lockstep_cycle_phase_...)
+
+
+def clock_seconds(metrics_url: str) -> dict[str, float]:
+    """Seconds the clock has spent in each phase of its cycles so far, and how many cycles."""
+    out = {
+        p: scrape(metrics_url, f'lockstep_cycle_phase_duration_seconds_sum{{phase="{p}"}}')
+        for p in PHASES
+    }
+    # Cycles that reached their last phase: counted as the phases' seconds are summed.
+    done = scrape(metrics_url, 'lockstep_cycle_phase_duration_seconds_count{phase="collect"}')
+    return out | {"cycles": done}
+
+
 class Usage:
-    """CPU use from now until `done()`: the machine's busy share and the engines' cores."""
+    """From now until `done()`: the machine's busy share, the engines' cores, and the clock's
+    milliseconds per cycle in each phase ("between": outside any cycle's phases)."""
 
-    def __init__(self, engine_seconds: Callable[[], float]) -> None:
-        self.engine_seconds = engine_seconds
+    def __init__(self, engine_seconds: Callable[[], float], metrics_url: str) -> None:
+        self.engine_seconds, self.metrics_url = engine_seconds, metrics_url
         self.wall, self.cpu, self.engine = time.perf_counter(), psutil.cpu_times(), engine_seconds()
+        self.clock = clock_seconds(metrics_url)
 
-    def done(self) -> dict[str, float]:
+    def done(self) -> dict[str, Any]:
         now, wall = psutil.cpu_times(), time.perf_counter() - self.wall
         total = sum(now) - sum(self.cpu)
         idle = (now.idle + now.iowait) - (self.cpu.idle + self.cpu.iowait)
+        clock = clock_seconds(self.metrics_url)
+        cycles = max(clock["cycles"] - self.clock["cycles"], 1.0)
+        phases = {p: (clock[p] - self.clock[p]) / cycles * 1e3 for p in PHASES}
+        phases["between"] = wall / cycles * 1e3 - sum(phases.values())
         return {
             "cpu_busy": float(1.0 - idle / total) if total > 0 else 0.0,
             "engine_cores": (self.engine_seconds() - self.engine) / wall if wall > 0 else 0.0,
+            "cycle_ms": phases,
         }
 
 
@@ -239,7 +261,7 @@ async def phase(
         )
         await asyncio.sleep(args.heavy_lead_s)  # the heavy tenant's queue fills first
     pace = asyncio.create_task(watch_pace(metrics_url, lights_done))  # while the lights run
-    started, usage = time.perf_counter(), Usage(engine_seconds)
+    started, usage = time.perf_counter(), Usage(engine_seconds, metrics_url)
     runs = await asyncio.gather(
         *(
             light_tenant(i, tc, datum, args.steps, metrics_url, args.lr)
@@ -311,7 +333,9 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         print(f"beside: {beside['light']} heavy: {beside['heavy']}", flush=True)
         heavy_alone = None
         if not args.no_heavy_alone:
-            heavy_alone = asyncio.run(heavy_only(heavy_tc, batch, args, engine_seconds))
+            heavy_alone = asyncio.run(
+                heavy_only(heavy_tc, batch, args, engine_seconds, metrics_url)
+            )
             print(f"heavy alone: {heavy_alone}", flush=True)
     finally:
         for service in services:  # stop their heartbeats before the server goes away
@@ -343,13 +367,17 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 async def heavy_only(
-    tc: Any, batch: list[Any], args: argparse.Namespace, engine_seconds: Callable[[], float]
+    tc: Any,
+    batch: list[Any],
+    args: argparse.Namespace,
+    engine_seconds: Callable[[], float],
+    metrics_url: str,
 ) -> dict[str, Any]:
     stop = asyncio.Event()
     task = asyncio.create_task(
         heavy_tenant(tc, batch, args.heavy_calls, args.heavy_depth, stop, args.lr)
     )
-    usage = Usage(engine_seconds)
+    usage = Usage(engine_seconds, metrics_url)
     await asyncio.sleep(args.heavy_alone_s)
     used = usage.done()
     stop.set()
@@ -487,6 +515,15 @@ def report(result: dict[str, Any], title: str) -> None:
             "rate (estimate)"
             if ceiling is not None
             else ""
+        )
+    )
+    phases = [("light alone", alone), ("beside", beside), ("heavy alone", heavy_alone)]
+    print(
+        "clock ms per cycle (plan / dispatch / collect / between cycles): "
+        + "; ".join(
+            f"{name} " + " / ".join(f"{v:.1f}" for v in used["cycle_ms"].values())
+            for name, used in phases
+            if used
         )
     )
 
