@@ -18,12 +18,11 @@ LoRA, the pairs are regrouped once per call, adapter-major with expert order kep
 the g-th adapter's pairs routed to expert e; the pairs without an adapter that trains the layer
 ride in the first adapter's groups at a scale of 0), gathered once per projection input (gate and
 up share it), and each projection's LoRA is ONE grouped GEMM pair over all K x E groups
-(`torch._grouped_mm`:
-no per-adapter or per-expert launches on CUDA; cut into runs under the backend's group limit,
-`grouped_gemm.py`), added back with one index_add. Nothing is read back to the host, so a decode
-step can be captured as a CUDA graph. Routing stays dropless and every pair's result depends only
-on its token, so a tenant alone and packed get the same numbers (to float rounding). The router
-stays frozen (it is not an expert).
+(`torch._grouped_mm`: no per-adapter or per-expert launches on CUDA; cut into runs under the
+backend's group limit, `grouped_gemm.py`), added back with one index_add. Nothing is read back
+to the host, so a decode step can be captured as a CUDA graph. Routing stays dropless and every
+pair's result depends only on its token, so a tenant alone and packed get the same numbers (to
+float rounding). The router stays frozen (it is not an expert).
 """
 
 from __future__ import annotations
@@ -275,15 +274,16 @@ class _AdapterGroups:
             return
         self.active = True
         lut, table = _constants(routing, token.device, present, scales, trains)
-        scale = lut.index_select(0, ordinal + 1).index_select(0, token)  # 0: no LoRA here
+        # Each pair's adapter, 1-based (0: no LoRA here), which is also its row of the scales.
+        slot = lut.index_select(0, ordinal + 1).index_select(0, token)
         experts = next(iter(slots.values())).experts
         if not self.grouped:
-            self._per_adapter = _per_adapter_pairs(scale, expert, self.names, experts)
+            self._per_adapter = _per_adapter_pairs(slot, expert, self.names, experts)
             return
-        group = (scale - 1).clamp_min(0)  # pairs without an adapter ride with the first's
+        group = (slot - 1).clamp_min(0)  # pairs without an adapter ride with the first's
         key = group * experts + expert
         self.index = torch.argsort(key, stable=True)
-        self.scale_index = scale.index_select(0, self.index)
+        self.scale_index = slot.index_select(0, self.index)
         parts = len(self.names)
         self.ends = group_ends(key.index_select(0, self.index), parts * experts)
         # Past the backend's group limit: cut at adapter boundaries, their rows counted once.

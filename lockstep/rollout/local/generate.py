@@ -96,7 +96,7 @@ class Generator:
             cfg.prefix_cache_sessions, cfg.prefix_cache_tokens, cfg.prefix_cache_bytes
         )
         self.static = (
-            StaticDecoder(lora, cfg.pad_id, cfg.cuda_graphs)
+            StaticDecoder(lora, cfg.pad_id, cfg.cuda_graphs, self.cache_arg)
             if cfg.static_decode and cfg.padded
             else None
         )

@@ -38,7 +38,6 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from lockstep.modeling.lora import LoraModel
-from lockstep.modeling.transformers_range import cache_argument
 from lockstep.rollout.local.kvcache import BatchCache
 
 log = logging.getLogger(__name__)
@@ -67,10 +66,10 @@ def graph_refusal(device: torch.device) -> str | None:
 class StaticDecoder:
     """Builds `StaticBatch`es for one model; `graphs`: capture CUDA graphs (CUDA only)."""
 
-    def __init__(self, lora: LoraModel, pad_id: int, graphs: bool) -> None:
+    def __init__(self, lora: LoraModel, pad_id: int, graphs: bool, cache_arg: str) -> None:
         self.lora = lora
         self.model: PreTrainedModel = lora.base
-        self.cache_arg = cache_argument(self.model)  # its name in this transformers release
+        self.cache_arg = cache_arg  # the KV cache's keyword (`cache_argument`)
         self.pad_id = pad_id
         self.graphs = graphs
         self.graph_failure: str | None = None  # why capture failed once (then never retried)
