@@ -61,6 +61,7 @@ from common import (
     write_json,
 )
 
+from lockstep import runtime
 from lockstep.ports import free_port
 
 NAME = "noisy_neighbour"
@@ -302,6 +303,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         extra += ["--token-budget", str(args.token_budget)]
     if args.cycle_target is not None:
         extra += ["--cycle-target", str(args.cycle_target)]
+    extra += args.serve_flag
     print(f"starting lockstep serve {' '.join(extra)} ...", flush=True)
     server = start_server(root / "serve", *extra)
     services: list[Any] = []
@@ -321,6 +323,10 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         batch = [make_datum(args.heavy_tokens, vocab, i) for i in range(args.heavy_batch)]
         for tc in [*lights, heavy_tc]:  # warm-up: first passes compile / allocate
             tc.forward_backward([datum], "cross_entropy").result(TIMEOUT_S)
+        # This process's own full collections walk torch, transformers and the SDK: 230 ms
+        # here, once per phase, stalling every tenant's client at once (read as the server's
+        # latency). Frozen as the server's processes freeze theirs.
+        runtime.settle_heap()
 
         def engine_seconds() -> float:
             return cpu_seconds_by_role(server).get("engines", 0.0)
@@ -432,6 +438,13 @@ def main() -> None:
     p.add_argument("--heavy-alone-s", type=float, default=20.0)
     p.add_argument("--no-heavy-alone", action="store_true")
     p.add_argument("--runs", type=int, default=1, help="whole measurements, fresh servers")
+    p.add_argument(
+        "--serve-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more `lockstep serve` argument (repeatable): --serve-flag=--snapshot-interval=60",
+    )
     p.add_argument("--name", default=None, help="default: noisy_neighbour[_big]")
     args = p.parse_args()
     big = args.shape == "big"
