@@ -22,12 +22,17 @@ clock planned (lockstep_clock_token_budget) is sampled during the run and report
 
 Each phase also reports how busy the machine's CPUs were (`cpu_busy`, every process) and the
 CPU the engine processes used (`engine_cores`, CPU seconds per second; the trainer computes
-with its share of the cores, `lockstep.workers.process.share_cores`). The engine is what the
-tenants share: `heavy_ceiling` is the share of its alone rate the heavy tenant could keep if
-the light tenants ran at half their alone rate (their latency 2x) at the same engine cost per
-step and the heavy tenant had the rest of what it uses alone (an estimate: a step's cost may
-change beside another tenant). `cycle_ms`: the clock's milliseconds per cycle in each of its
-phases (plan, dispatch: the engine's part, collect) and between cycles.
+with its share of the cores, `lockstep.workers.process.share_cores`) and `cycle_ms`: the clock's
+milliseconds per cycle in each of its phases (plan, dispatch: the engine's part, collect) and
+between cycles.
+
+`heavy_ceiling` (big shape, from the alone phases only): about the most the heavy tenant can keep
+while light p99 stays within 2x. A pipelined light step waits two cycles, alone or beside, so its
+latency grows with the cycle: a shared cycle may last 2x the light-alone cycle. Each shared cycle
+pays the light tenants' own busy time (plan + dispatch + collect, as alone) and has the rest for
+whole heavy datums at the heavy-alone rate (a part is whole datums): `whole_datums` per cycle
+and `fraction` of the heavy-alone rate (`tokens`: the same with no datum granularity). An
+estimate: a shared cycle's costs may differ from the sum of the alone ones.
 
 `--runs N` repeats the whole measurement on fresh servers and reports the spread.
 
@@ -41,14 +46,12 @@ import asyncio
 import contextlib
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 from common import (
     API_KEY,
     check,
@@ -60,6 +63,7 @@ from common import (
     stop_server,
     write_json,
 )
+from usage import Usage, cycles_started, total
 
 from lockstep import runtime
 from lockstep.ports import free_port
@@ -96,24 +100,12 @@ def make_datum(n: int, vocab: int, offset: int = 0) -> Any:
     )
 
 
-def scrape(metrics_url: str, prefix: str) -> float:
-    """The sum of the scheduler's series starting with `prefix` (its --metrics-port)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(prefix))
-
-
-def cycles_started(metrics_url: str) -> int:
-    """The scheduler's clock-cycle counter (lockstep_cycles_total)."""
-    return int(scrape(metrics_url, "lockstep_cycles_total{"))
-
-
 async def watch_pace(metrics_url: str, stop: asyncio.Event) -> list[float]:
     """The pass tokens per model the clock planned (lockstep_clock_token_budget), twice a
     second until `stop`."""
     seen: list[float] = []
     while not stop.is_set():
-        seen.append(await asyncio.to_thread(scrape, metrics_url, "lockstep_clock_token_budget "))
+        seen.append(await asyncio.to_thread(total, metrics_url, "lockstep_clock_token_budget"))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
     return seen
@@ -192,44 +184,6 @@ def steady_rate(finished: list[float], tokens: int, start: float, end: float) ->
     if len(inside) < 2:
         return 0.0
     return (len(inside) - 1) * tokens / (inside[-1] - inside[0])
-
-
-PHASES = ("plan", "dispatch", "collect")  # the clock's own spans (lockstep_cycle_phase_...)
-
-
-def clock_seconds(metrics_url: str) -> dict[str, float]:
-    """Seconds the clock has spent in each phase of its cycles so far, and how many cycles."""
-    out = {
-        p: scrape(metrics_url, f'lockstep_cycle_phase_duration_seconds_sum{{phase="{p}"}}')
-        for p in PHASES
-    }
-    # Cycles that reached their last phase: counted as the phases' seconds are summed.
-    done = scrape(metrics_url, 'lockstep_cycle_phase_duration_seconds_count{phase="collect"}')
-    return out | {"cycles": done}
-
-
-class Usage:
-    """From now until `done()`: the machine's busy share, the engines' cores, and the clock's
-    milliseconds per cycle in each phase ("between": outside any cycle's phases)."""
-
-    def __init__(self, engine_seconds: Callable[[], float], metrics_url: str) -> None:
-        self.engine_seconds, self.metrics_url = engine_seconds, metrics_url
-        self.wall, self.cpu, self.engine = time.perf_counter(), psutil.cpu_times(), engine_seconds()
-        self.clock = clock_seconds(metrics_url)
-
-    def done(self) -> dict[str, Any]:
-        now, wall = psutil.cpu_times(), time.perf_counter() - self.wall
-        total = sum(now) - sum(self.cpu)
-        idle = (now.idle + now.iowait) - (self.cpu.idle + self.cpu.iowait)
-        clock = clock_seconds(self.metrics_url)
-        cycles = max(clock["cycles"] - self.clock["cycles"], 1.0)
-        phases = {p: (clock[p] - self.clock[p]) / cycles * 1e3 for p in PHASES}
-        phases["between"] = wall / cycles * 1e3 - sum(phases.values())
-        return {
-            "cpu_busy": float(1.0 - idle / total) if total > 0 else 0.0,
-            "engine_cores": (self.engine_seconds() - self.engine) / wall if wall > 0 else 0.0,
-            "cycle_ms": phases,
-        }
 
 
 def summarize(steps: list[LightStep]) -> dict[str, Any]:
@@ -362,11 +316,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             if heavy_alone and heavy_alone["tokens_per_s"]
             else None
         ),
-        "heavy_ceiling": (
-            max(0.0, 1.0 - alone["engine_cores"] / TARGET_RATIO / heavy_alone["engine_cores"])
-            if heavy_alone and heavy_alone["engine_cores"] > 0
-            else None
-        ),
+        "heavy_ceiling": heavy_ceiling(alone["cycle_ms"], heavy_alone, args.heavy_tokens),
         # How much larger than the clock's pace a heavy request is (the pace beside them).
         "request_over_pace": heavy_tokens / max(beside["pace_tokens_p50"], 1.0),
     }
@@ -389,6 +339,25 @@ async def heavy_only(
     stop.set()
     done: dict[str, Any] = await task
     return done | used
+
+
+def heavy_ceiling(
+    light_alone: dict[str, float], heavy_alone: dict[str, Any] | None, datum_tokens: int
+) -> dict[str, float] | None:
+    """The heavy tenant's ceiling beside the light tenants at TARGET_RATIO (module docstring)."""
+    if heavy_alone is None or not heavy_alone["tokens_per_s"]:
+        return None
+    busy = sum(light_alone[p] for p in ("plan", "dispatch", "collect"))
+    cycle = TARGET_RATIO * (busy + light_alone["between"])
+    datum_ms = datum_tokens * 1e3 / heavy_alone["tokens_per_s"]
+    datums = max(int((cycle - busy) // datum_ms), 0)
+    return {
+        "cycle_ms": cycle,
+        "light_busy_ms": busy,
+        "whole_datums": datums,
+        "fraction": datums * datum_ms / (busy + datums * datum_ms),
+        "tokens": max(cycle - busy, 0.0) / cycle,
+    }
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -468,10 +437,12 @@ def main() -> None:
         key: [min(r[key] for r in results), max(r[key] for r in results)]
         for key in ("p99_ratio", "p50_ratio", "request_over_pace")
     }
-    for key in ("heavy_fraction", "heavy_ceiling"):
-        if all(r[key] is not None for r in results):
-            spread[key] = [min(r[key] for r in results), max(r[key] for r in results)]
-    payload = {"environment": environment(), "args": vars(args), "spread": spread}
+    if all(r["heavy_fraction"] is not None for r in results):
+        fractions = [r["heavy_fraction"] for r in results]
+        ceilings = [r["heavy_ceiling"]["fraction"] for r in results]
+        spread |= {"heavy_fraction": [min(fractions), max(fractions)]}
+        spread |= {"heavy_ceiling": [min(ceilings), max(ceilings)]}
+    payload: dict[str, Any] = {"environment": environment(), "args": vars(args), "spread": spread}
     payload |= results[0] if args.runs == 1 else {"runs": results}
     print(f"spread over {args.runs} run(s): {spread}")
     print(f"wrote {write_json(args.name, payload)}")
@@ -522,14 +493,16 @@ def report(result: dict[str, Any], title: str) -> None:
         + (f", heavy alone {heavy_alone['cpu_busy']:.0%}" if heavy_alone else "")
         + f"; engine cores used: light alone {alone['engine_cores']:.2f}, beside "
         f"{beside['engine_cores']:.2f}"
-        + (
-            f", heavy alone {heavy_alone['engine_cores']:.2f}: with the light tenants at half "
-            f"their alone rate, the heavy tenant could keep about {ceiling:.2f} of its alone "
-            "rate (estimate)"
-            if ceiling is not None
-            else ""
-        )
+        + (f", heavy alone {heavy_alone['engine_cores']:.2f}" if heavy_alone else "")
     )
+    if ceiling is not None:
+        print(
+            f"ceiling (estimate): a cycle of {ceiling['cycle_ms']:.0f} ms (2x light alone) pays "
+            f"the light tenants' {ceiling['light_busy_ms']:.0f} ms and holds "
+            f"{ceiling['whole_datums']} whole heavy datum(s): the heavy tenant could keep about "
+            f"{ceiling['fraction']:.2f} of its alone rate ({ceiling['tokens']:.2f} with no datum "
+            "granularity)"
+        )
     phases = [("light alone", alone), ("beside", beside), ("heavy alone", heavy_alone)]
     print(
         "clock ms per cycle (plan / dispatch / collect / between cycles): "
