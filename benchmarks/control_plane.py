@@ -62,6 +62,7 @@ from common import (
     environment,
     figure_path,
     print_table,
+    settle_client_heap,
     start_server,
     stop_server,
     write_json,
@@ -371,10 +372,7 @@ def main() -> None:
     args = p.parse_args()
     results: dict[str, Any] = {"environment": environment(), "targets": TARGETS}
     local = direct(args.n)
-    # The client's own heap (torch, the in-process engines) out of later full collections, as
-    # the server's processes do: a 100 ms collection here would be charged to the server.
-    gc.collect()
-    gc.freeze()
+    settle_client_heap()  # torch and the in-process engines (`direct`) are loaded by now
     gc.callbacks.append(_count_full_collections)
     http_log = spans.HttpLog()
     with tempfile.TemporaryDirectory() as tmp:

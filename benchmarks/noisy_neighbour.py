@@ -59,13 +59,13 @@ from common import (
     environment,
     figure_path,
     print_table,
+    settle_client_heap,
     start_server,
     stop_server,
     write_json,
 )
 from usage import Usage, cycles_started, total
 
-from lockstep import runtime
 from lockstep.ports import free_port
 
 NAME = "noisy_neighbour"
@@ -277,10 +277,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         batch = [make_datum(args.heavy_tokens, vocab, i) for i in range(args.heavy_batch)]
         for tc in [*lights, heavy_tc]:  # warm-up: first passes compile / allocate
             tc.forward_backward([datum], "cross_entropy").result(TIMEOUT_S)
-        # This process's own full collections walk torch, transformers and the SDK: 230 ms
-        # here, once per phase, stalling every tenant's client at once (read as the server's
-        # latency). Frozen as the server's processes freeze theirs.
-        runtime.settle_heap()
+        settle_client_heap()
 
         def engine_seconds() -> float:
             return cpu_seconds_by_role(server).get("engines", 0.0)

@@ -32,6 +32,7 @@ from common import (
     environment,
     figure_path,
     print_table,
+    settle_client_heap,
     start_server,
     stop_server,
     write_json,
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
         lights = [client(f"{API_KEY}-light-{i}") for i in range(LIGHT_TENANTS)]
         heavy = client(f"{API_KEY}-heavy")
+        settle_client_heap()
         alone = asyncio.run(phase(lights, None, args))
         print(f"alone: p50 {alone['light']['p50_ms']:.0f} ms p99 {alone['light']['p99_ms']:.0f}")
         beside = asyncio.run(phase(lights, heavy, args))
