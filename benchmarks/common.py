@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lockstep import runtime
 from lockstep.devserver import Server, start_server, stop_server  # noqa: F401 - the benchmarks' API
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +55,8 @@ def settle_client_heap() -> None:
     collections, as the server's processes do (lockstep.runtime). Such a collection walks torch,
     transformers and the SDK (230 ms on a 2-core CPU), stalls every client in the process at
     once, and would be read as the server's latency."""
+    from lockstep import runtime  # here: it needs uvloop, which the GPU image lacks (gpu_suite)
+
     runtime.settle_heap()
 
 
