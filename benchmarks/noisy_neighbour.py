@@ -64,7 +64,7 @@ from common import (
     stop_server,
     write_json,
 )
-from usage import Usage, cycles_started, total
+from usage import PHASES, Usage, cycles_started, total
 
 from lockstep.ports import free_port
 
@@ -344,7 +344,7 @@ def heavy_ceiling(
     """The heavy tenant's ceiling beside the light tenants at TARGET_RATIO (module docstring)."""
     if heavy_alone is None or not heavy_alone["tokens_per_s"]:
         return None
-    busy = sum(light_alone[p] for p in ("plan", "dispatch", "collect"))
+    busy = sum(light_alone[p] for p in PHASES)
     cycle = TARGET_RATIO * (busy + light_alone["between"])
     datum_ms = datum_tokens * 1e3 / heavy_alone["tokens_per_s"]
     datums = max(int((cycle - busy) // datum_ms), 0)

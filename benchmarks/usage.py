@@ -23,11 +23,16 @@ def samples(url: str) -> list[Any]:
 
 
 def total(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples named `name` whose labels include `labels`."""
+    """The sum of the samples named `name` whose labels include `labels`, read now."""
+    return summed(samples(url), name, **labels)
+
+
+def summed(found: list[Any], name: str, **labels: str) -> float:
+    """The sum of the samples in `found` named `name` whose labels include `labels`."""
     return float(
         sum(
             s.value
-            for s in samples(url)
+            for s in found
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
         )
     )
@@ -40,11 +45,10 @@ def cycles_started(metrics_url: str) -> int:
 
 def clock_seconds(metrics_url: str) -> dict[str, float]:
     """Seconds the clock has spent in each phase of its cycles so far, and how many cycles."""
-    out = {
-        p: total(metrics_url, "lockstep_cycle_phase_duration_seconds_sum", phase=p) for p in PHASES
-    }
+    found = samples(metrics_url)  # one read: the phases and the count agree
+    out = {p: summed(found, "lockstep_cycle_phase_duration_seconds_sum", phase=p) for p in PHASES}
     # Cycles that reached their last phase: counted as the phases' seconds are summed.
-    done = total(metrics_url, "lockstep_cycle_phase_duration_seconds_count", phase="collect")
+    done = summed(found, "lockstep_cycle_phase_duration_seconds_count", phase="collect")
     return out | {"cycles": done}
 
 
