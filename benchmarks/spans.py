@@ -23,16 +23,15 @@ The parts of one request sum to its wall time; the profile is the per-part media
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import usage
 
 # Bar order, bottom to top; the engine's own compute is its in-process median time.
 PARTS = (
@@ -50,20 +49,15 @@ PARTS = (
 )
 ENGINE_PHASES = {"trainer": "trainer,train", "sampler": "sampler,sample"}  # busy-seconds labels
 SIDE = ("/api/v1/telemetry", "/api/v1/session_heartbeat")  # the SDK's own background calls
-SAMPLE_LINE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 
 
 def scrape(url: str, families: tuple[str, ...]) -> dict[tuple[str, str], float]:
     """(metric, its label values joined by ",") -> value, for the named sample names."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
     out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        m = SAMPLE_LINE.match(line)
-        if m is None or m.group(1) not in families:
-            continue
-        label = ",".join(m.group(2).split('"')[1::2]) if m.group(2) else ""
-        out[(m.group(1), label)] = out.get((m.group(1), label), 0.0) + float(m.group(3))
+    for sample in usage.samples(url):
+        if sample.name in families:
+            key = (sample.name, ",".join(sample.labels.values()))
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
