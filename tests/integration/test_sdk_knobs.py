@@ -121,7 +121,8 @@ def test_an_abandoned_sample_is_cancelled_on_the_server(server: Server, base_mod
     # A sampler of its own: the server names the sampler of each cancel it logs, so a late
     # cancel of another test's sample cannot pass for this one.
     service = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-    sampler = service.create_sampling_client(base_model=base_model)
+    # Taken from its future: get_session below must see the sampler it created.
+    sampler = service.create_sampling_client(base_model=base_model).result()
     rest = tinker.RestClient(base_url=server.base_url, api_key=API_KEY)
     (sampler_id,) = rest.get_session(service.holder.get_session_id()).result().sampler_ids
     sent = _calls(server, "/api/v1/asample")
