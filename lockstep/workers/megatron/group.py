@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from lockstep.engine.interface import EngineDied
+from lockstep.ports import free_port
 from lockstep.workers.megatron.parallel import ParallelConfig
 
 log = logging.getLogger("lockstep.megatron")
@@ -27,12 +27,6 @@ class WorkerGroup(Protocol):
         """Run `RankWorker.<method>(*args)` on every rank; results in rank order."""
 
     def close(self) -> None: ...
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 # -- local processes ----------------------------------------------------------------------
@@ -78,7 +72,7 @@ def _serve_rank(
 class ProcessWorkerGroup:
     def __init__(self, model_dir: str, parallel: ParallelConfig, micro_batch: int = 8) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        port = free_port("")
         self._conns: list[Connection] = []
         self._procs = []
         for rank in range(parallel.world_size):
@@ -142,7 +136,7 @@ class _RankActor:
     def address(self) -> tuple[str, int]:
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), free_port("")
 
     def setup(
         self,
