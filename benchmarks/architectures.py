@@ -122,14 +122,14 @@ def plot(results: dict[str, dict[str, Any]]) -> Path:
     fams = list(results)
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.2
-    for j, (path, shape) in enumerate(
+    for j, (route, shape) in enumerate(
         [("packed", "uniform"), ("packed", "mixed"), ("generic", "uniform"), ("generic", "mixed")]
     ):
         vals = [
-            results[f]["paths"].get(path, {}).get(shape, {}).get("tokens_per_s_median", 0.0)
+            results[f]["paths"].get(route, {}).get(shape, {}).get("tokens_per_s_median", 0.0)
             for f in fams
         ]
-        ax.bar(np.arange(len(fams)) + (j - 1.5) * width, vals, width, label=f"{path}, {shape}")
+        ax.bar(np.arange(len(fams)) + (j - 1.5) * width, vals, width, label=f"{route}, {shape}")
     ax.set_xticks(np.arange(len(fams)), fams, rotation=20)
     ax.set_ylabel("tokens/s (forward_backward + optim_step)")
     ax.set_title("Trainer paths per architecture (tiny models, CPU fp32, 2048 tokens/step)")

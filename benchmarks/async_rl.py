@@ -41,7 +41,9 @@ from tests.cookbook.conftest import Cookbook, ensure_cookbook_venv, read_jsonl  
 NAME = "async_rl"
 
 
-def run_mode(cookbook: Cookbook, root: Path, label: str, k: int | None, args: Any) -> dict:
+def run_mode(
+    cookbook: Cookbook, root: Path, label: str, k: int | None, args: Any
+) -> dict[str, Any]:
     log_path = root / label
     config: dict[str, Any] = dict(
         model_name=str(cookbook.model_dir),

@@ -176,7 +176,7 @@ class RedisCounter:
         return np.array([commands, sum(found.values())], dtype=float)
 
     def rates(self, start: np.ndarray, began: float) -> np.ndarray:
-        return (self.totals() - start) / (time.monotonic() - began)
+        return np.asarray((self.totals() - start) / (time.monotonic() - began))
 
     def per_request(
         self, run: Callable[[], list[float]], n: int
@@ -348,7 +348,8 @@ def plot(
     ax.legend()
     kinds = [k for k, p in profiles.items() if p.get("requests")]
     bottom = np.zeros(len(kinds))
-    colors = plt.get_cmap("tab20").colors[: len(spans.PARTS)]
+    cmap = plt.get_cmap("tab20")
+    colors = [cmap(i) for i in range(len(spans.PARTS))]
     for part, color in zip(spans.PARTS, colors, strict=True):
         values = np.array([max(profiles[k]["parts_ms"][part], 0.0) for k in kinds])
         bx.bar(kinds, values, 0.5, bottom=bottom, label=part, color=color)

@@ -23,20 +23,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from common import environment, figure_path, print_table, write_json
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
-from lockstep.custom_loss import graph, pricing
+from lockstep.custom_loss import graph, pricing, program
 from lockstep.custom_loss.bound import CostBound
 from lockstep.engine.types import CustomLoss, CustomLossNode, Datum, MemoryBudget
 
 NAME = "custom_loss_pricing"
 NODES = 510
-RANKS = {"logprobs": 1, "old": 1, "ref": 1, "adv": 1, "mask": 1}
+RANKS: dict[str, Literal[0, 1, 2]] = {"logprobs": 1, "old": 1, "ref": 1, "adv": 1, "mask": 1}
 BOUND = CostBound.of(0, MemoryBudget(8 << 30, 4096, "benchmark"))
 
 
@@ -109,11 +109,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _, cold = _admit(loss, _data(args.datums, rep))
         buckets = len(pricing._PRICES) - buckets_before
         inputs, warm = _admit(loss, _data(args.datums, rep, values=1))
-        shapes = pricing.datum_shapes(loss, _data(1, 100 + rep)[0])
+        shapes = graph.datum_shapes(loss, _data(1, 100 + rep)[0])
         start = time.perf_counter()
         pricing.priced(loss, shapes)  # a shape of its own: priced, not looked up
         per_shape = time.perf_counter() - start
-        prog = pricing.program.program(loss)
+        prog = program.program(loss)
         start = time.perf_counter()
         pricing._forward(prog, shapes)
         forward = time.perf_counter() - start

@@ -59,11 +59,11 @@ TARGETS = {
 
 def model_dir(name: str) -> Path:
     if name == "tiny":
-        return ensure_default_model(Path.home() / ".cache" / "lockstep" / "models")
+        return Path(ensure_default_model(Path.home() / ".cache" / "lockstep" / "models"))
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     from build_smollm2 import DEFAULT_OUT, build
 
-    return build(DEFAULT_OUT)
+    return Path(build(DEFAULT_OUT))
 
 
 def data(lengths: list[int], vocab: int, seed: int) -> list[Datum]:
@@ -107,7 +107,7 @@ def flops_per_token(engine: LocalTrainingEngine, rank: int, mean_len: float) -> 
     heads, head_dim = cfg.num_attention_heads, getattr(cfg, "head_dim", None)
     width = heads * (head_dim or cfg.hidden_size // heads)
     attn = 3 * 2 * 2 * cfg.num_hidden_layers * width * (mean_len / 2)
-    return 4 * n_base + 6 * n_lora + attn
+    return float(4 * n_base + 6 * n_lora + attn)
 
 
 def mixed_vs_uniform(name: str, engine: LocalTrainingEngine, reps: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ outputs and gradients (bf16 on a GPU, fp32 on a CPU smoke run) and the peak memo
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -103,6 +104,7 @@ def head(device: str, smoke: bool, reps: int) -> dict[str, Any]:
                 finally:
                     logprobs.FUSED_HEAD = True
                 lp.sum().backward()
+                assert h.grad is not None
                 value["lp"], value["grad"] = lp.detach(), h.grad.detach().clone()
 
             times, peak = _time(step, device, reps)
@@ -217,7 +219,7 @@ def _attention_case(
                 result["varlen"] = "not available here (CUDA, fp16/bf16, torch's varlen kernel)"
                 continue
             try:
-                times, peak = _with_varlen(lambda step=step: _time(step, device, reps))
+                times, peak = _with_varlen(functools.partial(_time, step, device, reps))
             except Exception as exc:  # this torch's kernel refused the case: say so
                 result["varlen"] = f"failed: {exc!r}"[:300]
                 continue

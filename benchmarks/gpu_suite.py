@@ -37,6 +37,7 @@ metadata (a copied working tree).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import shutil
 import time
@@ -279,7 +280,7 @@ def _run_sections(run: Run) -> None:
             continue
         console.log(f"== {name} ({run.left():.0f} s left)")
         started = time.perf_counter()
-        result = guarded(lambda body=body: body(run))
+        result = guarded(functools.partial(body, run))
         result["section_s"] = time.perf_counter() - started
         if "error" in result:
             console.log(f"{name}: FAILED: {result['error']}")

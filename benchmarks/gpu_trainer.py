@@ -303,7 +303,7 @@ def _small_rows(
             break
     tokens = run.tenants * run.small_length
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = {f"{k}_s": v for k, v in times.items()}
+    out: dict[str, Any] = {f"{k}_s": v for k, v in times.items()}
     out.update({f"{k}_tokens_per_s": tokens / v for k, v in med.items()})
     out["packed_over_one_tenant_same_tokens"] = med["one_tenant_same_tokens"] / med["packed"]
     out["packed_over_one_tenant_per_cycle"] = med["one_tenant_per_cycle"] / med["packed"]

@@ -34,6 +34,7 @@ import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
+from types import ModuleType  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -54,7 +55,7 @@ from lockstep.workers.megatron.parallel import ParallelConfig  # noqa: E402
 NAME = "megatron"
 
 
-def _common():
+def _common() -> ModuleType:
     """benchmarks/common.py, loaded by path (its folder is off sys.path, see above)."""
     import importlib.util
 
@@ -101,7 +102,7 @@ def flops_per_token(arch: HFArch, rank: int, ctx: float) -> float:
     )
     n_lora = arch.layers * lora_layer + rank * (arch.hidden + arch.vocab)
     attention = 6 * arch.layers * arch.heads * arch.head_dim * ctx
-    return 4 * n + 6 * n_lora + attention
+    return float(4 * n + 6 * n_lora + attention)
 
 
 def measured_peak(device: torch.device, size: int = 1024, reps: int = 20) -> float:

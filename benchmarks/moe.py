@@ -85,6 +85,11 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def timed(engine: LocalTrainingEngine, work: dict[str, list[Datum]]) -> Callable[[], float]:
+    """A mode for `interleaved`: one step of `work`; its seconds."""
+    return lambda: step(engine, work)[0]
+
+
 def interleaved(modes: dict[str, Callable[[], float]], reps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(reps + 1):  # rep 0 warms up
@@ -99,7 +104,7 @@ def bench_targets(engine: LocalTrainingEngine, reps: int) -> dict[str, Any]:
     data = rows(8, 128, 1)
     for label, spec in TARGETS.items():
         engine.create_model(label, spec)
-    times = interleaved({m: lambda m=m: step(engine, {m: data})[0] for m in TARGETS}, reps)
+    times = interleaved({m: timed(engine, {m: data}) for m in TARGETS}, reps)
     attn = times["attention"]
     return {
         m: {
@@ -121,8 +126,8 @@ def bench_packing(engine: LocalTrainingEngine, reps: int) -> dict[str, Any]:
         together = [d for rows_ in data.values() for d in rows_]
         times = interleaved(
             {
-                "packed": lambda data=data: step(engine, data)[0],
-                "one tenant": lambda a=alone, t=together: step(engine, {a: t})[0],
+                "packed": timed(engine, data),
+                "one tenant": timed(engine, {alone: together}),
             },
             reps,
         )
@@ -177,9 +182,7 @@ def bench_skew(directory: Path, name: str, reps: int) -> dict[str, Any]:
         engine.create_model("skew", TARGETS["attention + experts"])
         engines[label] = engine
     loads = {label: expert_load(e, data) for label, e in engines.items()}
-    times = interleaved(
-        {m: lambda e=e: step(e, {"skew": data})[0] for m, e in engines.items()}, reps
-    )
+    times = interleaved({m: timed(e, {"skew": data}) for m, e in engines.items()}, reps)
     for e in engines.values():
         e.close()
     return {

@@ -192,7 +192,7 @@ def main() -> None:
         key: [min(r[key] for r in results), max(r[key] for r in results)]
         for key in ("p99_ratio", "p50_ratio")
     }
-    payload = {"environment": environment(), "args": vars(args), "spread": spread}
+    payload: dict[str, Any] = {"environment": environment(), "args": vars(args), "spread": spread}
     payload |= results[0] if args.runs == 1 else {"runs": results}
     print(f"spread over {args.runs} run(s): {spread}")
     print(f"wrote {write_json(args.name, payload)}")

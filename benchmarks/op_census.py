@@ -124,7 +124,8 @@ def figure(payload: dict[str, Any], path: Path) -> None:
 
     families = payload["families"]
     fig, (ops_ax, cast_ax) = plt.subplots(1, 2, figsize=(14, 5.6))
-    colors = plt.get_cmap("tab20").colors
+    cmap = plt.get_cmap("tab20")
+    colors = [cmap(i) for i in range(cmap.N)]
     for i, (family, per_k) in enumerate(families.items()):
         color = colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
         ks = sorted(per_k, key=int)

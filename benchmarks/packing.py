@@ -202,7 +202,7 @@ def report(rows: list[dict[str, Any]]) -> None:
 
 def last_missed(rows: list[dict[str, Any]]) -> bool:
     last = rows[-1]
-    return (
+    return bool(
         last["throughput_ratio"] < THROUGHPUT_TARGET
         or last["per_tenant_latency_ratio"] > LATENCY_TARGET
     )

@@ -32,7 +32,8 @@ import redis.asyncio as aioredis
 from common import environment, figure_path, print_table, write_json
 from tqdm import tqdm
 
-from lockstep.supervisor import free_port, redis_binary
+from lockstep.ports import free_port
+from lockstep.supervisor import redis_binary
 
 NAME = "redis_fsync"
 POLICIES = ("everysec", "always")

@@ -30,7 +30,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import psutil
@@ -47,6 +47,9 @@ from common import (
     write_json,
 )
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from tinker.types import TensorData
 
 NAME = "soak_memory"
 BASE_MODEL = "Lockstep/tiny-qwen3"
@@ -88,6 +91,13 @@ class Tally:
             self.errors.append(f"{who}: {type(exc).__name__}: {exc}"[:500])
 
 
+def tensor(values: list[int] | list[float], dtype: type = np.float32) -> TensorData:
+    """A loss_fn_inputs array as the SDK makes one from a list (int64 tokens, float32 else)."""
+    from tinker import types
+
+    return types.TensorData.from_numpy(np.asarray(values, dtype))
+
+
 def sft(i: int, base_url: str, tally: Tally, per_s: float) -> None:
     import tinker
     from tinker import types
@@ -103,7 +113,10 @@ def sft(i: int, base_url: str, tally: Tally, per_s: float) -> None:
         ids = rng.integers(1, 1000, TOKENS + 1).tolist()
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(ids[:-1]),
-            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * TOKENS},
+            loss_fn_inputs={
+                "target_tokens": tensor(ids[1:], np.int64),
+                "weights": tensor([1.0] * TOKENS),
+            },
         )
         futures = (trainer.forward_backward([datum], "cross_entropy"), trainer.optim_step(adam))
         if prev is not None:  # pipelined: step k is submitted before step k-1 is read
@@ -143,9 +156,11 @@ def rl(i: int, base_url: str, tally: Tally, per_s: float) -> None:
                 types.Datum(
                     model_input=types.ModelInput.from_ints(full[:-1]),
                     loss_fn_inputs={
-                        "target_tokens": full[1:],
-                        "logprobs": [0.0] * (len(prompt) - 1) + list(seq.logprobs or [0.0] * n),
-                        "advantages": [0.0] * (len(prompt) - 1) + [reward - baseline] * n,
+                        "target_tokens": tensor(full[1:], np.int64),
+                        "logprobs": tensor(
+                            [0.0] * (len(prompt) - 1) + list(seq.logprobs or [0.0] * n)
+                        ),
+                        "advantages": tensor([0.0] * (len(prompt) - 1) + [reward - baseline] * n),
                     },
                 )
             )
@@ -207,6 +222,10 @@ def growth(points: list[dict[str, Any]], value: Callable[[dict[str, Any]], float
     return float(slope * 1000 / values.mean())
 
 
+def rss_of(role: str) -> Callable[[dict[str, Any]], float]:
+    return lambda p: float(p["rss_bytes"].get(role, 0))
+
+
 def summarize(a: argparse.Namespace, points: list[dict[str, Any]]) -> dict[str, Any]:
     total = points[-1]["steps"]
     warm_steps = a.warmup * total
@@ -218,7 +237,7 @@ def summarize(a: argparse.Namespace, points: list[dict[str, Any]]) -> dict[str, 
         "data_dir_bytes": lambda p: p["data_dir_bytes"],
     }
     for role in sorted({k for p in points for k in p["rss_bytes"]}):
-        series[f"rss_{role}_bytes"] = lambda p, role=role: p["rss_bytes"].get(role, 0)
+        series[f"rss_{role}_bytes"] = rss_of(role)
     rates = {name: growth(after, fn) for name, fn in series.items()}
     sizing = None
     if len(after) >= 2 and after[-1]["t"] > after[0]["t"]:

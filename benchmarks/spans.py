@@ -70,7 +70,9 @@ SCHEDULER_FAMILIES = (
 )
 
 
-def delta(after: dict[tuple[str, str], float], before: dict[tuple[str, str], float]) -> dict:
+def delta(
+    after: dict[tuple[str, str], float], before: dict[tuple[str, str], float]
+) -> dict[tuple[str, str], float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
@@ -90,7 +92,7 @@ class HttpLog:
                 log.calls.append((request.url.path, start, time.time()))
             return response
 
-        httpx.AsyncClient.send = send  # type: ignore[method-assign]
+        httpx.AsyncClient.send = send  # type: ignore[method-assign,assignment]
 
     def between(self, t0: float, t1: float) -> list[tuple[str, float, float]]:
         """The request's own calls (not the SDK's telemetry or heartbeats), by start time."""
@@ -106,8 +108,8 @@ class Sample:
     t0: float
     t1: float
     http: list[tuple[str, float, float]]
-    gateway: dict
-    scheduler: dict
+    gateway: dict[tuple[str, str], float]
+    scheduler: dict[tuple[str, str], float]
     trace: dict[str, float] = field(default_factory=dict)  # queued, start, end (seconds)
 
 
@@ -129,7 +131,7 @@ def record(
 def attach_trace(samples: list[Sample], trace: dict[str, Any], kind: str) -> None:
     """Each sample's `request <kind>` event of the session trace, and its cycle / batch start."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    by_thread: dict[tuple[int, int], list[dict]] = {}
+    by_thread: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
         by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
     requests = [e for e in events if e["name"] == f"request {kind}"]
@@ -240,4 +242,5 @@ def profile(
 def export_trace(base_url: str, api_key: str, session_id: str) -> dict[str, Any]:
     with httpx.Client(base_url=base_url, headers={"X-API-Key": api_key}, timeout=30) as http:
         url = http.get(f"/api/v1/sessions/{session_id}/trace_export").json()["url"]
-        return json.loads(http.get(url).content)
+        trace: dict[str, Any] = json.loads(http.get(url).content)
+        return trace

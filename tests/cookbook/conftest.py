@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import API_KEY, Server, start_server, stop_server
+from lockstep.devserver import Server, start_server, stop_server
+from tests.integration.conftest import API_KEY
 
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS = HERE / "requirements.txt"

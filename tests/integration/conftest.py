@@ -6,6 +6,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, metrics_port: int) -> Itera
 
 
 @pytest.fixture(scope="session")
-def service_client(server: Server):
+def service_client(server: Server) -> Any:
     import tinker
 
     return tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
