@@ -87,7 +87,7 @@ def test_family_trains_packed_and_samples_through_the_sdk(
     for tenant in range(2):
         assert losses[-1][tenant] < 0.9 * losses[0][tenant], losses
 
-    sampler = tenants[0].save_weights_and_get_sampling_client("final")
+    sampler = tenants[0].save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(ids[:12])
     greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
     out = sampler.sample(prompt, 2, greedy).result()

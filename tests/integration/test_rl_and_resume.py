@@ -78,6 +78,9 @@ def _steps(trainer: tinker.TrainingClient, data: list[types.Datum], n: int) -> l
     return losses
 
 
+# TrainingClient.load_state* is deprecated in the SDK but still shipped: users call it, so this
+# test calls it on purpose (the SDK warns each time).
+@pytest.mark.filterwarnings("ignore:DEPRECATED. TrainingClient.load_state:FutureWarning")
 def test_resume_with_and_without_optimizer(
     service_client: tinker.ServiceClient, base_model: str
 ) -> None:
