@@ -17,7 +17,8 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.integration.conftest import API_KEY, Server
+from lockstep.devserver import Server
+from tests.integration.conftest import API_KEY
 
 pytestmark = pytest.mark.e2e
 PROMPT_TEXT = "English: banana split\nPig Latin:"

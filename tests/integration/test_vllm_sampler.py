@@ -20,7 +20,8 @@ import tinker
 from tinker import types
 
 from lockstep.demo import quickstart_data
-from tests.integration.conftest import API_KEY, Server
+from lockstep.devserver import Server
+from tests.integration.conftest import API_KEY
 
 pytestmark = pytest.mark.e2e
 

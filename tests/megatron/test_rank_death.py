@@ -23,7 +23,8 @@ from safetensors.numpy import load_file
 from tinker import types
 
 from lockstep.demo import quickstart_data
-from tests.integration.conftest import API_KEY, SERVER_ERROR, Server, start_server, stop_server
+from lockstep.devserver import Server, start_server, stop_server
+from tests.integration.conftest import API_KEY, SERVER_ERROR
 
 pytestmark = pytest.mark.e2e
 STEPS = 6

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import API_KEY, Server, start_server, stop_server
+from lockstep.devserver import Server, start_server, stop_server
+from tests.integration.conftest import API_KEY
 from tests.integration.test_quickstart import test_pig_latin_trains_and_samples
 from tests.integration.test_rl_and_resume import (
     test_resume_with_and_without_optimizer,
